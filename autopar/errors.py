@@ -1,0 +1,30 @@
+"""Every error autopar raises on purpose: each names the offending value and the fix."""
+from __future__ import annotations
+
+
+class AutoparError(Exception):
+    """Base class: catch this to handle any autopar failure."""
+
+
+class TraceError(AutoparError):
+    """The model could not be captured as a graph (names the user's source line)."""
+
+
+class InfeasibleError(AutoparError):
+    """No plan fits the memory budget; carries the minimum that would fit."""
+
+    def __init__(self, message: str, min_memory_bytes: float | None = None):
+        super().__init__(message)
+        self.min_memory_bytes = min_memory_bytes
+
+
+class PlanMismatchError(AutoparError):
+    """A saved plan does not match the model/mesh it is applied to; lists what differs."""
+
+    def __init__(self, message: str, differences: tuple[str, ...] = ()):
+        super().__init__(message)
+        self.differences = differences
+
+
+class PlanFormatError(AutoparError):
+    """A plan file is corrupt or of an unknown schema version."""

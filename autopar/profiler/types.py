@@ -1,0 +1,103 @@
+"""What the profiler hands the solver: symbolic per-node and per-parameter costs.
+
+`NodeProfile` holds sympy expressions in the graph's symbolic dims (plain
+integers when the trace is static); `GraphProfile.evaluate(...)` turns the
+whole profile into concrete floats (`NodeCost`, `ParamCost`) for one size,
+which is all the solver reads.
+
+Saved-for-backward memory is attributed to the node that *produces* a tensor
+(`saved_outputs[i]` is True when output i of the node is kept for backward by
+the node itself or by any consumer, directly or through a view), so a tensor
+saved by several consumers is counted once, and recomputing the producer frees it.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Mapping
+
+import sympy
+
+
+@dataclass(frozen=True)
+class NodeProfile:
+    name: str
+    op: str  # str(node.target), e.g. "aten.mm.default"; "placeholder" for inputs
+    fwd_flops: sympy.Expr
+    bwd_flops: sympy.Expr
+    output_bytes: tuple[sympy.Expr, ...]  # one per tensor output (0 for outputs that alias an input: views)
+    saved_outputs: tuple[bool, ...]  # output i is kept alive for backward (see module docstring)
+    extra_saved_bytes: sympy.Expr  # saved tensors that are not graph values (rare; e.g. RNG state)
+    temp_bytes: sympy.Expr  # scratch the op allocates and frees within forward or backward
+
+
+@dataclass(frozen=True)
+class ParamProfile:
+    fqn: str
+    node: str  # placeholder name in the traced graph
+    numel: int
+    param_bytes: int
+    grad_bytes: int
+    optimizer_bytes: int  # for the optimizer the caller named (Adam/AdamW: 2 fp32 states per element)
+
+
+@dataclass(frozen=True)
+class NodeCost:
+    """`NodeProfile` evaluated at concrete sizes."""
+
+    name: str
+    op: str
+    fwd_flops: float
+    bwd_flops: float
+    output_bytes: tuple[float, ...]
+    saved_outputs: tuple[bool, ...]
+    extra_saved_bytes: float
+    temp_bytes: float
+
+
+@dataclass(frozen=True)
+class ParamCost:
+    fqn: str
+    node: str
+    param_bytes: float
+    grad_bytes: float
+    optimizer_bytes: float
+
+
+@dataclass(frozen=True)
+class GraphProfile:
+    nodes: Mapping[str, NodeProfile]  # in graph (topological) order
+    params: Mapping[str, ParamProfile]  # by FQN
+    symbols: Mapping[str, sympy.Symbol]  # "batch"/"seq" -> symbol used in the expressions
+    optimizer: str
+
+    def evaluate(self, **sizes: int) -> "ConcreteProfile":
+        """Concrete numbers for e.g. evaluate(batch=8, seq=1024); static profiles need no sizes."""
+        subs = {self.symbols[k]: v for k, v in sizes.items() if k in self.symbols}
+
+        def num(expr: sympy.Expr) -> float:
+            return float(expr.xreplace(subs)) if subs and not isinstance(expr, (int, float)) else float(expr)
+
+        nodes = {
+            name: NodeCost(
+                name=p.name,
+                op=p.op,
+                fwd_flops=num(p.fwd_flops),
+                bwd_flops=num(p.bwd_flops),
+                output_bytes=tuple(num(b) for b in p.output_bytes),
+                saved_outputs=p.saved_outputs,
+                extra_saved_bytes=num(p.extra_saved_bytes),
+                temp_bytes=num(p.temp_bytes),
+            )
+            for name, p in self.nodes.items()
+        }
+        params = {
+            fqn: ParamCost(fqn, p.node, float(p.param_bytes), float(p.grad_bytes), float(p.optimizer_bytes))
+            for fqn, p in self.params.items()
+        }
+        return ConcreteProfile(nodes=nodes, params=params)
+
+
+@dataclass(frozen=True)
+class ConcreteProfile:
+    nodes: Mapping[str, NodeCost]
+    params: Mapping[str, ParamCost]

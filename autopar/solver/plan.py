@@ -1,0 +1,108 @@
+"""The Plan: every decision the solver made, as plain data.
+
+A plan names nodes by their fx name and op (never by list index), so it can
+be checked against a freshly traced model. `autopar.solver.plan_io` turns it
+into JSON and back (never pickle) and computes/compares the fingerprint.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from autopar.solver.mesh import Mesh
+from autopar.solver.spec import Spec, Strategy
+
+SCHEMA_VERSION = 1
+
+
+@dataclass(frozen=True)
+class NodeDecision:
+    node: str  # fx node name in the traced graph
+    op: str  # str(node.target), e.g. "aten.mm.default"; "placeholder"/"output" for those
+    strategy: Strategy
+    recompute: bool = False  # saved activations freed after forward, recomputed in backward
+    module: str = ""  # module path that produced the node (for reports)
+
+
+@dataclass(frozen=True)
+class ParamDecision:
+    fqn: str
+    node: str  # placeholder name
+    use: Spec  # how the graph consumes the parameter (= the placeholder's output spec)
+    storage: Spec  # how it is kept between steps; differs from `use` under ZeRO (sharded over dp axes)
+
+    @property
+    def zero(self) -> bool:
+        return self.storage != self.use
+
+
+@dataclass(frozen=True)
+class MemoryBreakdown:
+    """Predicted per-device bytes at the training step's peak."""
+
+    params_bytes: float
+    grads_bytes: float
+    optimizer_bytes: float
+    activations_bytes: float  # saved for backward, not recomputed
+    temp_bytes: float  # largest transient (temporaries, gathered ZeRO params, recompute regions)
+    budget_bytes: float | None
+
+    @property
+    def total_bytes(self) -> float:
+        return self.params_bytes + self.grads_bytes + self.optimizer_bytes + self.activations_bytes + self.temp_bytes
+
+
+@dataclass(frozen=True)
+class TimeBreakdown:
+    """Predicted seconds of one training step (forward + backward + optimizer)."""
+
+    compute_s: float
+    comm_s: float  # collectives inside strategies + resharding + gradient sync
+    recompute_s: float
+
+    @property
+    def total_s(self) -> float:
+        return self.compute_s + self.comm_s + self.recompute_s
+
+
+@dataclass(frozen=True)
+class SolverReport:
+    backend: str  # "highs" or "cbc"
+    status: str  # "optimal", "time_limit", "fixed" (plan given by the caller)
+    solve_s: float
+    num_variables: int
+    num_constraints: int
+    gap: float | None = None  # relative optimality gap when the time limit was hit
+
+
+@dataclass(frozen=True)
+class Fingerprint:
+    """What a plan was made for; each part is compared separately so a mismatch can say what differs."""
+
+    ops_sha: str  # node names + ops in order
+    shapes_sha: str  # node shapes + dtypes
+    params_sha: str  # parameter FQNs + shapes
+    mesh_shape: tuple[int, ...]
+    hardware: str
+    budget_bytes: float | None
+
+
+@dataclass(frozen=True)
+class Plan:
+    fingerprint: Fingerprint
+    mesh: Mesh
+    nodes: tuple[NodeDecision, ...]
+    params: tuple[ParamDecision, ...]
+    memory: MemoryBreakdown
+    time: TimeBreakdown
+    solver: SolverReport
+    schema_version: int = SCHEMA_VERSION
+    notes: tuple[str, ...] = field(default=())  # warnings the user should read (ops planned replicate-only, ...)
+
+    def node(self, name: str) -> NodeDecision:
+        for d in self.nodes:
+            if d.node == name:
+                return d
+        raise KeyError(f"plan has no decision for node {name!r}")
+
+    def recomputed(self) -> tuple[str, ...]:
+        return tuple(d.node for d in self.nodes if d.recompute)

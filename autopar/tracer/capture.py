@@ -1,0 +1,237 @@
+"""Capture a model's training-mode forward as a core-ATen fx graph on fake tensors.
+
+We reuse `torch.export.export(strict=False)` (works on Hugging Face transformers
+5.x, which dropped its own fx tracer) followed by `run_decompositions()` to core
+ATen, keeping scaled-dot-product attention as one node so the solver can split it
+by heads. With the model on the `meta` device no parameter memory is touched, so a
+70B-parameter shape traces on a laptop.
+
+Parameters, buffers and user inputs all become placeholders of the graph; the
+`TracedGraph` records which placeholder is which (parameters by fully qualified
+name: that is what a plan refers to).
+"""
+from __future__ import annotations
+
+import logging
+import os
+import time
+import traceback
+from dataclasses import dataclass, field
+from typing import Any, Mapping
+
+import sympy
+import torch
+from torch import fx, nn
+from torch._decomp import core_aten_decompositions
+from torch.export import Dim
+from torch.export.graph_signature import InputKind, OutputKind
+from torch.utils import _pytree as pytree
+
+from autopar.errors import TraceError
+
+log = logging.getLogger(__name__)
+
+# Attention kernels we keep whole: the solver has rules for them (split by heads/batch).
+_KEEP_WHOLE = (
+    torch.ops.aten.scaled_dot_product_attention.default,
+    torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default,
+    torch.ops.aten._scaled_dot_product_efficient_attention.default,
+)
+
+
+@dataclass(frozen=True)
+class TracedGraph:
+    """The captured model: a core-ATen GraphModule plus what each placeholder and output means."""
+
+    gm: fx.GraphModule
+    param_fqns: Mapping[str, str]  # placeholder name -> parameter FQN
+    buffer_fqns: Mapping[str, str]  # placeholder name -> buffer FQN
+    input_names: tuple[str, ...]  # user-input placeholders, in pytree-flattened order of (args, kwargs)
+    in_spec: pytree.TreeSpec  # structure of (args, kwargs) of the sample input
+    out_spec: pytree.TreeSpec  # structure of the user outputs
+    output_names: tuple[str | None, ...]  # per flattened user output: producing node name (None for constants)
+    loss_index: int | None  # which flattened user output is the training loss (first float scalar)
+    buffer_mutations: Mapping[str, str] = field(default_factory=dict)  # output node name -> buffer FQN it updates
+    symbols: Mapping[str, sympy.Symbol] = field(default_factory=dict)  # "batch"/"seq" -> the graph's symbol
+
+    @property
+    def graph(self) -> fx.Graph:
+        return self.gm.graph
+
+    def node(self, name: str) -> fx.Node:
+        for n in self.gm.graph.nodes:
+            if n.name == name:
+                return n
+        raise KeyError(f"no node named {name!r} in the traced graph")
+
+    def num_ops(self) -> int:
+        return sum(1 for n in self.gm.graph.nodes if n.op == "call_function")
+
+
+def split_sample_input(sample_input: Any) -> tuple[tuple, dict]:
+    """A sample input is a tensor, a tuple/list of positional args, or a dict of kwargs."""
+    if isinstance(sample_input, dict):
+        return (), dict(sample_input)
+    if isinstance(sample_input, (tuple, list)):
+        return tuple(sample_input), {}
+    return (sample_input,), {}
+
+
+def trace(
+    model: nn.Module,
+    sample_input: Any,
+    dynamic_dims: Mapping[str, int] | None = None,
+) -> TracedGraph:
+    """Capture `model`'s training forward on `sample_input` as a core-ATen graph.
+
+    dynamic_dims: e.g. {"batch": 0, "seq": 1}: every input tensor dimension with
+    that index whose size equals the first input's size there becomes the named
+    symbol (sizes must be >= 2; export specialises 0 and 1).
+    """
+    args, kwargs = split_sample_input(sample_input)
+    was_training = model.training
+    model.train()
+    start = time.perf_counter()
+    try:
+        dynamic_shapes = _dynamic_shapes(args, kwargs, dynamic_dims) if dynamic_dims else None
+        ep = torch.export.export(model, args, kwargs, strict=False, dynamic_shapes=dynamic_shapes)
+        decomps = {op: fn for op, fn in core_aten_decompositions().items() if op not in _KEEP_WHOLE}
+        ep = ep.run_decompositions(decomps)
+    except Exception as err:  # re-raised with the user's line: any capture failure lands here
+        raise _trace_error(model, err) from err
+    finally:
+        model.train(was_training)
+    traced = _from_exported(ep, args, kwargs, dynamic_dims or {})
+    log.info("tracer: %d ops in %.2f s", traced.num_ops(), time.perf_counter() - start)
+    return traced
+
+
+def _dynamic_shapes(args: tuple, kwargs: dict, dynamic_dims: Mapping[str, int]):
+    flat, spec = pytree.tree_flatten((args, kwargs))
+    tensors = [t for t in flat if isinstance(t, torch.Tensor)]
+    if not tensors:
+        raise TraceError("dynamic_dims needs at least one tensor input")
+    ref = tensors[0]
+    dims = {name: Dim(name, min=2) for name in dynamic_dims}
+    per_leaf = []
+    for leaf in flat:
+        if not isinstance(leaf, torch.Tensor):
+            per_leaf.append(None)
+            continue
+        mapping = {}
+        for name, d in dynamic_dims.items():
+            if d < leaf.dim() and d < ref.dim() and leaf.shape[d] == ref.shape[d]:
+                mapping[d] = dims[name]
+        per_leaf.append(mapping or None)
+    dyn_args, dyn_kwargs = pytree.tree_unflatten(per_leaf, spec)
+    # export wants dynamic_shapes shaped like the signature: positional args as a tuple, then kwargs by name.
+    return tuple(dyn_args) + tuple(dyn_kwargs.values()) if dyn_kwargs else tuple(dyn_args)
+
+
+def _from_exported(ep: torch.export.ExportedProgram, args: tuple, kwargs: dict, dynamic_dims: Mapping[str, int]) -> TracedGraph:
+    sig = ep.graph_signature
+    param_fqns, buffer_fqns, input_names = {}, {}, []
+    for spec in sig.input_specs:
+        name = spec.arg.name
+        if spec.kind == InputKind.PARAMETER:
+            param_fqns[name] = spec.target
+        elif spec.kind in (InputKind.BUFFER, InputKind.CONSTANT_TENSOR):
+            buffer_fqns[name] = spec.target
+        elif spec.kind == InputKind.USER_INPUT:
+            input_names.append(name)
+    gm = ep.graph_module
+    output_node = next(n for n in reversed(gm.graph.nodes) if n.op == "output")
+    outs = output_node.args[0]
+    output_names, buffer_mutations = [], {}
+    for spec, out in zip(sig.output_specs, outs):
+        if spec.kind == OutputKind.USER_OUTPUT:
+            output_names.append(out.name if isinstance(out, fx.Node) else None)
+        elif spec.kind == OutputKind.BUFFER_MUTATION:
+            buffer_mutations[out.name] = spec.target
+    loss_index = None
+    for i, name in enumerate(output_names):
+        val = _val_of(gm, name)
+        if isinstance(val, torch.Tensor) and val.dim() == 0 and val.is_floating_point():
+            loss_index = i
+            break
+    _, in_spec = pytree.tree_flatten((args, kwargs))
+    return TracedGraph(
+        gm=gm,
+        param_fqns=param_fqns,
+        buffer_fqns=buffer_fqns,
+        input_names=tuple(input_names),
+        in_spec=in_spec,
+        out_spec=ep.call_spec.out_spec,
+        output_names=tuple(output_names),
+        loss_index=loss_index,
+        buffer_mutations=buffer_mutations,
+        symbols=_symbols(gm, dynamic_dims),
+    )
+
+
+def _val_of(gm: fx.GraphModule, name: str | None):
+    nodes = {n.name: n for n in gm.graph.nodes}
+    return nodes[name].meta.get("val") if name in nodes else None
+
+
+def _symbols(gm: fx.GraphModule, dynamic_dims: Mapping[str, int]) -> dict[str, sympy.Symbol]:
+    """Map 'batch'/'seq' to the sympy symbol export gave that dim (read off the first user input)."""
+    if not dynamic_dims:
+        return {}
+    out: dict[str, sympy.Symbol] = {}
+    for n in gm.graph.nodes:
+        if n.op != "placeholder":
+            continue
+        val = n.meta.get("val")
+        if not isinstance(val, torch.Tensor):
+            continue
+        for name, d in dynamic_dims.items():
+            if name not in out and d < val.dim() and isinstance(val.shape[d], torch.SymInt):
+                out[name] = val.shape[d].node.expr
+    return out
+
+
+# ---------------------------------------------------------------- errors
+_TORCH_DIR = os.path.dirname(torch.__file__)
+_AUTOPAR_DIR = os.path.dirname(os.path.dirname(__file__))
+_STDLIB_DIR = os.path.dirname(os.__file__)
+
+
+def _user_frame(err: BaseException) -> traceback.FrameSummary | None:
+    """Deepest frame of the failure that lies in the user's code (not torch, autopar or the stdlib)."""
+    best = None
+    seen: set[int] = set()
+    e: BaseException | None = err
+    while e is not None and id(e) not in seen:  # follow the cause chain: torch wraps errors
+        seen.add(id(e))
+        for fs in traceback.extract_tb(e.__traceback__):
+            f = os.path.abspath(fs.filename)
+            if f.startswith((_TORCH_DIR, _AUTOPAR_DIR, _STDLIB_DIR)) or "site-packages/torch" in f:
+                continue
+            best = fs
+        e = e.__cause__ or e.__context__
+    return best
+
+
+_KNOWN_FIXES = (
+    ("data-dependent", "data-dependent control flow",
+     "replace the Python `if`/`while` on a tensor value with torch.where / torch.cond, or make the branch depend on shapes only"),
+    ("is not supported", "an unsupported operation", "rewrite the construct with standard torch ops"),
+    ("Unsupported", "an unsupported operation", "rewrite the construct with standard torch ops"),
+)
+
+
+def _trace_error(model: nn.Module, err: BaseException) -> TraceError:
+    message = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+    construct, fix = "a construct torch.export cannot capture", "see the torch message above; simplify that line"
+    for needle, what, how in _KNOWN_FIXES:
+        if needle in str(err):
+            construct, fix = what, how
+            break
+    frame = _user_frame(err)
+    where = f"{frame.filename}:{frame.lineno} (`{(frame.line or '').strip()}`)" if frame else "an unknown line"
+    return TraceError(
+        f"cannot trace {type(model).__name__}: {construct} at {where}\n"
+        f"  torch says: {message}\n"
+        f"  fix: {fix}"
+    )

@@ -1,0 +1,46 @@
+"""Small helpers over fx nodes that every later stage agrees on.
+
+The solver's strategies, the profiler and codegen all need "the tensor
+arguments of a node, in a fixed order"; defining that order once here keeps
+the stages consistent (a strategy's `input_specs[i]` is about
+`tensor_args(node)[i]`).
+"""
+from __future__ import annotations
+
+import torch
+from torch import fx
+from torch.utils import _pytree as pytree
+
+
+def is_tensor_node(arg: object) -> bool:
+    return isinstance(arg, fx.Node) and isinstance(arg.meta.get("val"), torch.Tensor)
+
+
+def tensor_args(node: fx.Node) -> tuple[fx.Node, ...]:
+    """The fx.Node arguments of `node` that carry tensors, flattened in args-then-kwargs order.
+
+    A node used twice as an argument appears twice (each use may want its own spec).
+    """
+    flat, _ = pytree.tree_flatten((node.args, node.kwargs))
+    return tuple(a for a in flat if is_tensor_node(a))
+
+
+def output_vals(node: fx.Node) -> tuple[torch.Tensor | None, ...]:
+    """The fake tensors a node produces: one for single-output ops, one per element for tuple outputs."""
+    val = node.meta.get("val")
+    if isinstance(val, torch.Tensor):
+        return (val,)
+    if isinstance(val, (tuple, list)):
+        return tuple(v if isinstance(v, torch.Tensor) else None for v in val)
+    return ()
+
+
+def module_path(node: fx.Node) -> str:
+    """The innermost module path that produced `node` ('' for top-level code)."""
+    stack = node.meta.get("nn_module_stack")
+    if not stack:
+        return ""
+    path, _cls = list(stack.values())[-1]
+    # export records paths like "L['self'].transformer.h[0].attn" in some versions; normalise to FQN style.
+    path = path.replace("L['self'].", "").replace("L['self']", "")
+    return path.replace("[", ".").replace("]", "")
