@@ -28,3 +28,7 @@ class PlanMismatchError(AutoparError):
 
 class PlanFormatError(AutoparError):
     """A plan file is corrupt or of an unknown schema version."""
+
+
+class ModelFileError(AutoparError):
+    """A MODEL.py file (or --hf-config preset) could not give a model and a sample input."""

@@ -143,7 +143,7 @@ class GPT(nn.Module):
 
 
 def build(
-    batch_size: int = 8,  # nanoGPT's micro-batch for GPT-2 small at 1024 tokens
+    batch_size: int = 8,  # 8 x 1024 = 8K tokens per step
     seq_len: int = 1024,  # GPT-2's full context
     size: str = "small",
     device: str | torch.device = "meta",

@@ -206,7 +206,7 @@ class LlamaForCausalLM(nn.Module):
 
 
 def build(
-    batch_size: int = 1,  # one 2048-token sequence per device, as in LLaMA pre-training micro-batches
+    batch_size: int = 1,  # one full-context sequence (2K tokens) per step
     seq_len: int = 2048,  # LLaMA-1/2 context
     size: str = "7b",
     device: str | torch.device = "meta",

@@ -84,6 +84,30 @@ class Fingerprint:
     mesh_shape: tuple[int, ...]
     hardware: str
     budget_bytes: float | None
+    # parameter FQN -> shape, in graph order: lets a mismatch name the parameter that changed, not just a hash
+    param_shapes: tuple[tuple[str, tuple[int, ...]], ...] = ()
+
+
+@dataclass(frozen=True)
+class PlanSource:
+    """How the planned model was built, so `autopar explain` can trace it again (unset when planned from Python)."""
+
+    model_file: str = ""  # MODEL.py path as given, or "" for an --hf-config preset
+    hf_config: str = ""  # "gpt2" / "llama" preset name, when used instead of a file
+    batch_size: int | None = None  # passed to build() only when given
+    seq_len: int | None = None
+    size: str | None = None  # build(size=...) passthrough (zoo files: "tiny", "small", ...)
+    optimizer: str = "adamw"
+
+
+@dataclass(frozen=True)
+class BaselineResult:
+    """A textbook plan (pure DP, ZeRO-3/FSDP, Megatron TP+DP) priced by the same cost model, for comparison."""
+
+    name: str
+    time: TimeBreakdown | None  # None when the baseline cannot be built on this mesh
+    memory: MemoryBreakdown | None
+    fits: bool  # total memory within the budget
 
 
 @dataclass(frozen=True)
@@ -97,6 +121,9 @@ class Plan:
     solver: SolverReport
     schema_version: int = SCHEMA_VERSION
     notes: tuple[str, ...] = field(default=())  # warnings the user should read (ops planned replicate-only, ...)
+    source: PlanSource | None = None  # how to rebuild the model (set by the CLI)
+    comm_bytes_by_kind: tuple[tuple[str, float], ...] = ()  # per-device bytes per step per collective kind
+    baselines: tuple[BaselineResult, ...] = ()  # the same cost model's price for textbook plans
 
     def node(self, name: str) -> NodeDecision:
         for d in self.nodes:

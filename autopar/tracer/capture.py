@@ -52,6 +52,7 @@ class TracedGraph:
     output_names: tuple[str | None, ...]  # per flattened user output: producing node name (None for constants)
     loss_index: int | None  # which flattened user output is the training loss (first float scalar)
     buffer_mutations: Mapping[str, str] = field(default_factory=dict)  # output node name -> buffer FQN it updates
+    tied_params: Mapping[str, tuple[str, ...]] = field(default_factory=dict)  # canonical FQN -> other names of it
     symbols: Mapping[str, sympy.Symbol] = field(default_factory=dict)  # "batch"/"seq" -> the graph's symbol
 
     @property
@@ -101,7 +102,7 @@ def trace(
         raise _trace_error(model, err) from err
     finally:
         model.train(was_training)
-    traced = _from_exported(ep, args, kwargs, dynamic_dims or {})
+    traced = _from_exported(ep, args, kwargs, dynamic_dims or {}, _canonical_param_names(model))
     log.info("tracer: %d ops in %.2f s", traced.num_ops(), time.perf_counter() - start)
     return traced
 
@@ -128,18 +129,45 @@ def _dynamic_shapes(args: tuple, kwargs: dict, dynamic_dims: Mapping[str, int]):
     return tuple(dyn_args) + tuple(dyn_kwargs.values()) if dyn_kwargs else tuple(dyn_args)
 
 
-def _from_exported(ep: torch.export.ExportedProgram, args: tuple, kwargs: dict, dynamic_dims: Mapping[str, int]) -> TracedGraph:
+def _canonical_param_names(model: nn.Module) -> dict[str, str]:
+    """Every name of every parameter -> its canonical name (the one `named_parameters()` reports)."""
+    canonical = {id(p): name for name, p in model.named_parameters()}
+    return {name: canonical[id(p)] for name, p in model.named_parameters(remove_duplicate=False)}
+
+
+def _from_exported(
+    ep: torch.export.ExportedProgram,
+    args: tuple,
+    kwargs: dict,
+    dynamic_dims: Mapping[str, int],
+    canonical: Mapping[str, str],
+) -> TracedGraph:
     sig = ep.graph_signature
+    gm = ep.graph_module
     param_fqns, buffer_fqns, input_names = {}, {}, []
+    kept: dict[str, fx.Node] = {}  # canonical FQN -> the one placeholder that stands for it
+    tied: dict[str, list[str]] = {}
+    placeholders = {n.name: n for n in gm.graph.nodes if n.op == "placeholder"}
     for spec in sig.input_specs:
         name = spec.arg.name
         if spec.kind == InputKind.PARAMETER:
-            param_fqns[name] = spec.target
+            # Export gives a tied weight one placeholder per name; a plan must see one parameter.
+            fqn = canonical.get(spec.target, spec.target)
+            node = placeholders[name]
+            if fqn in kept:
+                node.replace_all_uses_with(kept[fqn])
+                gm.graph.erase_node(node)
+                tied.setdefault(fqn, []).append(spec.target)
+                continue
+            kept[fqn] = node
+            param_fqns[name] = fqn
+            if spec.target != fqn:
+                tied.setdefault(fqn, []).append(spec.target)
         elif spec.kind in (InputKind.BUFFER, InputKind.CONSTANT_TENSOR):
             buffer_fqns[name] = spec.target
         elif spec.kind == InputKind.USER_INPUT:
             input_names.append(name)
-    gm = ep.graph_module
+    gm.recompile()
     output_node = next(n for n in reversed(gm.graph.nodes) if n.op == "output")
     outs = output_node.args[0]
     output_names, buffer_mutations = [], {}
@@ -165,6 +193,7 @@ def _from_exported(ep: torch.export.ExportedProgram, args: tuple, kwargs: dict, 
         output_names=tuple(output_names),
         loss_index=loss_index,
         buffer_mutations=buffer_mutations,
+        tied_params={k: tuple(v) for k, v in tied.items()},
         symbols=_symbols(gm, dynamic_dims),
     )
 

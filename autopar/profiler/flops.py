@@ -1,0 +1,58 @@
+"""FLOP counting on top of `torch.utils.flop_counter`'s formula registry.
+
+torch's registry (`flop_registry`, keyed by OpOverloadPacket) has formulas for
+mm/addmm/bmm/baddbmm/conv and the CUDA attention kernels, but not for the CPU
+flash-attention kernel that `scaled_dot_product_attention` dispatches to on CPU
+(`_scaled_dot_product_flash_attention_for_cpu` and its backward), so
+`FlopCounterMode` silently counts 0 for attention on CPU. `register_cpu_sdpa()`
+registers torch's own `sdpa_flop` / `sdpa_backward_flop` formulas for those two
+kernels (same argument layout as the CUDA flash kernels). The profiler calls it,
+and so does the reference measurement (`autopar.profiler.measure`), so both sides
+count attention the same way.
+"""
+from __future__ import annotations
+
+import torch
+from torch.utils import flop_counter
+from torch.utils._python_dispatch import TorchDispatchMode
+
+aten = torch.ops.aten
+
+_CPU_SDPA_FWD = aten._scaled_dot_product_flash_attention_for_cpu
+_CPU_SDPA_BWD = aten._scaled_dot_product_flash_attention_for_cpu_backward
+
+
+def register_cpu_sdpa() -> None:
+    """Register the CPU flash-attention formulas in torch's global flop registry (idempotent)."""
+    if _CPU_SDPA_FWD not in flop_counter.flop_registry:
+        # get_raw: sdpa_flop is already wrapped by torch's shape_wrapper.
+        flop_counter.register_flop_formula(_CPU_SDPA_FWD, get_raw=True)(flop_counter.sdpa_flop)
+    if _CPU_SDPA_BWD not in flop_counter.flop_registry:
+        flop_counter.register_flop_formula(_CPU_SDPA_BWD, get_raw=True)(flop_counter.sdpa_backward_flop)
+
+
+def op_flops(func, args: tuple, kwargs: dict, out) -> object:
+    """FLOPs of one aten call by torch's registered formula (0 when it has none).
+
+    Works on real, fake and symbolic tensors: the formulas only read shapes, so a
+    SymInt shape gives a SymInt count.
+    """
+    packet = getattr(func, "overloadpacket", func)
+    formula = flop_counter.flop_registry.get(packet)
+    if formula is None:
+        return 0
+    return formula(*args, **kwargs, out_val=out)
+
+
+class CountFlops(TorchDispatchMode):
+    """A lighter FlopCounterMode for fake-tensor probes: one total, no module tracking."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.total = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        self.total = self.total + op_flops(func, args, kwargs, out)
+        return out

@@ -1,0 +1,234 @@
+"""Autograd-aware collectives over one mesh axis, named by the axis' c10d group name.
+
+Every function here is a plain module-level function `f(x, ..., group: str)`, so
+codegen can put it in an fx graph as a `call_function` node and `gm.code` reads
+`all_gather(linear_1, 2, '3')`. Each wraps a small `torch.autograd.Function`
+whose backward is the conjugate collective (Megatron/picotron f/g operators).
+
+Gradient conventions (all reductions are sums; the loss is the global loss):
+- the grad of a Replicate tensor is the complete gradient, identical on every rank;
+- the grad of a Shard(d) tensor is this rank's chunk of the complete gradient;
+- the grad of a Partial tensor is the complete gradient of the sum (on every rank),
+  because d(sum_r x_r)/dx_r = 1;
+- a "partial grad" (a rank holds one term of the gradient) arises when a
+  Replicate tensor feeds a computation sharded over the axis.
+
+Collectives go through torch's functional collectives (`torch.ops._c10d_functional`),
+which take the group name directly and run on NCCL and gloo alike: on torch 2.13
+gloo implements all_gather_into_tensor, reduce_scatter_tensor and
+all_to_all_single, so no fallbacks are needed. They also appear as ops under
+`TorchDispatchMode`, so a selective-checkpoint policy can refuse to recompute them.
+All three move data along dim 0; other dims are permuted to/from the leading
+position (`_chunk_to_leading` / `_leading_to_dim`).
+"""
+from __future__ import annotations
+
+import torch
+from torch.distributed.distributed_c10d import _resolve_process_group
+
+_funcol = torch.ops._c10d_functional
+
+
+def _group(group: str) -> tuple[int, int]:
+    """(size, this rank's index) of the group named `group`."""
+    pg = _resolve_process_group(group)
+    return pg.size(), pg.rank()
+
+
+def _chunk_to_leading(x: torch.Tensor, dim: int, parts: int) -> torch.Tensor:
+    """Contiguous tensor whose dim-0 block i is chunk i of `x` along `dim` (layout for send)."""
+    if dim == 0:
+        return x.contiguous()
+    return torch.cat(x.chunk(parts, dim), dim=0)
+
+
+def _leading_to_dim(buf: torch.Tensor, dim: int, parts: int) -> torch.Tensor:
+    """Inverse of `_chunk_to_leading`: dim-0 block i of `buf` becomes chunk i along `dim` (layout after receive)."""
+    if dim == 0:
+        return buf
+    return torch.cat(buf.chunk(parts, 0), dim=dim)
+
+
+def _local_chunk(x: torch.Tensor, dim: int, group: str) -> torch.Tensor:
+    size, rank = _group(group)
+    if x.shape[dim] % size:
+        raise ValueError(f"dim {dim} of size {x.shape[dim]} does not split evenly over group {group!r} of {size} ranks")
+    return x.chunk(size, dim)[rank].contiguous()
+
+
+def _gather(x: torch.Tensor, dim: int, group: str) -> torch.Tensor:
+    size, _ = _group(group)
+    buf = _funcol.wait_tensor(_funcol.all_gather_into_tensor(x.contiguous(), size, group))
+    return _leading_to_dim(buf, dim, size)
+
+
+def _reduce_scatter(x: torch.Tensor, dim: int, group: str) -> torch.Tensor:
+    size, _ = _group(group)
+    if x.shape[dim] % size:
+        raise ValueError(f"dim {dim} of size {x.shape[dim]} does not split evenly over group {group!r} of {size} ranks")
+    return _funcol.wait_tensor(_funcol.reduce_scatter_tensor(_chunk_to_leading(x, dim, size), "sum", size, group))
+
+
+def _all_reduce(x: torch.Tensor, group: str) -> torch.Tensor:
+    return _funcol.wait_tensor(_funcol.all_reduce(x.contiguous(), "sum", group))
+
+
+def _all_to_all(x: torch.Tensor, src_dim: int, dst_dim: int, group: str) -> torch.Tensor:
+    """Block j of `x` along dst_dim goes to rank j; blocks received from rank i are stacked along src_dim."""
+    size, _ = _group(group)
+    if x.shape[dst_dim] % size:
+        raise ValueError(f"dim {dst_dim} of size {x.shape[dst_dim]} does not split evenly over group {group!r} of {size} ranks")
+    send = _chunk_to_leading(x, dst_dim, size)
+    splits = [send.shape[0] // size] * size
+    recv = _funcol.wait_tensor(_funcol.all_to_all_single(send, splits, splits, group))
+    return _leading_to_dim(recv, src_dim, size)
+
+
+class _AllGather(torch.autograd.Function):
+    """S(dim) -> R. Backward keeps this rank's chunk of the (complete) grad. Megatron: gather_from_tensor_model_parallel_region."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, dim: int, group: str) -> torch.Tensor:
+        ctx.dim, ctx.group = dim, group
+        return _gather(x, dim, group)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return _local_chunk(grad, ctx.dim, ctx.group), None, None
+
+
+class _AllGatherReduceScatter(torch.autograd.Function):
+    """S(dim) -> R feeding a sharded consumer; backward reduce-scatters the partial grads. Megatron: gather_from_sequence_parallel_region."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, dim: int, group: str) -> torch.Tensor:
+        ctx.dim, ctx.group = dim, group
+        return _gather(x, dim, group)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return _reduce_scatter(grad, ctx.dim, ctx.group), None, None
+
+
+class _ReduceScatter(torch.autograd.Function):
+    """P -> S(dim). Backward all-gathers. Megatron: reduce_scatter_to_sequence_parallel_region."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, dim: int, group: str) -> torch.Tensor:
+        ctx.dim, ctx.group = dim, group
+        return _reduce_scatter(x, dim, group)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return _gather(grad, ctx.dim, ctx.group), None, None
+
+
+class _AllReduce(torch.autograd.Function):
+    """P -> R; backward identity. Megatron's "g": reduce_from_tensor_model_parallel_region."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group: str) -> torch.Tensor:
+        return _all_reduce(x, group)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return grad, None
+
+
+class _GradAllReduce(torch.autograd.Function):
+    """Identity forward; backward all-reduces the partial grads. Megatron's "f": copy_to_tensor_model_parallel_region."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group: str) -> torch.Tensor:
+        ctx.group = group
+        return x.view_as(x)  # a new tensor object, so autograd records this node
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return _all_reduce(grad, ctx.group), None
+
+
+class _AllToAll(torch.autograd.Function):
+    """S(src_dim) -> S(dst_dim); backward is the inverse all-to-all."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, src_dim: int, dst_dim: int, group: str) -> torch.Tensor:
+        ctx.src_dim, ctx.dst_dim, ctx.group = src_dim, dst_dim, group
+        return _all_to_all(x, src_dim, dst_dim, group)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return _all_to_all(grad, ctx.dst_dim, ctx.src_dim, ctx.group), None, None, None
+
+
+class _LocalSlice(torch.autograd.Function):
+    """R -> S(dim): keep this rank's chunk (a copy, so the full tensor can be freed); backward all-gathers. Megatron: scatter_to_tensor_model_parallel_region."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, dim: int, group: str) -> torch.Tensor:
+        ctx.dim, ctx.group = dim, group
+        return _local_chunk(x, dim, group)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return _gather(grad, ctx.dim, ctx.group), None, None
+
+
+class _ReplicateToPartial(torch.autograd.Function):
+    """R -> P: rank 0 of the axis keeps x, the others hold zeros; backward identity (the grad of each term is the complete grad)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group: str) -> torch.Tensor:
+        _, rank = _group(group)
+        return x.clone() if rank == 0 else torch.zeros_like(x)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return grad, None
+
+
+def all_gather(x: torch.Tensor, dim: int, group: str) -> torch.Tensor:
+    """S(dim) -> R over `group`; backward: this rank's chunk of the complete grad."""
+    return _AllGather.apply(x, dim % x.ndim, group)
+
+
+def all_gather_rs(x: torch.Tensor, dim: int, group: str) -> torch.Tensor:
+    """S(dim) -> R for a consumer sharded over the same axis (ZeRO params, sequence parallelism); backward: reduce-scatter."""
+    return _AllGatherReduceScatter.apply(x, dim % x.ndim, group)
+
+
+def reduce_scatter(x: torch.Tensor, dim: int, group: str) -> torch.Tensor:
+    """P -> S(dim); backward: all-gather."""
+    return _ReduceScatter.apply(x, dim % x.ndim, group)
+
+
+def all_reduce(x: torch.Tensor, group: str) -> torch.Tensor:
+    """P -> R; backward: identity."""
+    return _AllReduce.apply(x, group)
+
+
+def grad_all_reduce(x: torch.Tensor, group: str) -> torch.Tensor:
+    """R entering a computation sharded over `group`: identity forward; backward: all-reduce of the partial grads."""
+    return _GradAllReduce.apply(x, group)
+
+
+def all_to_all(x: torch.Tensor, src_dim: int, dst_dim: int, group: str) -> torch.Tensor:
+    """S(src_dim) -> S(dst_dim); backward: S(dst_dim) -> S(src_dim)."""
+    return _AllToAll.apply(x, src_dim % x.ndim, dst_dim % x.ndim, group)
+
+
+def local_slice(x: torch.Tensor, dim: int, group: str) -> torch.Tensor:
+    """R -> S(dim); backward: all-gather."""
+    return _LocalSlice.apply(x, dim % x.ndim, group)
+
+
+def replicate_to_partial(x: torch.Tensor, group: str) -> torch.Tensor:
+    """R -> P (rank 0 of the axis holds x, the others zeros); backward: identity."""
+    return _ReplicateToPartial.apply(x, group)
+
+
+# Every collective codegen may emit, by name (codegen maps CollectiveStep.kind onto these).
+COLLECTIVES = {
+    f.__name__: f
+    for f in (all_gather, all_gather_rs, reduce_scatter, all_reduce, grad_all_reduce, all_to_all, local_slice, replicate_to_partial)
+}

@@ -1,0 +1,362 @@
+"""Plans on disk: JSON in and out (never pickle), the fingerprint, and the mismatch check.
+
+    save_plan(plan, "plan.json"); plan = load_plan("plan.json")
+    check_plan(plan, traced, mesh, budget_bytes)   # raises PlanMismatchError listing what differs
+
+Specs are stored as their compact strings ("S(0)R") and parsed back with
+`Spec.parse`; nodes are stored by fx name and op, never by list index. Reading
+a plan only parses JSON into frozen dataclasses: nothing in the file is
+imported, unpickled or executed. A corrupt file raises `PlanFormatError`
+naming the field ("plan.json: missing field 'nodes[3].strategy'").
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+from dataclasses import replace
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+from autopar.errors import PlanFormatError, PlanMismatchError
+from autopar.solver.mesh import Mesh, MeshAxis
+from autopar.solver.plan import (
+    SCHEMA_VERSION,
+    BaselineResult,
+    Fingerprint,
+    MemoryBreakdown,
+    NodeDecision,
+    ParamDecision,
+    Plan,
+    PlanSource,
+    SolverReport,
+    TimeBreakdown,
+)
+from autopar.solver.spec import Spec, Strategy
+from autopar.tracer import TracedGraph, output_vals
+
+_MAX_EXAMPLES = 3  # concrete differences named per category in a mismatch message
+
+
+# ---------------------------------------------------------------- to JSON
+def _mesh_dict(mesh: Mesh) -> dict:
+    return {
+        "axes": [{"name": a.name, "size": a.size, "alpha_s": a.alpha_s, "beta_bytes_per_s": a.beta_bytes_per_s} for a in mesh.axes],
+        "flops_per_s": mesh.flops_per_s,
+        "mem_bandwidth_bytes_per_s": mesh.mem_bandwidth_bytes_per_s,
+        "memory_bytes": mesh.memory_bytes,
+        "hardware": mesh.hardware,
+    }
+
+
+def _memory_dict(m: MemoryBreakdown) -> dict:
+    return {k: getattr(m, k) for k in ("params_bytes", "grads_bytes", "optimizer_bytes", "activations_bytes", "temp_bytes", "budget_bytes")}
+
+
+def _time_dict(t: TimeBreakdown) -> dict:
+    return {"compute_s": t.compute_s, "comm_s": t.comm_s, "recompute_s": t.recompute_s}
+
+
+def _spec_str(spec: Spec | None) -> str | None:
+    return None if spec is None else str(spec)
+
+
+def plan_to_dict(plan: Plan) -> dict:
+    fp = plan.fingerprint
+    src = plan.source
+    return {
+        "schema_version": plan.schema_version,
+        "fingerprint": {
+            "ops_sha": fp.ops_sha,
+            "shapes_sha": fp.shapes_sha,
+            "params_sha": fp.params_sha,
+            "mesh_shape": list(fp.mesh_shape),
+            "hardware": fp.hardware,
+            "budget_bytes": fp.budget_bytes,
+            "param_shapes": {fqn: list(shape) for fqn, shape in fp.param_shapes},
+        },
+        "mesh": _mesh_dict(plan.mesh),
+        "nodes": [
+            {
+                "node": d.node,
+                "op": d.op,
+                "strategy": {"inputs": [_spec_str(s) for s in d.strategy.input_specs], "outputs": [_spec_str(s) for s in d.strategy.output_specs]},
+                "recompute": d.recompute,
+                "module": d.module,
+            }
+            for d in plan.nodes
+        ],
+        "params": [{"fqn": p.fqn, "node": p.node, "use": str(p.use), "storage": str(p.storage)} for p in plan.params],
+        "memory": _memory_dict(plan.memory),
+        "time": _time_dict(plan.time),
+        "solver": {k: getattr(plan.solver, k) for k in ("backend", "status", "solve_s", "num_variables", "num_constraints", "gap")},
+        "notes": list(plan.notes),
+        "source": None if src is None else {k: getattr(src, k) for k in ("model_file", "hf_config", "batch_size", "seq_len", "size", "optimizer")},
+        "comm_bytes_by_kind": {kind: b for kind, b in plan.comm_bytes_by_kind},
+        "baselines": [
+            {
+                "name": b.name,
+                "time": None if b.time is None else _time_dict(b.time),
+                "memory": None if b.memory is None else _memory_dict(b.memory),
+                "fits": b.fits,
+            }
+            for b in plan.baselines
+        ],
+    }
+
+
+def plan_to_json(plan: Plan) -> str:
+    return json.dumps(plan_to_dict(plan), indent=1)
+
+
+# ---------------------------------------------------------------- from JSON
+class _Field:
+    """A JSON value plus its path, so every format error names the exact field."""
+
+    def __init__(self, value: Any, path: str, source: str):
+        self.value, self.path, self.source = value, path, source
+
+    def fail(self, what: str) -> PlanFormatError:
+        return PlanFormatError(f"{self.source}: {what}")
+
+    def __getitem__(self, key: str | int) -> "_Field":
+        path = f"{self.path}[{key}]" if isinstance(key, int) else (f"{self.path}.{key}" if self.path else key)
+        if isinstance(key, int):
+            return _Field(self.value[key], path, self.source)
+        if not isinstance(self.value, dict):
+            raise self.fail(f"field '{self.path}' should be an object, got {type(self.value).__name__}")
+        if key not in self.value:
+            raise self.fail(f"missing field '{path}'")
+        return _Field(self.value[key], path, self.source)
+
+    def get(self, key: str, default: Any) -> "_Field":
+        return self[key] if isinstance(self.value, dict) and key in self.value else _Field(default, key, self.source)
+
+    def of(self, *types: type) -> Any:
+        # bool is an int in Python; a count or size must not be accepted as true/false (or vice versa).
+        ok = isinstance(self.value, types) and not (isinstance(self.value, bool) and bool not in types)
+        if not ok:
+            names = " or ".join("null" if t is type(None) else t.__name__ for t in types)
+            raise self.fail(f"field '{self.path}' should be {names}, got {json.dumps(self.value)[:40]}")
+        return self.value
+
+    def num(self) -> float:
+        return float(self.of(int, float))
+
+    def opt_num(self) -> float | None:
+        return None if self.value is None else self.num()
+
+    def items(self) -> list["_Field"]:
+        return [self[i] for i in range(len(self.of(list)))]
+
+    def spec(self) -> Spec:
+        try:
+            return Spec.parse(self.of(str))
+        except ValueError as err:
+            raise self.fail(f"field '{self.path}': {err}") from None
+
+    def opt_spec(self) -> Spec | None:
+        return None if self.value is None else self.spec()
+
+
+def _mesh_from(f: _Field) -> Mesh:
+    axes = tuple(MeshAxis(a["name"].of(str), int(a["size"].of(int)), a["alpha_s"].num(), a["beta_bytes_per_s"].num()) for a in f["axes"].items())
+    try:
+        return Mesh(axes, f["flops_per_s"].num(), f["mem_bandwidth_bytes_per_s"].num(), f["memory_bytes"].num(), f["hardware"].of(str))
+    except ValueError as err:
+        raise f.fail(f"field '{f.path}': {err}") from None
+
+
+def _memory_from(f: _Field) -> MemoryBreakdown:
+    return MemoryBreakdown(*(f[k].num() for k in ("params_bytes", "grads_bytes", "optimizer_bytes", "activations_bytes", "temp_bytes")), f["budget_bytes"].opt_num())
+
+
+def _time_from(f: _Field) -> TimeBreakdown:
+    return TimeBreakdown(f["compute_s"].num(), f["comm_s"].num(), f["recompute_s"].num())
+
+
+def _optional(f: _Field, read: Callable[[_Field], Any]) -> Any:
+    return None if f.value is None else read(f)
+
+
+def _node_from(f: _Field) -> NodeDecision:
+    s = f["strategy"]
+    strategy = Strategy(tuple(x.opt_spec() for x in s["inputs"].items()), tuple(x.opt_spec() for x in s["outputs"].items()))
+    return NodeDecision(f["node"].of(str), f["op"].of(str), strategy, f.get("recompute", False).of(bool), f.get("module", "").of(str))
+
+
+def _source_from(f: _Field) -> PlanSource:
+    return PlanSource(
+        model_file=f.get("model_file", "").of(str),
+        hf_config=f.get("hf_config", "").of(str),
+        batch_size=f.get("batch_size", None).of(int, type(None)),
+        seq_len=f.get("seq_len", None).of(int, type(None)),
+        size=f.get("size", None).of(str, type(None)),
+        optimizer=f.get("optimizer", "adamw").of(str),
+    )
+
+
+def plan_from_dict(obj: Any, source: str = "plan") -> Plan:
+    root = _Field(obj, "", source)
+    root.of(dict)
+    version = root["schema_version"].of(int)
+    if version != SCHEMA_VERSION:
+        raise root.fail(f"schema version {version} is not supported (this autopar reads version {SCHEMA_VERSION}); re-plan with this version")
+    fp = root["fingerprint"]
+    fingerprint = Fingerprint(
+        ops_sha=fp["ops_sha"].of(str),
+        shapes_sha=fp["shapes_sha"].of(str),
+        params_sha=fp["params_sha"].of(str),
+        mesh_shape=tuple(int(x.of(int)) for x in fp["mesh_shape"].items()),
+        hardware=fp["hardware"].of(str),
+        budget_bytes=fp["budget_bytes"].opt_num(),
+        param_shapes=tuple((k, tuple(int(d) for d in v)) for k, v in fp.get("param_shapes", {}).of(dict).items()),
+    )
+    sv = root["solver"]
+    solver = SolverReport(sv["backend"].of(str), sv["status"].of(str), sv["solve_s"].num(), sv["num_variables"].of(int), sv["num_constraints"].of(int), sv.get("gap", None).opt_num())
+    params = tuple(ParamDecision(p["fqn"].of(str), p["node"].of(str), p["use"].spec(), p["storage"].spec()) for p in root["params"].items())
+    baselines = tuple(
+        BaselineResult(b["name"].of(str), _optional(b["time"], _time_from), _optional(b["memory"], _memory_from), b["fits"].of(bool))
+        for b in root.get("baselines", []).items()
+    )
+    return Plan(
+        fingerprint=fingerprint,
+        mesh=_mesh_from(root["mesh"]),
+        nodes=tuple(_node_from(n) for n in root["nodes"].items()),
+        params=params,
+        memory=_memory_from(root["memory"]),
+        time=_time_from(root["time"]),
+        solver=solver,
+        schema_version=version,
+        notes=tuple(n.of(str) for n in root.get("notes", []).items()),
+        source=_optional(root.get("source", None), _source_from),
+        comm_bytes_by_kind=tuple((k, float(v)) for k, v in root.get("comm_bytes_by_kind", {}).of(dict).items()),
+        baselines=baselines,
+    )
+
+
+def plan_from_json(text: str, source: str = "plan") -> Plan:
+    try:
+        obj = json.loads(text)
+    except json.JSONDecodeError as err:
+        raise PlanFormatError(f"{source}: not valid JSON ({err.msg} at line {err.lineno}, column {err.colno})") from None
+    return plan_from_dict(obj, source)
+
+
+def save_plan(plan: Plan, path: str | Path) -> None:
+    Path(path).write_text(plan_to_json(plan) + "\n")
+
+
+def load_plan(path: str | Path) -> Plan:
+    p = Path(path)
+    if not p.is_file():
+        raise PlanFormatError(f"plan file {str(p)!r} does not exist")
+    return plan_from_json(p.read_text(), source=p.name)
+
+
+# ---------------------------------------------------------------- fingerprint
+def _op_name(node) -> str:
+    return str(node.target) if node.op == "call_function" else node.op
+
+
+def _sha(lines) -> str:
+    h = hashlib.sha256()
+    for line in lines:
+        h.update(line.encode())
+        h.update(b"\n")
+    return h.hexdigest()[:16]
+
+
+def _param_shapes(traced: TracedGraph) -> tuple[tuple[str, tuple[int, ...]], ...]:
+    out = []
+    for n in traced.graph.nodes:
+        if n.op == "placeholder" and n.name in traced.param_fqns:
+            val = n.meta.get("val")
+            shape = tuple(int(d) for d in val.shape) if isinstance(val, torch.Tensor) else ()
+            out.append((traced.param_fqns[n.name], shape))
+    return tuple(out)
+
+
+def fingerprint(traced: TracedGraph, mesh: Mesh, budget_bytes: float | None) -> Fingerprint:
+    """What a plan is made for: graph ops, shapes and dtypes, parameters, mesh shape, hardware, budget."""
+    nodes = list(traced.graph.nodes)
+    shapes = (f"{n.name}:" + ";".join(f"{tuple(str(d) for d in v.shape)}{v.dtype}" for v in output_vals(n) if v is not None) for n in nodes)
+    param_shapes = _param_shapes(traced)
+    return Fingerprint(
+        ops_sha=_sha(f"{n.name}:{_op_name(n)}" for n in nodes),
+        shapes_sha=_sha(shapes),
+        params_sha=_sha(f"{fqn}:{shape}" for fqn, shape in param_shapes),
+        mesh_shape=mesh.shape,
+        hardware=mesh.hardware,
+        budget_bytes=budget_bytes,
+        param_shapes=param_shapes,
+    )
+
+
+def _some(items: list[str]) -> list[str]:
+    return items[:_MAX_EXAMPLES] + ([f"... and {len(items) - _MAX_EXAMPLES} more"] if len(items) > _MAX_EXAMPLES else [])
+
+
+def _op_differences(plan: Plan, traced: TracedGraph) -> list[str]:
+    model_ops = {n.name: _op_name(n) for n in traced.graph.nodes}
+    out = []
+    for d in plan.nodes:
+        if d.node not in model_ops:
+            out.append(f"node '{d.node}' ({d.op}) is in the plan but not in the model")
+        elif model_ops[d.node] != d.op:
+            out.append(f"node '{d.node}' is {d.op} in the plan but {model_ops[d.node]} in the model")
+    planned = {d.node for d in plan.nodes}
+    if planned:  # a plan may omit placeholders/outputs: only compare the computing nodes
+        out += [f"node '{n}' ({op}) is in the model but not in the plan" for n, op in model_ops.items() if n not in planned and op not in ("placeholder", "output")]
+    return _some(out) or ["the graph's ops differ (same node names, different order)"]
+
+
+def _param_differences(plan: Plan, fp: Fingerprint) -> list[str]:
+    planned = dict(plan.fingerprint.param_shapes) or {p.fqn: None for p in plan.params}
+    model = dict(fp.param_shapes)
+    out = [f"parameter '{f}' is in the model but not in the plan" for f in model if f not in planned]
+    out += [f"parameter '{f}' is in the plan but not in the model" for f in planned if f not in model]
+    out += [f"parameter '{f}' has shape {model[f]} in the model but {planned[f]} in the plan" for f in model if planned.get(f) not in (None, model[f])]
+    return _some(out) or ["parameter shapes differ"]
+
+
+def _fmt_budget(b: float | None) -> str:
+    return "none" if b is None else f"{b / 1e9:.3g} GB"
+
+
+def plan_differences(plan: Plan, traced: TracedGraph, mesh: Mesh, budget_bytes: float | None) -> tuple[str, ...]:
+    """Every way `plan` was made for something other than this model, mesh and budget (empty: it matches)."""
+    fp, old = fingerprint(traced, mesh, budget_bytes), plan.fingerprint
+    out: list[str] = []
+    if fp.ops_sha != old.ops_sha:
+        out += _op_differences(plan, traced)
+    if fp.params_sha != old.params_sha:
+        out += _param_differences(plan, fp)
+    if fp.shapes_sha != old.shapes_sha and fp.ops_sha == old.ops_sha and fp.params_sha == old.params_sha:
+        out.append("activation shapes or dtypes differ (a different batch size or sequence length?)")
+    if fp.mesh_shape != old.mesh_shape:
+        out.append(f"mesh shape is {old.mesh_shape} in the plan but {fp.mesh_shape} here")
+    if fp.hardware != old.hardware:
+        out.append(f"hardware is '{old.hardware}' in the plan but '{fp.hardware}' here")
+    same_budget = (fp.budget_bytes is None) == (old.budget_bytes is None) and (fp.budget_bytes is None or math.isclose(fp.budget_bytes, old.budget_bytes, rel_tol=1e-9))
+    if not same_budget:
+        out.append(f"memory budget is {_fmt_budget(old.budget_bytes)} in the plan but {_fmt_budget(fp.budget_bytes)} here")
+    return tuple(out)
+
+
+def check_plan(plan: Plan, traced: TracedGraph, mesh: Mesh, budget_bytes: float | None) -> None:
+    """Raise PlanMismatchError (with `.differences`) unless `plan` was made for exactly this model, mesh and budget."""
+    diffs = plan_differences(plan, traced, mesh, budget_bytes)
+    if diffs:
+        raise PlanMismatchError(
+            f"the plan does not match this model and mesh: {'; '.join(diffs)}\n"
+            f"  fix: plan again for this model (drop --load / plan=...), or load it with the mesh, hardware and budget it was made for",
+            differences=diffs,
+        )
+
+
+def with_fingerprint(plan: Plan, traced: TracedGraph, mesh: Mesh, budget_bytes: float | None) -> Plan:
+    """`plan` stamped with this model's fingerprint (for plans built by hand or by a solver that leaves it empty)."""
+    return replace(plan, fingerprint=fingerprint(traced, mesh, budget_bytes))

@@ -1,0 +1,146 @@
+"""Resharding: the cheapest sequence of collectives from one spec to another.
+
+    steps = reshard_steps(Spec.parse("S(0)R"), Spec.parse("RS(1)"), (8, 16, 4), mesh)
+    seconds = reshard_cost(src, dst, shape, itemsize=4, mesh=mesh)
+
+One step changes the placement on ONE mesh axis:
+  all_gather      S(d) -> R        all_reduce      P -> R
+  reduce_scatter  P -> S(d)        all_to_all      S(i) -> S(j)
+  slice           R -> S(d)        (local, no communication)
+A tensor dim sharded over several mesh axes is split outer axis first
+(DTensor's default order: rank (i, j) of S(0)S(0) holds chunk i*n_j + j), so
+a step may only touch the innermost axis sharding that dim; otherwise the
+result would be a strided shard, which is not in our vocabulary.
+The cheapest path is a shortest path (Dijkstra) over the even specs of the
+tensor (at most (ndim+2)^axes states), priced by the alpha-beta ring model in
+`autopar.solver.cost`; multi-axis orders (e.g. gather the inner axis before
+the outer) fall out of it.
+
+Backward: the gradient flows dst -> src with Partial read as Replicate (the
+all-reduce a Replicate input's Partial gradient needs is charged to the op
+that consumes it, see `cost.strategy_cost`). `reshard_cost(..., with_backward=True)`
+adds it: all_gather forward costs a (free) slice backward, slice forward
+costs an all_gather backward, all_reduce forward nothing backward.
+"""
+from __future__ import annotations
+
+import functools
+import heapq
+import math
+from typing import Sequence
+
+from autopar.solver.cost import collective_time_s
+from autopar.solver.mesh import Mesh
+from autopar.solver.reshard_types import CollectiveStep
+from autopar.solver.spec import Partial, Placement, Replicate, Shard, Spec
+
+__all__ = ["reshard_steps", "reshard_cost", "step_bytes", "step_time_s", "apply_step"]
+
+_STEP_PENALTY_S = 1e-9  # breaks ties towards fewer steps
+
+
+def _innermost_ok(pls: Sequence[Placement], axis: int, dim: int) -> bool:
+    """No mesh axis after `axis` shards tensor dim `dim`."""
+    return not any(isinstance(p, Shard) and p.dim == dim for p in pls[axis + 1:])
+
+
+def apply_step(spec: Spec, step: CollectiveStep) -> Spec:
+    new = {"all_gather": Replicate(), "all_reduce": Replicate()}.get(step.kind)
+    pls = list(spec.placements)
+    pls[step.mesh_axis] = new if new is not None else Shard(step.dst_dim)  # type: ignore[arg-type]
+    return Spec(tuple(pls))
+
+
+def _neighbours(spec: Spec, ndim: int) -> list[CollectiveStep]:
+    pls = spec.placements
+    out: list[CollectiveStep] = []
+    for a, p in enumerate(pls):
+        if isinstance(p, Replicate):
+            out += [CollectiveStep("slice", a, dst_dim=d) for d in range(ndim) if _innermost_ok(pls, a, d)]
+        elif isinstance(p, Partial):
+            out.append(CollectiveStep("all_reduce", a))
+            out += [CollectiveStep("reduce_scatter", a, dst_dim=d) for d in range(ndim) if _innermost_ok(pls, a, d)]
+        elif _innermost_ok(pls, a, p.dim):
+            out.append(CollectiveStep("all_gather", a, src_dim=p.dim))
+            out += [CollectiveStep("all_to_all", a, src_dim=p.dim, dst_dim=d)
+                    for d in range(ndim) if d != p.dim and _innermost_ok(pls, a, d)]
+    return out
+
+
+def step_bytes(step: CollectiveStep, spec_before: Spec, shape: Sequence[int], itemsize: int, mesh: Mesh) -> float:
+    """Bytes of one rank's local tensor before the step (the collective formulas' input)."""
+    local = spec_before.local_shape(shape, mesh.shape)
+    return float(math.prod(local) * itemsize)
+
+
+def step_time_s(step: CollectiveStep, spec_before: Spec, shape: Sequence[int], itemsize: int, mesh: Mesh) -> float:
+    local_bytes = step_bytes(step, spec_before, shape, itemsize, mesh)
+    axis = mesh.axes[step.mesh_axis]
+    if step.kind == "slice":  # a local copy of the kept block
+        return local_bytes / axis.size / mesh.mem_bandwidth_bytes_per_s
+    if step.kind == "all_gather":  # formula takes the gathered (full over this axis) size
+        return collective_time_s("all_gather", local_bytes * axis.size, axis)
+    if step.kind == "reduce_scatter":  # input is the full (partial) tensor on each rank
+        return collective_time_s("reduce_scatter", local_bytes, axis)
+    return collective_time_s(step.kind, local_bytes, axis)
+
+
+def _even(spec: Spec, shape: Sequence[int], mesh_shape: Sequence[int]) -> bool:
+    try:
+        spec.local_shape(shape, mesh_shape)
+    except (ValueError, IndexError):
+        return False
+    return True
+
+
+def reshard_steps(src: Spec, dst: Spec, shape: tuple[int, ...], mesh: Mesh, itemsize: int = 4) -> tuple[CollectiveStep, ...]:
+    """The cheapest step sequence turning `src` into `dst` (empty when equal)."""
+    return _search(src, dst, tuple(shape), mesh, itemsize)[1]
+
+
+@functools.lru_cache(maxsize=65536)
+def _search(src: Spec, dst: Spec, shape: tuple[int, ...], mesh: Mesh, itemsize: int) -> tuple[float, tuple[CollectiveStep, ...]]:
+    if len(src.placements) != len(mesh.shape) or len(dst.placements) != len(mesh.shape):
+        raise ValueError(f"specs {src} and {dst} need one placement per axis of mesh {mesh}")
+    for s in (src, dst):
+        if not _even(s, shape, mesh.shape):
+            raise ValueError(f"spec {s} does not divide shape {shape} evenly over mesh {mesh.shape}")
+    if src == dst:
+        return 0.0, ()
+    best = {src: 0.0}
+    heap: list[tuple[float, int, Spec, tuple[CollectiveStep, ...]]] = [(0.0, 0, src, ())]
+    tie = 0
+    while heap:
+        cost, _, spec, path = heapq.heappop(heap)
+        if spec == dst:
+            return cost, path
+        if cost > best.get(spec, math.inf):
+            continue
+        for step in _neighbours(spec, len(shape)):
+            nxt = apply_step(spec, step)
+            if not _even(nxt, shape, mesh.shape):
+                continue
+            c = cost + step_time_s(step, spec, shape, itemsize, mesh) + _STEP_PENALTY_S
+            if c < best.get(nxt, math.inf):
+                best[nxt] = c
+                tie += 1
+                heapq.heappush(heap, (c, tie, nxt, path + (step,)))
+    # unreachable: gathering everything and slicing again always works for even specs
+    raise AssertionError(f"no resharding path from {src} to {dst} for shape {shape}")
+
+
+def _grad_spec(spec: Spec) -> Spec:
+    return Spec(tuple(Replicate() if isinstance(p, Partial) else p for p in spec.placements))
+
+
+@functools.lru_cache(maxsize=65536)
+def reshard_cost(src: Spec, dst: Spec, shape: tuple[int, ...], itemsize: int, mesh: Mesh, with_backward: bool = True) -> float:
+    """Seconds to reshard forward (and the gradient back, unless `with_backward=False`: integer tensors)."""
+    shape = tuple(shape)
+    fwd, steps = _search(src, dst, shape, mesh, itemsize)
+    fwd -= _STEP_PENALTY_S * len(steps)
+    if not with_backward:
+        return fwd
+    gsrc, gdst = _grad_spec(dst), _grad_spec(src)
+    bwd, bsteps = _search(gsrc, gdst, shape, mesh, itemsize)
+    return fwd + bwd - _STEP_PENALTY_S * len(bsteps)

@@ -1,0 +1,212 @@
+"""The one place that touches DTensor's private sharding-propagation internals.
+
+Every private torch import of the solver lives here. We ask DTensor's two
+registries for the strategies of one op and convert the answer into our own
+frozen `Spec`s at this boundary; nothing past this module sees a DTensor class.
+
+- single-dim strategy registry (`op_single_dim_strategy_funcs`, ~1,000 ops:
+  pointwise, mm/addmm/bmm, embedding, norms...): a rule function lists the
+  valid placements over ONE mesh axis; we expand it over all axes ourselves
+  (cartesian product, as DTensor's `expand_to_full_mesh_op_strategy` does).
+- op-strategy registry (`op_strategy_funcs`, ~160 ops: views, reductions,
+  softmax, cat/split, gather...): a function that, given every candidate
+  placement of every input (an `OpStrategy` per input), returns the valid
+  (input specs -> output specs) combinations.
+
+A `DeviceMesh` built with `_init_backend=False` is enough for both: the rules
+only read the mesh shape, so no process group is created and a later real
+`init_process_group` is unaffected.
+
+Pinned to torch 2.13 (`pyproject`): these private names changed in 2.5, 2.8
+and since; `_check_features()` fails loudly at import when they move.
+"""
+from __future__ import annotations
+
+import functools
+import itertools
+import logging
+from typing import Any, Sequence
+
+import torch
+from torch.utils import _pytree as pytree
+
+from autopar.errors import AutoparError
+from autopar.solver.spec import Partial, Placement, Replicate, Shard, Spec
+from autopar.solver.strategies.expand import Rule, expand_over_mesh
+
+log = logging.getLogger(__name__)
+
+
+class DTensorAdapterError(AutoparError):
+    """The installed torch lacks a DTensor internal the strategy adapter needs."""
+
+
+try:  # every private torch import of the solver: keep it to this block
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor import placement_types as _pt
+    from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
+    from torch.distributed.tensor._op_schema import OpSchema, OpSpec, OpStrategy, TupleStrategy
+    from torch.distributed.tensor._ops.single_dim_strategy import _ShardingPlaceholder
+except ImportError as err:  # pragma: no cover - only on an untested torch
+    raise DTensorAdapterError(
+        f"torch {torch.__version__} moved a DTensor internal the strategy adapter imports ({err}); "
+        "autopar is tested with torch>=2.13,<2.14: install that version or update autopar/solver/strategies/dtensor_adapter.py"
+    ) from err
+
+
+def _check_features() -> Any:
+    prop = DTensor._op_dispatcher.sharding_propagator
+    for attr in ("op_strategy_funcs", "op_single_dim_strategy_funcs"):
+        if not isinstance(getattr(prop, attr, None), dict):
+            raise DTensorAdapterError(
+                f"torch {torch.__version__}: ShardingPropagator has no dict {attr!r}; "
+                "autopar is tested with torch>=2.13,<2.14 (update dtensor_adapter.py for this release)"
+            )
+    return prop
+
+
+_PROP = _check_features()
+
+
+
+def has_dtensor_rule(op: Any) -> bool:
+    return op in _PROP.op_single_dim_strategy_funcs or op in _PROP.op_strategy_funcs
+
+
+@functools.lru_cache(maxsize=None)
+def _device_mesh(shape: tuple[int, ...]) -> DeviceMesh:
+    """A mesh object for the rules only: no backend, no process group."""
+    return DeviceMesh("cpu", torch.arange(max(1, _prod(shape))).reshape(shape), _init_backend=False, _rank=0)
+
+
+def _prod(xs: Sequence[int]) -> int:
+    out = 1
+    for x in xs:
+        out *= x
+    return out
+
+
+def _to_ours(p: Any) -> Placement | None:
+    """DTensor placement -> ours; None for placements outside our vocabulary
+    (_StridedShard, _MaskPartial, Partial(avg/max/min), ...)."""
+    if type(p) is _pt.Replicate:
+        return Replicate()
+    if type(p) is _pt.Shard:
+        return Shard(p.dim)
+    if type(p) is _pt.Partial and p.reduce_op == "sum":
+        return Partial()
+    if isinstance(p, _ShardingPlaceholder):
+        return Shard(p.dim)
+    return None
+
+
+def _to_theirs(p: Placement) -> Any:
+    if isinstance(p, Shard):
+        return _pt.Shard(p.dim)
+    if isinstance(p, Partial):
+        return _pt.Partial("sum")
+    return _pt.Replicate()
+
+
+def _meta(t: torch.Tensor) -> TensorMeta:
+    return TensorMeta(t.shape, t.stride(), t.dtype)
+
+
+def candidate_specs(shape: Sequence[int], mesh_shape: tuple[int, ...], partial: bool = True) -> tuple[Spec, ...]:
+    """Every even spec of a tensor of `shape` on the mesh (Partial included when `partial`)."""
+    per_axis: list[Placement] = [Replicate()] + ([Partial()] if partial else []) + [Shard(d) for d in range(len(shape))]
+    out = []
+    for pl in itertools.product(per_axis, repeat=len(mesh_shape)):
+        spec = Spec(tuple(pl))
+        if is_even(spec, shape, mesh_shape):
+            out.append(spec)
+    return tuple(out)
+
+
+def is_even(spec: Spec, shape: Sequence[int], mesh_shape: Sequence[int]) -> bool:
+    factors = [1] * len(shape)
+    for p, n in zip(spec.placements, mesh_shape):
+        if isinstance(p, Shard):
+            if p.dim >= len(shape):
+                return False
+            factors[p.dim] *= n
+    return all(size % f == 0 for size, f in zip(shape, factors))
+
+
+def dtensor_rules(op: Any, args: tuple, kwargs: dict, mesh_shape: tuple[int, ...]) -> list[Rule] | None:
+    """All strategies DTensor knows for `op` on concrete args (tensors are fake/meta tensors).
+
+    Returns None when DTensor has no rule; otherwise rules in our vocabulary
+    (unknown placements dropped, not yet filtered for evenness or duplicates).
+    Input specs follow the flattened (args, kwargs) order of tensor arguments.
+    """
+    if op in _PROP.op_single_dim_strategy_funcs:
+        return _single_dim_rules(op, args, kwargs, mesh_shape)
+    if op in _PROP.op_strategy_funcs:
+        return _op_strategy_rules(op, args, kwargs, mesh_shape)
+    return None
+
+
+def _single_dim_rules(op: Any, args: tuple, kwargs: dict, mesh_shape: tuple[int, ...]) -> list[Rule]:
+    info = _PROP.op_single_dim_strategy_funcs[op]
+    to_meta = lambda x: _meta(x) if isinstance(x, torch.Tensor) else x  # noqa: E731
+    args_meta = pytree.tree_map(to_meta, args)
+    kwargs_meta = pytree.tree_map(to_meta, kwargs)
+    num_inputs = sum(1 for x in pytree.tree_leaves((args, kwargs)) if isinstance(x, torch.Tensor))
+    one_axis: list[tuple[Placement, ...]] = []
+    for rule in info.func(op, args_meta, kwargs_meta):
+        # None marks a masked-off output (backward ops); a replicated stand-in keeps arity.
+        converted = [Replicate() if p is None else _to_ours(p) for p in rule]
+        if all(p is not None for p in converted):
+            one_axis.append(tuple(converted))  # type: ignore[arg-type]
+    if one_axis:
+        width = len(one_axis[0])
+    else:
+        width = num_inputs + _num_outputs(op)
+    one_axis.append((Replicate(),) * width)  # DTensor inserts the all-replicate rule implicitly too
+    return expand_over_mesh(one_axis, width - num_inputs, len(mesh_shape))
+
+
+def _num_outputs(op: Any) -> int:
+    return sum(1 for r in op._schema.returns if "Tensor" in str(r.type))
+
+
+def _op_strategy_rules(op: Any, args: tuple, kwargs: dict, mesh_shape: tuple[int, ...]) -> list[Rule]:
+    mesh = _device_mesh(mesh_shape)
+
+    def to_strategy(x: Any) -> Any:
+        if isinstance(x, torch.Tensor):
+            specs = [OpSpec(DTensorSpec(mesh, tuple(_to_theirs(p) for p in s.placements), _meta(x)))
+                     for s in candidate_specs(x.shape, mesh_shape)]
+            return OpStrategy(specs)
+        if isinstance(x, (list, tuple)) and x and all(isinstance(e, torch.Tensor) for e in x):
+            return TupleStrategy([to_strategy(e) for e in x])
+        return x
+
+    schema = OpSchema(op, tuple(to_strategy(a) for a in args), {k: to_strategy(v) for k, v in kwargs.items()})
+    result = _PROP.op_strategy_funcs[op](schema)
+    if not isinstance(result, OpStrategy):  # TupleStrategy (foreach ops): not in training graphs
+        return []
+    rules: list[Rule] = []
+    for s in result.strategies:
+        outs = s.output_specs if isinstance(s.output_specs, (tuple, list)) else (s.output_specs,)
+        ins = s.input_specs if s.input_specs is not None else (s.output_spec,) * len(schema.args_spec)
+        converted = []
+        for group in (ins, outs):
+            specs = []
+            for d in group:
+                if d is None:
+                    specs.append(Spec.replicate(len(mesh_shape)))
+                    continue
+                pls = tuple(_to_ours(p) for p in d.placements)
+                if any(p is None for p in pls):
+                    break
+                specs.append(Spec(pls))  # type: ignore[arg-type]
+            else:
+                converted.append(tuple(specs))
+                continue
+            break
+        if len(converted) == 2:
+            rules.append((converted[0], converted[1]))
+    return rules

@@ -1,0 +1,21 @@
+"""Shared fixtures: `spmd` runs a function on a local world of forked gloo ranks.
+
+    def test_x(spmd):
+        results = spmd(fn, 4, arg)   # fn(rank, world_size, arg) on 4 ranks, 60 s timeout
+"""
+from __future__ import annotations
+
+import functools
+
+import pytest
+
+from autopar.runtime.launch import run_ranks
+
+# Every multi-rank test runs under a timeout: a rank stuck in a collective must fail the test, not hang CI.
+DEFAULT_RANK_TIMEOUT_S = 60.0
+
+
+@pytest.fixture
+def spmd():
+    """`run_ranks` with the suite's default timeout (pass timeout_s= to override)."""
+    return functools.partial(run_ranks, timeout_s=DEFAULT_RANK_TIMEOUT_S)

@@ -1,0 +1,50 @@
+"""run_ranks: results by rank, remote exceptions with their traceback, timeouts that kill."""
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from autopar.runtime.launch import RankError, run_ranks
+
+
+def _sum_ranks(rank: int, world_size: int, scale: float) -> tuple[int, float, int]:
+    t = torch.tensor([float(rank)])
+    dist.all_reduce(t)
+    return rank, t.item() * scale, torch.get_num_threads()
+
+
+def test_results_in_rank_order(spmd):
+    results = spmd(_sum_ranks, 4, 2.0)
+    # 0+1+2+3 = 6, scaled by 2; each rank runs one intra-op thread.
+    assert results == [(r, 12.0, 1) for r in range(4)]
+
+
+def _fail_on_rank_1(rank: int, world_size: int) -> None:
+    if rank == 1:
+        raise ValueError("bad shard on rank 1")
+    dist.barrier()  # rank 0 blocks here until it is killed
+
+
+def test_exception_carries_rank_and_traceback():
+    start = time.monotonic()
+    with pytest.raises(RankError, match="rank 1 raised ValueError: bad shard on rank 1") as info:
+        run_ranks(_fail_on_rank_1, 2, timeout_s=30)
+    assert info.value.rank == 1
+    assert "_fail_on_rank_1" in info.value.remote_traceback
+    # The blocked rank 0 is killed at once instead of waiting for the 30 s timeout.
+    assert time.monotonic() - start < 10
+
+
+def _sleep_on_rank_0(rank: int, world_size: int) -> None:
+    if rank == 0:
+        time.sleep(60)
+
+
+def test_timeout_kills_ranks():
+    start = time.monotonic()
+    with pytest.raises(RankError, match=r"ranks \[0\] of 2 did not finish within timeout_s=2"):
+        run_ranks(_sleep_on_rank_0, 2, timeout_s=2)
+    assert time.monotonic() - start < 10

@@ -1,0 +1,157 @@
+"""The tracer on every zoo model: FQNs, op counts and numerics checked against the eager model."""
+from __future__ import annotations
+
+import collections
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.overrides import TorchFunctionMode
+from torch.utils import _pytree as pytree
+
+from autopar.errors import TraceError
+from autopar.tracer import trace, with_device
+
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
+ZOO = ["mlp", "gpt2", "llama", "bert", "vit", "hf_gpt2", "hf_llama"]
+
+
+def load_example(name: str):
+    spec = importlib.util.spec_from_file_location(f"zoo_{name}", EXAMPLES / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses in the file look their module up here
+    spec.loader.exec_module(module)
+    return module
+
+
+class CountCalls(TorchFunctionMode):
+    """Counts the torch-level calls the eager model makes: the independent reference for node counts."""
+
+    WATCHED = {F.linear: "linear", F.scaled_dot_product_attention: "sdpa", F.conv2d: "conv", F.embedding: "embedding",
+               torch.matmul: "matmul", torch.Tensor.__matmul__: "matmul", torch.bmm: "matmul"}
+
+    def __init__(self):
+        super().__init__()
+        self.counts = collections.Counter()
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if func in self.WATCHED:
+            self.counts[self.WATCHED[func]] += 1
+        return func(*args, **(kwargs or {}))
+
+
+def graph_counts(traced) -> collections.Counter:
+    kinds = {"mm": "matmul", "addmm": "matmul", "bmm": "matmul", "scaled_dot_product_attention": "sdpa",
+             "convolution": "conv", "embedding": "embedding"}
+    out = collections.Counter()
+    for n in traced.graph.nodes:
+        if n.op == "call_function" and hasattr(n.target, "_schema"):
+            name = n.target._schema.name.split("::")[-1]
+            if name in kinds:
+                out[kinds[name]] += 1
+    return out
+
+
+def placeholder_values(traced, model, sample_input) -> list:
+    params = dict(model.named_parameters())
+    buffers = dict(model.named_buffers())
+    args, kwargs = (sample_input, {}) if not isinstance(sample_input, (tuple, list, dict)) else (
+        (tuple(sample_input), {}) if not isinstance(sample_input, dict) else ((), sample_input))
+    if not isinstance(args, tuple):
+        args = (args,)
+    flat_inputs = [x for x in pytree.tree_leaves((args, kwargs))]
+    user = dict(zip(traced.input_names, flat_inputs))
+    values = []
+    for n in traced.graph.nodes:
+        if n.op != "placeholder":
+            continue
+        if n.name in traced.param_fqns:
+            values.append(params[traced.param_fqns[n.name]])
+        elif n.name in traced.buffer_fqns:
+            values.append(buffers[traced.buffer_fqns[n.name]])
+        else:
+            values.append(user[n.name])
+    return values
+
+
+def loss_of(output):
+    return output.loss if hasattr(output, "loss") else output
+
+
+@pytest.mark.parametrize("name", ZOO)
+def test_zoo_traces_on_meta_like_eager(name):
+    zoo = load_example(name)
+    meta_model, meta_input = zoo.build(batch_size=2, seq_len=16, size="tiny", device="meta")
+    traced = trace(meta_model, meta_input)
+
+    # Parameters by FQN: exactly the eager model's (tied weights appear once, as in named_parameters()).
+    assert sorted(traced.param_fqns.values()) == sorted(n for n, _ in meta_model.named_parameters())
+    assert sorted(traced.buffer_fqns.values()) == sorted(n for n, _ in meta_model.named_buffers())
+    # No real memory: every value in the graph is a fake/meta tensor.
+    for n in traced.graph.nodes:
+        val = n.meta.get("val")
+        if isinstance(val, torch.Tensor):
+            assert val.device.type == "meta", n.format_node()
+
+    # Node counts against the eager model's own calls on real tensors.
+    model, sample = zoo.build(batch_size=2, seq_len=16, size="tiny", device="cpu")
+    with CountCalls() as counter:
+        eager_loss = loss_of(model(**sample) if isinstance(sample, dict) else
+                             model(*sample) if isinstance(sample, tuple) else model(sample))
+    eager = counter.counts
+    got = graph_counts(traced)
+    # HF GPT-2's Conv1D is an addmm, not F.linear: count its modules instead.
+    conv1d = sum(1 for m in model.modules() if type(m).__name__ == "Conv1D")
+    assert got["matmul"] == eager["linear"] + eager["matmul"] + conv1d, (got, eager)
+    assert got["sdpa"] == eager["sdpa"], (got, eager)
+    assert got["conv"] == eager["conv"], (got, eager)
+    assert got["embedding"] == eager["embedding"], (got, eager)
+
+    # Running the captured graph on the real weights gives the eager loss.
+    with torch.no_grad():
+        outs = with_device(traced.gm, "cpu")(*placeholder_values(traced, model, sample))
+    graph_loss = outs[traced.loss_index]
+    torch.testing.assert_close(graph_loss, eager_loss.detach(), rtol=1e-5, atol=1e-6)
+
+
+def test_dynamic_dims_become_symbols():
+    zoo = load_example("gpt2")
+    model, sample = zoo.build(batch_size=2, seq_len=16, size="tiny", device="meta")
+    traced = trace(model, sample, dynamic_dims={"batch": 0, "seq": 1})
+    assert set(traced.symbols) == {"batch", "seq"}
+    ids = next(n for n in traced.graph.nodes if n.name == traced.input_names[0]).meta["val"]
+    assert [d.node.expr for d in ids.shape] == [traced.symbols["batch"], traced.symbols["seq"]]
+
+
+class DataDependent(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.proj = torch.nn.Linear(4, 4)
+
+    def forward(self, x):
+        h = self.proj(x)
+        if h.sum() > 0:  # data-dependent branch: the line the error must name
+            return h.mean()
+        return h.sum()
+
+
+def test_data_dependent_branch_names_the_line():
+    with pytest.raises(TraceError) as info:
+        trace(DataDependent(), torch.randn(2, 4))
+    message = str(info.value)
+    line = next(i for i, text in enumerate(Path(__file__).read_text().splitlines(), 1) if "the line the error must name" in text)
+    assert f"{Path(__file__).name}:{line}" in message, message
+    assert "data-dependent control flow" in message
+    assert "torch.where" in message  # the fix
+
+
+def test_training_mode_is_captured_and_restored():
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Dropout(0.5))
+    model.eval()
+    traced = trace(model, torch.randn(2, 4))
+    ops = {str(n.target) for n in traced.graph.nodes if n.op == "call_function"}
+    assert any("dropout" in op or "bernoulli" in op or "rand" in op for op in ops), ops
+    assert not model.training
