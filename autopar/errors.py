@@ -32,3 +32,7 @@ class PlanFormatError(AutoparError):
 
 class ModelFileError(AutoparError):
     """A MODEL.py file (or --hf-config preset) could not give a model and a sample input."""
+
+
+class UsageError(AutoparError):
+    """Bad command-line arguments: the CLI exits with code 2."""

@@ -86,4 +86,5 @@ def launch_strided(
         *so, *sx, *sb, *sr,
         HAS_B=b is not None, HAS_R=r is not None,
         BLOCK_R=block_r, BLOCK_C=block_c,
+        enable_fp_fusion=False,  # x * scale + b stays two roundings, as in the torch fallback
     )

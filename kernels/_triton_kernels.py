@@ -13,6 +13,11 @@ Three kernels:
   has its own strides. With b = r = absent it is a permuting copy (the resharding layouts:
   chunks of a non-leading dim <-> a leading chunk dim); with a broadcast bias and a residual it
   is the reduce-scatter epilogue; it also serves non-contiguous members of pack/unpack.
+
+Only builtins of triton.language are used (load, store, where, arange, ...), no functions that
+triton.language itself defines with @triton.jit (tl.cdiv, tl.sum, ...): those are decorated when
+*triton* is imported, so if triton was imported before TRITON_INTERPRET was set, calling one
+from an interpreted kernel fails ("Cannot call @triton.jit'd outside of the scope of a kernel").
 """
 
 from __future__ import annotations
@@ -118,7 +123,8 @@ def strided_ew_kernel(
 ):
     # out = round(float32(x) * scale + float32(b) + float32(r)), in that order.
     pid = tl.program_id(0)
-    col_blocks = tl.cdiv(S3, BLOCK_C)  # 1-d grid: a 2-d one would cap columns at 65535 blocks
+    # A 1-d grid (a 2-d one caps columns at 65535 blocks). Not tl.cdiv: see the module docstring.
+    col_blocks = (S3 + BLOCK_C - 1) // BLOCK_C
     rows = (pid // col_blocks).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
     cols = (pid % col_blocks).to(tl.int64) * BLOCK_C + tl.arange(0, BLOCK_C)
     i2 = rows % S2

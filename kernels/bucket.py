@@ -9,8 +9,9 @@ each direction in one pass and (per source dtype) one launch: a table of (addres
 bucket offset, chunk start) rows drives `multi_tensor_pack_kernel`, chunks keep the programs
 balanced when one embedding gradient is 1000x bigger than a LayerNorm's.
 
-Numerics (both paths): each element is float32(src) * float32(scale) [+ float32(dst) when
-accumulating], rounded once (to nearest even) to the destination dtype. float64 tensors are
+Numerics (both paths, bit for bit): each element is float32(src) * float32(scale), rounded to
+float32, [+ float32(dst) when accumulating, no fused multiply-add], rounded once (to nearest
+even) to the destination dtype. float64 tensors are
 handled by the torch path only, in float64. Neither function is differentiable.
 """
 
@@ -132,11 +133,12 @@ def _unpack_torch(bucket: torch.Tensor, tensors: list[torch.Tensor], offsets: li
                   scale: float, accumulate: bool) -> None:
     if not tensors:
         return
-    if accumulate:  # add_ computes t + scale * b in the promoted dtype, then rounds once
-        torch._foreach_add_(tensors, _views(bucket, tensors, offsets), alpha=scale)
-        return
+    # Scale into a float32 copy first: add_(b, alpha=scale) of two bf16 tensors rounds twice.
     src = bucket if scale == 1.0 else _scaled(bucket[:offsets[-1]], scale)
-    torch._foreach_copy_(tensors, _views(src, tensors, offsets))
+    if accumulate:  # float32(t) + float32(src) in the promoted dtype, rounded once
+        torch._foreach_add_(tensors, _views(src, tensors, offsets))
+    else:
+        torch._foreach_copy_(tensors, _views(src, tensors, offsets))
 
 
 # ----- Triton path -----
@@ -188,7 +190,7 @@ def _unpack_triton(bucket: torch.Tensor, tensors: list[torch.Tensor], offsets: l
         table = _chunk_table(tuple(rows), bucket.device)
         mod.multi_tensor_unpack_kernel[(table.shape[0],)](
             table, bucket, scale, DST_DTYPE=mod.TL_DTYPES[dtype], ACCUMULATE=accumulate,
-            CHUNK=_CHUNK, BLOCK=_BLOCK)
+            CHUNK=_CHUNK, BLOCK=_BLOCK, enable_fp_fusion=False)  # no FMA: same bits as torch
     for i in strided:
         t = tensors[i]
         src = bucket[offsets[i]:offsets[i] + t.numel()].view(t.shape)

@@ -18,7 +18,7 @@ probed once.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Hashable
+from typing import Any, Hashable, Mapping
 
 import sympy
 import torch
@@ -38,6 +38,7 @@ class OpProbe:
     saved_own: tuple[int, ...]  # indices of the op's own outputs that its backward keeps
     extra_saved_bytes: sympy.Expr  # kept tensors that are neither inputs nor outputs (e.g. SDPA logsumexp)
     temp_bytes: sympy.Expr  # tensors created and dropped inside the op's forward or backward
+    out_strides: tuple[tuple[sympy.Expr, ...], ...] = ()  # strides the real CPU kernel gives each output
 
 
 def to_expr(x: Any) -> sympy.Expr:
@@ -50,7 +51,7 @@ def to_expr(x: Any) -> sympy.Expr:
 _CACHE: dict[Hashable, OpProbe] = {}
 
 
-def _leaf_key(leaf: Any, rg: dict[fx.Node, bool]) -> Hashable:
+def _leaf_key(leaf: Any, rg: Mapping[str, bool]) -> Hashable:
     if isinstance(leaf, fx.Node):
         val = leaf.meta.get("val")
         if isinstance(val, torch.Tensor):
@@ -58,7 +59,7 @@ def _leaf_key(leaf: Any, rg: dict[fx.Node, bool]) -> Hashable:
                 tuple(to_expr(s) for s in val.shape),
                 tuple(to_expr(s) for s in val.stride()),
                 val.dtype,
-                rg.get(leaf, False),
+                rg.get(leaf.name, False),
             )
         return ("sym", to_expr(val))
     if isinstance(leaf, (torch.SymInt, torch.SymFloat)):
@@ -70,7 +71,7 @@ def _leaf_key(leaf: Any, rg: dict[fx.Node, bool]) -> Hashable:
         return repr(leaf)
 
 
-def probe(node: fx.Node, rg: dict[fx.Node, bool], used_outputs: tuple[bool, ...]) -> OpProbe:
+def probe(node: fx.Node, rg: Mapping[str, bool], used_outputs: tuple[bool, ...]) -> OpProbe:
     """Cost and saved tensors of `node` (a call_function on tensors), cached by signature."""
     flat, spec = pytree.tree_flatten((node.args, node.kwargs))
     key = (node.target, tuple(_leaf_key(leaf, rg) for leaf in flat), used_outputs)
@@ -92,6 +93,8 @@ class _Watch(TorchDispatchMode):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
         self.flops = self.flops + op_flops(func, args, kwargs, out)
+        if getattr(func, "is_view", False):
+            return out  # aliases an existing storage (fake views may not report the shared storage)
         for t in pytree.tree_leaves(out):
             if isinstance(t, torch.Tensor):
                 self.created.setdefault(StorageWeakRef(t.untyped_storage()), t.untyped_storage().nbytes())
@@ -106,7 +109,7 @@ def _fake_mode(flat: list) -> Any:
     return detect_fake_mode([v for v in vals if isinstance(v, torch.Tensor)]) or FakeTensorMode()
 
 
-def _run(node: fx.Node, flat: list, spec, rg: dict[fx.Node, bool], used_outputs: tuple[bool, ...]) -> OpProbe:
+def _run(node: fx.Node, flat: list, spec, rg: Mapping[str, bool], used_outputs: tuple[bool, ...]) -> OpProbe:
     register_cpu_sdpa()
     fake_mode = _fake_mode(flat)
     with fake_mode:
@@ -121,7 +124,7 @@ def _run(node: fx.Node, flat: list, spec, rg: dict[fx.Node, bool], used_outputs:
                 return val  # a SymInt from a sym_size node
             if leaf not in made:
                 t = torch.empty_strided(val.shape, val.stride(), dtype=val.dtype, device="cpu")
-                made[leaf] = t.requires_grad_(rg.get(leaf, False))
+                made[leaf] = t.requires_grad_(rg.get(leaf.name, False))
             arg_tensors.append(made[leaf])
             return made[leaf]
 
@@ -163,6 +166,7 @@ def _run(node: fx.Node, flat: list, spec, rg: dict[fx.Node, bool], used_outputs:
         saved_own=tuple(sorted(saved_own)),
         extra_saved_bytes=to_expr(sum(extra.values())),
         temp_bytes=to_expr(sympy.Max(to_expr(fwd_temp), to_expr(bwd_temp))),
+        out_strides=tuple(tuple(to_expr(s) for s in o.stride()) for o in outs),
     )
 
 

@@ -28,6 +28,10 @@ class NodeProfile:
     saved_outputs: tuple[bool, ...]  # output i is kept alive for backward (see module docstring)
     extra_saved_bytes: sympy.Expr  # saved tensors that are not graph values (rare; e.g. RNG state)
     temp_bytes: sympy.Expr  # scratch the op allocates and frees within forward or backward
+    # Added by the profiler (defaults keep hand-built profiles valid):
+    saved_refs: tuple[tuple[str, int], ...] = ()  # (producer, output index) of each storage this node's backward keeps
+    requires_grad: bool = False  # the node's output needs a gradient (it runs a backward step)
+    value_bytes: tuple[sympy.Expr, ...] = ()  # per output: numel * itemsize even for views (size of its gradient)
 
 
 @dataclass(frozen=True)
@@ -52,6 +56,9 @@ class NodeCost:
     saved_outputs: tuple[bool, ...]
     extra_saved_bytes: float
     temp_bytes: float
+    saved_refs: tuple[tuple[str, int], ...] = ()
+    requires_grad: bool = False
+    value_bytes: tuple[float, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -87,6 +94,9 @@ class GraphProfile:
                 saved_outputs=p.saved_outputs,
                 extra_saved_bytes=num(p.extra_saved_bytes),
                 temp_bytes=num(p.temp_bytes),
+                saved_refs=p.saved_refs,
+                requires_grad=p.requires_grad,
+                value_bytes=tuple(num(b) for b in p.value_bytes),
             )
             for name, p in self.nodes.items()
         }
@@ -94,10 +104,11 @@ class GraphProfile:
             fqn: ParamCost(fqn, p.node, float(p.param_bytes), float(p.grad_bytes), float(p.optimizer_bytes))
             for fqn, p in self.params.items()
         }
-        return ConcreteProfile(nodes=nodes, params=params)
+        return ConcreteProfile(nodes=nodes, params=params, optimizer=self.optimizer)
 
 
 @dataclass(frozen=True)
 class ConcreteProfile:
     nodes: Mapping[str, NodeCost]
     params: Mapping[str, ParamCost]
+    optimizer: str = "adamw"  # added: the optimizer the profile priced (the memory model needs its step scratch)

@@ -45,8 +45,8 @@ def fmt_seconds(s: float | None) -> str:
 
 
 def fmt_signed_bytes(n: float) -> str:
-    return ("+" if n >= 0 else "-") + fmt_bytes(abs(n))
+    return ("+" if n >= -1e-6 else "-") + fmt_bytes(abs(n))  # float noise around 0 prints as +0
 
 
 def fmt_signed_seconds(s: float) -> str:
-    return ("+" if s >= 0 else "-") + fmt_seconds(abs(s))
+    return ("+" if s >= -1e-12 else "-") + fmt_seconds(abs(s))

@@ -18,13 +18,16 @@ which take the group name directly and run on NCCL and gloo alike: on torch 2.13
 gloo implements all_gather_into_tensor, reduce_scatter_tensor and
 all_to_all_single, so no fallbacks are needed. They also appear as ops under
 `TorchDispatchMode`, so a selective-checkpoint policy can refuse to recompute them.
-All three move data along dim 0; other dims are permuted to/from the leading
-position (`_chunk_to_leading` / `_leading_to_dim`).
+All three move flat buffers split along dim 0; for another tensor dim the data is
+laid out with the fused `kernels.chunk_to_leading` / `kernels.leading_to_dim`
+(one pass each, Triton on GPU, a strided torch copy on CPU).
 """
 from __future__ import annotations
 
 import torch
 from torch.distributed.distributed_c10d import _resolve_process_group
+
+from kernels import chunk_to_leading, leading_to_dim
 
 _funcol = torch.ops._c10d_functional
 
@@ -35,38 +38,31 @@ def _group(group: str) -> tuple[int, int]:
     return pg.size(), pg.rank()
 
 
-def _chunk_to_leading(x: torch.Tensor, dim: int, parts: int) -> torch.Tensor:
-    """Contiguous tensor whose dim-0 block i is chunk i of `x` along `dim` (layout for send)."""
-    if dim == 0:
-        return x.contiguous()
-    return torch.cat(x.chunk(parts, dim), dim=0)
-
-
-def _leading_to_dim(buf: torch.Tensor, dim: int, parts: int) -> torch.Tensor:
-    """Inverse of `_chunk_to_leading`: dim-0 block i of `buf` becomes chunk i along `dim` (layout after receive)."""
-    if dim == 0:
-        return buf
-    return torch.cat(buf.chunk(parts, 0), dim=dim)
+def _check_even(x: torch.Tensor, dim: int, size: int, group: str) -> None:
+    if x.shape[dim] % size:
+        raise ValueError(f"dim {dim} of size {x.shape[dim]} (shape {tuple(x.shape)}) does not split evenly over group {group!r} of {size} ranks")
 
 
 def _local_chunk(x: torch.Tensor, dim: int, group: str) -> torch.Tensor:
     size, rank = _group(group)
-    if x.shape[dim] % size:
-        raise ValueError(f"dim {dim} of size {x.shape[dim]} does not split evenly over group {group!r} of {size} ranks")
+    _check_even(x, dim, size, group)
     return x.chunk(size, dim)[rank].contiguous()
 
 
 def _gather(x: torch.Tensor, dim: int, group: str) -> torch.Tensor:
     size, _ = _group(group)
-    buf = _funcol.wait_tensor(_funcol.all_gather_into_tensor(x.contiguous(), size, group))
-    return _leading_to_dim(buf, dim, size)
+    buf = _funcol.wait_tensor(_funcol.all_gather_into_tensor(x.contiguous().view(-1), size, group))
+    shape = list(x.shape)
+    shape[dim] *= size
+    return leading_to_dim(buf, dim, size, shape)
 
 
 def _reduce_scatter(x: torch.Tensor, dim: int, group: str) -> torch.Tensor:
     size, _ = _group(group)
-    if x.shape[dim] % size:
-        raise ValueError(f"dim {dim} of size {x.shape[dim]} does not split evenly over group {group!r} of {size} ranks")
-    return _funcol.wait_tensor(_funcol.reduce_scatter_tensor(_chunk_to_leading(x, dim, size), "sum", size, group))
+    _check_even(x, dim, size, group)
+    send = chunk_to_leading(x, dim, size)  # (size, *chunk_shape)
+    out = _funcol.wait_tensor(_funcol.reduce_scatter_tensor(send.reshape(-1), "sum", size, group))
+    return out.view(send.shape[1:])
 
 
 def _all_reduce(x: torch.Tensor, group: str) -> torch.Tensor:
@@ -74,14 +70,16 @@ def _all_reduce(x: torch.Tensor, group: str) -> torch.Tensor:
 
 
 def _all_to_all(x: torch.Tensor, src_dim: int, dst_dim: int, group: str) -> torch.Tensor:
-    """Block j of `x` along dst_dim goes to rank j; blocks received from rank i are stacked along src_dim."""
+    """Chunk j of `x` along dst_dim goes to rank j; chunks received from rank i are stacked along src_dim."""
     size, _ = _group(group)
-    if x.shape[dst_dim] % size:
-        raise ValueError(f"dim {dst_dim} of size {x.shape[dst_dim]} does not split evenly over group {group!r} of {size} ranks")
-    send = _chunk_to_leading(x, dst_dim, size)
-    splits = [send.shape[0] // size] * size
+    _check_even(x, dst_dim, size, group)
+    send = chunk_to_leading(x, dst_dim, size).reshape(-1)
+    splits = [send.numel() // size] * size
     recv = _funcol.wait_tensor(_funcol.all_to_all_single(send, splits, splits, group))
-    return _leading_to_dim(recv, src_dim, size)
+    shape = list(x.shape)
+    shape[src_dim] *= size
+    shape[dst_dim] //= size
+    return leading_to_dim(recv, src_dim, size, shape)
 
 
 class _AllGather(torch.autograd.Function):

@@ -3,8 +3,10 @@
     results = run_ranks(fn, 4, x, timeout_s=60)   # fn(rank, world_size, x) on 4 forked ranks
 
 Forking costs ~0.1 s per world (spawn re-imports torch: ~3 s per rank). The
-rendezvous goes through a TCPStore that the parent opens on port 0, so the OS
-picks a free port and holds it: no race with other worlds started concurrently.
+parent binds a listening socket on port 0 (the OS picks a free port and holds it:
+no race with other worlds started concurrently) and rank 0 serves the rendezvous
+TCPStore on that socket. The parent starts no store itself, so it forks with no
+store thread running (a thread holding a lock at fork time can deadlock a child).
 """
 from __future__ import annotations
 
@@ -12,6 +14,8 @@ import logging
 import multiprocessing as mp
 import multiprocessing.connection
 import os
+import pickle
+import socket
 import time
 import traceback
 from datetime import timedelta
@@ -36,9 +40,15 @@ class RankError(AutoparError):
         self.remote_traceback = remote_traceback
 
 
+def _send(conn: mp.connection.Connection, msg: tuple) -> None:
+    # Plain pickle, not Connection.send: torch registers multiprocessing reducers that pass tensors
+    # as shared-memory handles, which the parent could no longer open once this rank has exited.
+    conn.send_bytes(pickle.dumps(msg))
+
+
 def _child(
     conn: mp.connection.Connection,
-    port: int,
+    listener: socket.socket,
     rank: int,
     world_size: int,
     backend: str,
@@ -49,15 +59,20 @@ def _child(
     # One intra-op thread per rank: ranks share few cores, oversubscription makes collectives crawl.
     torch.set_num_threads(1)
     try:
-        store = dist.TCPStore(_HOST, port, world_size + 1, is_master=False, timeout=timedelta(seconds=timeout_s))
+        port = listener.getsockname()[1]
+        if rank == 0:
+            store = dist.TCPStore(_HOST, port, world_size, is_master=True, timeout=timedelta(seconds=timeout_s), master_listen_fd=listener.fileno())
+        else:
+            listener.close()
+            store = dist.TCPStore(_HOST, port, world_size, is_master=False, timeout=timedelta(seconds=timeout_s))
         dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timedelta(seconds=timeout_s))
         result = fn(rank, world_size, *args)
         dist.destroy_process_group()
-        conn.send(("ok", result))
+        _send(conn, ("ok", result))
     except BaseException as exc:  # noqa: BLE001 -- forwarded to the parent, which re-raises it
         # Timestamped so the parent can tell the first failure from its echoes on the peers
         # ("Connection closed by peer" once this rank exits).
-        conn.send(("error", f"{type(exc).__name__}: {exc}", traceback.format_exc(), time.time()))
+        _send(conn, ("error", f"{type(exc).__name__}: {exc}", traceback.format_exc(), time.time()))
     finally:
         conn.close()
 
@@ -79,8 +94,9 @@ def run_ranks(
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
     ctx = mp.get_context("fork")
-    # The parent hosts the store (world_size + 1 clients: the ranks and the parent itself).
-    store = dist.TCPStore(_HOST, 0, world_size + 1, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=timeout_s))
+    listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    listener.bind((_HOST, 0))
+    listener.listen(world_size)  # clients that connect before rank 0 serves wait in the backlog
     procs: list[mp.Process] = []
     conns: dict[mp.connection.Connection, int] = {}
     finished = False
@@ -89,7 +105,7 @@ def run_ranks(
             parent_end, child_end = ctx.Pipe(duplex=False)
             p = ctx.Process(
                 target=_child,
-                args=(child_end, store.port, rank, world_size, backend, timeout_s, fn, args),
+                args=(child_end, listener, rank, world_size, backend, timeout_s, fn, args),
                 name=f"autopar-rank{rank}",
                 daemon=True,
             )
@@ -97,6 +113,7 @@ def run_ranks(
             child_end.close()
             procs.append(p)
             conns[parent_end] = rank
+        listener.close()  # rank 0 holds its own copy; if it dies, the other ranks' connects fail fast
         results: dict[int, Any] = {}
         errors: list[tuple[float, int, str, str]] = []  # (time, rank, message, traceback)
         deadline = time.monotonic() + timeout_s
@@ -109,7 +126,7 @@ def run_ranks(
             for conn in ready:
                 rank = conns.pop(conn)
                 try:
-                    msg = conn.recv()
+                    msg = pickle.loads(conn.recv_bytes())
                 except EOFError:
                     code = procs[rank].join(1.0) or procs[rank].exitcode
                     raise RankError(f"rank {rank} died without a result (exit code {code})", rank=rank) from None
@@ -121,7 +138,7 @@ def run_ranks(
             # Give the peers a moment to report too, then blame the earliest failure.
             for conn in mp.connection.wait(list(conns), timeout=1.0):
                 try:
-                    msg = conn.recv()
+                    msg = pickle.loads(conn.recv_bytes())
                 except EOFError:  # died without a word: the earlier reports say more
                     continue
                 if msg[0] == "error":
@@ -141,7 +158,7 @@ def run_ranks(
                 p.join()
         for conn in conns:
             conn.close()
-        del store
+        listener.close()
 
 
 def init_from_env(timeout_s: float = 600.0) -> tuple[int, int, torch.device]:

@@ -20,6 +20,7 @@ Constraint families (each PuLP constraint is named after its family):
                       + saved[v,s] (x - y) + T <= budget             (`_add_memory`)
 Objective (time of one step):
   sum (compute + comm)[v,s] x + zero_comm[v,s] z + recompute[v,s] y + sum cost[k,a,b] e[k,a,b]
+  + 1 us per GiB of the memory expression (a tie-break: equally fast plans -> the leaner one)
 For the infeasible report the same model minimises the memory expression instead.
 
 Times are entered in milliseconds and bytes in GiB so coefficients stay near 1
@@ -42,6 +43,8 @@ log = logging.getLogger(__name__)
 
 _MS = 1e3
 _GIB = float(2**30)
+# Tie-break: among equally fast plans prefer the leaner one (1 us per GiB: far below any real time difference).
+_TIE_MS_PER_GIB = 1e-3
 Backend = Literal["highs", "cbc"]
 
 
@@ -95,6 +98,14 @@ def evaluate(problem: Problem, a: Assignment) -> tuple[MemoryBreakdown, TimeBrea
     )
 
 
+def _affine(terms: list[tuple[pulp.LpVariable, float]]) -> pulp.LpAffineExpression:
+    """Sum of coefficient * variable; a variable may appear several times (LpAffineExpression keeps only the last)."""
+    total: dict[pulp.LpVariable, float] = {}
+    for var, coef in terms:
+        total[var] = total.get(var, 0.0) + coef
+    return pulp.LpAffineExpression(list(total.items()))
+
+
 class _Model:
     """The PuLP model of one Problem; `objective` picks time (the plan) or memory (the infeasible report)."""
 
@@ -109,8 +120,11 @@ class _Model:
         self._add_recompute()
         self._add_zero()
         self._add_memory(objective == "time")
-        terms = self.time_terms if objective == "time" else self.memory_terms
-        self.prob += pulp.LpAffineExpression(terms), "objective"
+        if objective == "time":
+            terms = self.time_terms + [(var, c * _TIE_MS_PER_GIB) for var, c in self.memory_terms]
+        else:
+            terms = self.memory_terms
+        self.prob += _affine(terms), "objective"
 
     def _add_strategy_vars(self) -> None:
         self.x = []
@@ -120,7 +134,9 @@ class _Model:
                 raise ValueError(f"restrictions leave node {node.name!r} no option")
             xs = []
             for s, o in enumerate(node.options):
-                var = pulp.LpVariable(f"x_{v}_{s}", cat=pulp.LpBinary, upBound=1 if allowed is None or s in allowed else 0)
+                # LpBinary would reset the bounds: a 0/1 integer whose upper bound 0 rules the option out.
+                ub = 1 if allowed is None or s in allowed else 0
+                var = pulp.LpVariable(f"x_{v}_{s}", lowBound=0, upBound=ub, cat=pulp.LpInteger)
                 xs.append(var)
                 self.time_terms.append((var, (o.compute_s + o.comm_s) * _MS))
                 self.memory_terms.append((var, (o.static_bytes + o.saved_bytes) / _GIB))
@@ -184,7 +200,7 @@ class _Model:
         for (v, s), z in self.z.items():
             self.prob += self.temp >= z * (self.problem.nodes[v].options[s].zero.gathered_bytes / _GIB), f"gather_{v}_{s}"
         if bounded and self.problem.budget_bytes is not None:
-            self.prob += pulp.LpAffineExpression(self.memory_terms) <= self.problem.budget_bytes / _GIB, "memory"
+            self.prob += _affine(self.memory_terms) <= self.problem.budget_bytes / _GIB, "memory"
 
     def assignment(self) -> Assignment:
         choice = tuple(max(range(len(xs)), key=lambda s: xs[s].varValue or 0.0) for xs in self.x)

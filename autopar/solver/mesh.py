@@ -53,6 +53,14 @@ class Mesh:
         dims = " x ".join(f"{a.name}={a.size}" for a in self.axes)
         return f"{dims} ({self.hardware})"
 
+    def to_json(self) -> dict:
+        """Plain dict for plan files (`Mesh.from_json` inverts it)."""
+        return mesh_to_json(self)
+
+    @staticmethod
+    def from_json(data: dict) -> "Mesh":
+        return mesh_from_json(data)
+
     def with_shape(self, shape: tuple[int, ...], names: tuple[str, ...] | None = None) -> "Mesh":
         """The same hardware laid out as another logical shape.
 
@@ -70,3 +78,81 @@ class Mesh:
 
 def default_axis_names(ndim: int) -> tuple[str, ...]:
     return {1: ("dp",), 2: ("dp", "tp"), 3: ("dp", "sp", "tp")}.get(ndim, tuple(f"ax{i}" for i in range(ndim)))
+
+
+# ---------------------------------------------------------------- presets
+# Numbers are per device and per direction, at the training dtype the preset names
+# (fp32 training on tensor cores uses TF32). `flops_per_s` is a sustained rate,
+# ~70% of the datasheet dense peak, which is what large matmuls reach in practice.
+def _axis(name: str, alpha_s: float, beta: float) -> MeshAxis:
+    return MeshAxis(name, 1, alpha_s, beta)
+
+
+PRESETS: dict[str, Mesh] = {
+    # 8x H100 SXM, NVLink 4: 450 GB/s per direction per GPU; bf16 dense 989 TFLOP/s (datasheet) -> 0.7x;
+    # HBM3 3.35 TB/s; 80 GB.
+    "h100": Mesh((_axis("dp", 5e-6, 450e9),), flops_per_s=0.7 * 989e12,
+                 mem_bandwidth_bytes_per_s=3.35e12, memory_bytes=80e9, hardware="h100"),
+    # 8x A100 SXM 80GB, NVLink 3: 300 GB/s per direction; bf16 dense 312 TFLOP/s -> 0.7x; HBM2e 2.0 TB/s.
+    "a100": Mesh((_axis("dp", 5e-6, 300e9),), flops_per_s=0.7 * 312e12,
+                 mem_bandwidth_bytes_per_s=2.0e12, memory_bytes=80e9, hardware="a100"),
+    # N nodes x 8 H100: outer axis over InfiniBand NDR (400 Gb/s = 50 GB/s per GPU), inner axis NVLink.
+    "h100-ib": Mesh((_axis("node", 2e-5, 50e9), _axis("gpu", 5e-6, 450e9)), flops_per_s=0.7 * 989e12,
+                    mem_bandwidth_bytes_per_s=3.35e12, memory_bytes=80e9, hardware="h100-ib"),
+    # This kind of machine: gloo over loopback between CPU processes (rough; `calibrate()` measures it).
+    "cpu": Mesh((_axis("dp", 5e-5, 2e9),), flops_per_s=5e10, mem_bandwidth_bytes_per_s=1e10,
+                memory_bytes=16e9, hardware="cpu"),
+}
+
+
+def make_mesh(num_devices: int, shape: tuple[int, ...] | None = None, hardware: str = "h100",
+              names: tuple[str, ...] | None = None) -> Mesh:
+    """A preset's hardware laid out as `shape` (default: one axis of all devices).
+
+    Multi-level presets ("h100-ib") map the LAST preset axis (the fast link) to
+    the last mesh axis and the first to all outer axes."""
+    if hardware not in PRESETS:
+        raise ValueError(f"unknown hardware {hardware!r}; choose one of {sorted(PRESETS)} or calibrate a mesh")
+    shape = tuple(shape) if shape is not None else (num_devices,)
+    if math.prod(shape) != num_devices:
+        dims = " * ".join(str(n) for n in shape)
+        raise ValueError(f"mesh shape {dims} = {math.prod(shape)} != num_devices ({num_devices})")
+    names = tuple(names) if names is not None else default_axis_names(len(shape))
+    if len(names) != len(shape):
+        raise ValueError(f"{len(names)} axis names {names} for a {len(shape)}-axis shape {shape}")
+    preset = PRESETS[hardware]
+    axes = []
+    for i, (name, size) in enumerate(zip(names, shape)):
+        src = preset.axes[-1] if i == len(shape) - 1 else preset.axes[0]
+        axes.append(MeshAxis(name, size, src.alpha_s, src.beta_bytes_per_s))
+    return replace(preset, axes=tuple(axes))
+
+
+def candidate_shapes(n: int) -> list[tuple[int, ...]]:
+    """Logical shapes worth trying for n devices: (n,) and every 2-D factorisation a x b with a, b > 1."""
+    if n < 1:
+        raise ValueError(f"number of devices must be >= 1, got {n}")
+    return [(n,)] + [(a, n // a) for a in range(2, n) if n % a == 0]
+
+
+def mesh_to_json(mesh: Mesh) -> dict:
+    return {
+        "axes": [{"name": a.name, "size": a.size, "alpha_s": a.alpha_s, "beta_bytes_per_s": a.beta_bytes_per_s}
+                 for a in mesh.axes],
+        "flops_per_s": mesh.flops_per_s,
+        "mem_bandwidth_bytes_per_s": mesh.mem_bandwidth_bytes_per_s,
+        "memory_bytes": mesh.memory_bytes,
+        "hardware": mesh.hardware,
+    }
+
+
+def mesh_from_json(data: dict) -> Mesh:
+    try:
+        axes = tuple(MeshAxis(a["name"], int(a["size"]), float(a["alpha_s"]), float(a["beta_bytes_per_s"]))
+                     for a in data["axes"])
+        return Mesh(axes, float(data["flops_per_s"]), float(data["mem_bandwidth_bytes_per_s"]),
+                    float(data["memory_bytes"]), str(data.get("hardware", "custom")))
+    except (KeyError, TypeError) as err:
+        raise ValueError(f"not a mesh description (missing or bad field {err}): {data!r}") from err
+
+

@@ -360,3 +360,19 @@ def check_plan(plan: Plan, traced: TracedGraph, mesh: Mesh, budget_bytes: float 
 def with_fingerprint(plan: Plan, traced: TracedGraph, mesh: Mesh, budget_bytes: float | None) -> Plan:
     """`plan` stamped with this model's fingerprint (for plans built by hand or by a solver that leaves it empty)."""
     return replace(plan, fingerprint=fingerprint(traced, mesh, budget_bytes))
+
+
+# ---------------------------------------------------------------- meshes (calibrated hardware files)
+def mesh_to_json(mesh: Mesh) -> str:
+    return json.dumps(_mesh_dict(mesh), indent=1)
+
+
+def load_mesh(path: str | Path) -> Mesh:
+    """A mesh written by `autopar calibrate --save` (the same object as a plan's "mesh" field)."""
+    p = Path(path)
+    try:
+        obj = json.loads(p.read_text())
+    except json.JSONDecodeError as err:
+        raise PlanFormatError(f"{p.name}: not valid JSON ({err.msg} at line {err.lineno}, column {err.colno})") from None
+    root = _Field(obj, "", p.name)
+    return _mesh_from(root["mesh"] if isinstance(obj, dict) and "mesh" in obj else root)

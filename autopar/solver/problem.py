@@ -11,7 +11,20 @@ device for memory.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+import math
+from dataclasses import dataclass, replace
+from typing import Mapping
+
+import torch
+
+from autopar.profiler.types import ConcreteProfile
+from autopar.solver.cluster import Cluster, Grouping, group, singletons
+from autopar.solver.cost import collective_time_s, split_factor, strategy_cost
+from autopar.solver.mesh import Mesh
+from autopar.solver.reshard import reshard_cost
+from autopar.solver.spec import Replicate, Shard, Spec, Strategy
+from autopar.solver.strategies import strategy_inputs
+from autopar.tracer import TracedGraph, output_vals
 
 
 @dataclass(frozen=True)
@@ -109,3 +122,187 @@ class Assignment:
         """Choices by index; `recompute` / `zero` are the node indices with the flag set."""
         n = len(choice)
         return Assignment(tuple(choice), tuple(i in set(recompute) for i in range(n)), tuple(i in set(zero) for i in range(n)))
+
+
+# ---------------------------------------------------------------- building a Problem from a traced graph
+@dataclass(frozen=True)
+class BuiltProblem:
+    """A Problem plus what is needed to map its assignment back onto the graph."""
+
+    problem: Problem
+    grouping: Grouping
+    strategies: Mapping[str, tuple[Strategy, ...]]
+    storage: Mapping[tuple[str, int], Spec]  # (param node, strategy index) -> ZeRO storage spec, where one exists
+    num_graph_nodes: int
+
+    def member_strategy(self, node: str, option: int) -> int:
+        """Strategy index of graph node `node` when its problem node (class) takes `option`."""
+        return grouping_choice(self.grouping.clusters[self.grouping.cluster_of[node]], node, option)
+
+
+def _ints(shape) -> tuple[int, ...]:
+    return tuple(int(s.node.hint) if isinstance(s, torch.SymInt) else int(s) for s in shape)
+
+
+def _zero(spec: Spec, shape: tuple[int, ...], local_bytes: float, mesh: Mesh) -> tuple[Spec, ZeroOption] | None:
+    """ZeRO storage for a param used as `spec`: sharded over every replicated axis (one tensor dim).
+
+    Its price, per step: a gather before forward use and again before backward, and a
+    reduce-scatter of the gradient instead of the all-reduce the consumer already pays
+    (strategy_cost charges that all-reduce for a Replicate input of a split op). With ring
+    collectives all_reduce = reduce_scatter + all_gather, so the extra is one all-gather.
+    """
+    axes = [a for a, p in enumerate(spec.placements) if isinstance(p, Replicate) and mesh.shape[a] > 1]
+    factor = math.prod(mesh.shape[a] for a in axes)
+    if factor <= 1:
+        return None
+    local = spec.local_shape(shape, mesh.shape)
+    dim = next((d for d, n in enumerate(local) if n % factor == 0), None)
+    if dim is None:
+        return None
+    storage = Spec(tuple(Shard(dim) if a in axes else p for a, p in enumerate(spec.placements)))
+    comm_s, gathered = 0.0, local_bytes
+    for a in reversed(axes):  # innermost gather first: each step gathers a bigger piece
+        comm_s += collective_time_s("all_gather", gathered, mesh.axes[a])
+        gathered /= mesh.shape[a]
+    return storage, ZeroOption(factor, comm_s, local_bytes)
+
+
+class _Pricer:
+    """Option of one graph node under one strategy, cached by everything that determines it."""
+
+    def __init__(self, traced: TracedGraph, profile: ConcreteProfile, mesh: Mesh, strategies):
+        self.traced, self.mesh, self.strategies = traced, mesh, strategies
+        self.nodes = {n.name: n for n in traced.graph.nodes}
+        self.costs = profile.nodes
+        self.params = {p.node: p for p in profile.params.values()}
+        self.storage: dict[tuple[str, int], Spec] = {}
+        self._cache: dict[tuple, Option] = {}
+
+    def option(self, name: str, k: int) -> Option:
+        node, cost, strat = self.nodes[name], self.costs[name], self.strategies[name][k]
+        outs = tuple(None if v is None else _ints(v.shape) for v in output_vals(node))
+        ins = tuple(_tensor_bytes(output_vals(p)[i]) for p, i in strategy_inputs(node)) if node.op == "call_function" else ()
+        param = self.params.get(name)
+        role = "param" if param else "buffer" if name in self.traced.buffer_fqns else node.op
+        key = (role, cost.op, cost.fwd_flops, cost.bwd_flops, cost.output_bytes, cost.saved_outputs,
+               cost.extra_saved_bytes, cost.temp_bytes, strat, outs, ins,
+               param and (param.param_bytes, param.grad_bytes, param.optimizer_bytes))
+        hit = self._cache.get(key)
+        if hit is None:
+            hit = self._cache[key] = self._price(role, cost, strat, outs, ins, param)
+        if hit.zero is not None:  # the storage spec is per parameter, the price is shared
+            self.storage[name, k] = _zero(strat.output_specs[0], outs[0], hit.param_bytes, self.mesh)[0]
+        return hit
+
+    def _price(self, role, cost, strat: Strategy, outs, ins, param) -> Option:
+        mesh = self.mesh
+        if role in ("param", "buffer", "placeholder", "get_attr"):
+            spec = strat.output_specs[0]
+            shard = spec.shard_factor(mesh.shape)
+            if role == "param":
+                found = _zero(spec, outs[0], param.param_bytes / shard, mesh)
+                return Option(str(spec), param_bytes=param.param_bytes / shard, grad_bytes=param.grad_bytes / shard,
+                              optimizer_bytes=param.optimizer_bytes / shard, zero=found[1] if found else None)
+            if role == "buffer":
+                return Option(str(spec), param_bytes=sum(cost.output_bytes) / shard)
+            saved = sum(b for b, s in zip(cost.output_bytes, cost.saved_outputs) if s) / shard
+            return Option(str(spec), saved_bytes=saved)
+        compute_s, comm_s = strategy_cost(cost, strat, outs, mesh, ins)
+        fwd_s, _ = strategy_cost(replace(cost, bwd_flops=0.0), strat, outs, mesh)
+        shards = [s.shard_factor(mesh.shape) for s in strat.output_specs] or [1]
+        saved = sum(b / shards[min(i, len(shards) - 1)] for i, (b, s) in enumerate(zip(cost.output_bytes, cost.saved_outputs)) if s)
+        saved += cost.extra_saved_bytes / shards[0]
+        return Option(str(strat), compute_s=compute_s, comm_s=comm_s, recompute_s=fwd_s, saved_bytes=saved,
+                      temp_bytes=cost.temp_bytes / split_factor(strat, mesh))
+
+
+def _tensor_bytes(val) -> float:
+    return float(val.numel() * val.element_size()) if isinstance(val, torch.Tensor) else 0.0
+
+
+def _sum(options: list[Option], label: str) -> Option:
+    zeros = [o.zero for o in options if o.zero is not None]
+    zero = None
+    if zeros:  # the parameter member of a cluster (its views have none)
+        zero = ZeroOption(zeros[0].factor, sum(z.comm_s for z in zeros), max(z.gathered_bytes for z in zeros))
+    return Option(
+        label,
+        compute_s=sum(o.compute_s for o in options), comm_s=sum(o.comm_s for o in options),
+        recompute_s=sum(o.recompute_s for o in options), saved_bytes=sum(o.saved_bytes for o in options),
+        temp_bytes=max(o.temp_bytes for o in options), param_bytes=sum(o.param_bytes for o in options),
+        grad_bytes=sum(o.grad_bytes for o in options), optimizer_bytes=sum(o.optimizer_bytes for o in options), zero=zero,
+    )
+
+
+def build_problem(
+    traced: TracedGraph,
+    profile: ConcreteProfile,
+    mesh: Mesh,
+    strategies: Mapping[str, tuple[Strategy, ...]],
+    budget_bytes: float | None,
+    grouped: bool = True,
+) -> BuiltProblem:
+    """grouped=False keeps one problem node per graph node (for pricing arbitrary per-node plans)."""
+    grouping = group(traced, strategies) if grouped else singletons(traced, strategies)
+    pricer = _Pricer(traced, profile, mesh, strategies)
+    clusters = grouping.clusters
+
+    def cluster_option(c: int, i: int) -> Option:
+        cl = clusters[c]
+        return _sum([pricer.option(m, k) for m, k in zip(cl.members, cl.choices[i])], str(strategies[cl.leader][cl.choices[i][0]]))
+
+    class_opts = []
+    for members in grouping.classes:
+        n_opts = len(clusters[members[0]].choices)
+        label = lambda i: str(strategies[clusters[members[0]].leader][i])  # noqa: E731
+        class_opts.append([_sum([cluster_option(c, i) for c in members], label(i)) for i in range(n_opts)])
+    # arcs between classes, deduplicated: (src class, dst class, src spec per option, dst spec per option, shape, itemsize, float)
+    arcs: dict[tuple, int] = {}
+    for node in traced.graph.nodes:
+        if node.op != "call_function" or node.name not in strategies:
+            continue
+        v = grouping.cluster_of[node.name]
+        for a, (p, k) in enumerate(strategy_inputs(node)):
+            u = grouping.cluster_of[p.name]
+            if u == v:
+                continue  # a follower and its producer: consistent by construction
+            val = output_vals(p)[k]
+            src = tuple(strategies[p.name][grouping_choice(clusters[u], p.name, i)].output_specs[k] for i in range(len(clusters[u].choices)))
+            dst = tuple(strategies[node.name][grouping_choice(clusters[v], node.name, j)].input_specs[a] for j in range(len(clusters[v].choices)))
+            key = (grouping.class_of[u], grouping.class_of[v], src, dst, _ints(val.shape), val.element_size(), val.is_floating_point())
+            arcs[key] = arcs.get(key, 0) + 1
+    pair_arcs: dict[tuple[int, int], list[tuple]] = {}
+    for key, mult in arcs.items():
+        pair_arcs.setdefault(key[:2], []).append(key[2:] + (mult,))
+    edges = []
+    for (a_cls, b_cls), items in pair_arcs.items():
+        def price(i: int, j: int) -> float:
+            return sum(m * reshard_cost(src[i], dst[j], shape, size, mesh, with_backward=fl) for src, dst, shape, size, fl, m in items)
+
+        if a_cls == b_cls:  # consecutive copies of a tied block: both ends take the same option
+            class_opts[a_cls] = [replace(o, comm_s=o.comm_s + price(i, i)) for i, o in enumerate(class_opts[a_cls])]
+            continue
+        src_keys = [tuple(it[0][i] for it in items) for i in range(len(class_opts[a_cls]))]
+        dst_keys = [tuple(it[1][j] for it in items) for j in range(len(class_opts[b_cls]))]
+        src_ids, dst_ids = _classes(src_keys), _classes(dst_keys)
+        first_src = [src_ids.index(c) for c in range(max(src_ids) + 1)]
+        first_dst = [dst_ids.index(c) for c in range(max(dst_ids) + 1)]
+        cost = tuple(tuple(price(i, j) for j in first_dst) for i in first_src)
+        edges.append(Edge(a_cls, b_cls, tuple(src_ids), tuple(dst_ids), cost))
+    nodes = []
+    for cls, members in enumerate(grouping.classes):
+        leader = pricer.nodes[clusters[members[0]].leader]
+        nodes.append(Node(leader.name, tuple(class_opts[cls]), recomputable=leader.op == "call_function"))
+    problem = Problem(tuple(nodes), tuple(edges), budget_bytes)
+    return BuiltProblem(problem, grouping, strategies, dict(pricer.storage), len(grouping.cluster_of))
+
+
+def grouping_choice(cluster: Cluster, node: str, option: int) -> int:
+    return cluster.choices[option][cluster.members.index(node)]
+
+
+def _classes(keys: list) -> list[int]:
+    """Dense ids for equal keys, in first-seen order."""
+    ids: dict = {}
+    return [ids.setdefault(k, len(ids)) for k in keys]

@@ -7,6 +7,7 @@ One step changes the placement on ONE mesh axis:
   all_gather      S(d) -> R        all_reduce      P -> R
   reduce_scatter  P -> S(d)        all_to_all      S(i) -> S(j)
   slice           R -> S(d)        (local, no communication)
+  partial         R -> P           (local: coordinate 0 keeps the value, others zeros)
 A tensor dim sharded over several mesh axes is split outer axis first
 (DTensor's default order: rank (i, j) of S(0)S(0) holds chunk i*n_j + j), so
 a step may only touch the innermost axis sharding that dim; otherwise the
@@ -45,7 +46,7 @@ def _innermost_ok(pls: Sequence[Placement], axis: int, dim: int) -> bool:
 
 
 def apply_step(spec: Spec, step: CollectiveStep) -> Spec:
-    new = {"all_gather": Replicate(), "all_reduce": Replicate()}.get(step.kind)
+    new = {"all_gather": Replicate(), "all_reduce": Replicate(), "partial": Partial()}.get(step.kind)
     pls = list(spec.placements)
     pls[step.mesh_axis] = new if new is not None else Shard(step.dst_dim)  # type: ignore[arg-type]
     return Spec(tuple(pls))
@@ -57,6 +58,7 @@ def _neighbours(spec: Spec, ndim: int) -> list[CollectiveStep]:
     for a, p in enumerate(pls):
         if isinstance(p, Replicate):
             out += [CollectiveStep("slice", a, dst_dim=d) for d in range(ndim) if _innermost_ok(pls, a, d)]
+            out.append(CollectiveStep("partial", a))
         elif isinstance(p, Partial):
             out.append(CollectiveStep("all_reduce", a))
             out += [CollectiveStep("reduce_scatter", a, dst_dim=d) for d in range(ndim) if _innermost_ok(pls, a, d)]
@@ -78,6 +80,8 @@ def step_time_s(step: CollectiveStep, spec_before: Spec, shape: Sequence[int], i
     axis = mesh.axes[step.mesh_axis]
     if step.kind == "slice":  # a local copy of the kept block
         return local_bytes / axis.size / mesh.mem_bandwidth_bytes_per_s
+    if step.kind == "partial":  # zero-fill on all but one rank
+        return local_bytes / mesh.mem_bandwidth_bytes_per_s
     if step.kind == "all_gather":  # formula takes the gathered (full over this axis) size
         return collective_time_s("all_gather", local_bytes * axis.size, axis)
     if step.kind == "reduce_scatter":  # input is the full (partial) tensor on each rank
@@ -125,7 +129,7 @@ def _search(src: Spec, dst: Spec, shape: tuple[int, ...], mesh: Mesh, itemsize: 
                 best[nxt] = c
                 tie += 1
                 heapq.heappush(heap, (c, tie, nxt, path + (step,)))
-    # unreachable: gathering everything and slicing again always works for even specs
+    # unreachable: gathering everything, then slicing / zeroing, always works for even specs
     raise AssertionError(f"no resharding path from {src} to {dst} for shape {shape}")
 
 

@@ -8,7 +8,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-CollectiveKind = Literal["all_gather", "reduce_scatter", "all_reduce", "all_to_all", "slice"]
+# "partial": local R -> P on one axis (coordinate 0 keeps the value, the others hold zeros);
+# needed e.g. for the bias of a row-parallel addmm, whose output is Partial.
+CollectiveKind = Literal["all_gather", "reduce_scatter", "all_reduce", "all_to_all", "slice", "partial"]
 
 
 @dataclass(frozen=True)

@@ -109,13 +109,14 @@ def test_collectives_match_single_process(spmd, mesh_shape, axis):
     assert results == [sorted(COLLECTIVES)] * world
 
 
-def _chain(rank: int, world_size: int) -> tuple[float, list[float]]:
-    """A Megatron MLP in float32: column-parallel W1 (f), row-parallel W2 (g), vs the unsharded MLP."""
+def _chain(rank: int, world_size: int) -> float:
+    """A Megatron MLP (float64): column-parallel W1 (f), row-parallel W2 (g), vs the unsharded MLP."""
     mesh = ProcessMesh((world_size,))
     g, r = mesh.group_name(0), mesh.coordinate[0]
     gen = torch.Generator().manual_seed(1)
-    x = torch.randn(6, 8, generator=gen)
-    w1, w2 = torch.randn(16, 8, generator=gen), torch.randn(8, 16, generator=gen)
+    x = torch.randn(6, 8, generator=gen, dtype=torch.float64)
+    w1 = torch.randn(16, 8, generator=gen, dtype=torch.float64)
+    w2 = torch.randn(8, 16, generator=gen, dtype=torch.float64)
     xr, w1r, w2r = _leaf(x), _leaf(w1), _leaf(w2)
     ref = (torch.relu(xr @ w1r.t()) @ w2r.t()).square().sum()
     ref.backward()
@@ -128,9 +129,9 @@ def _chain(rank: int, world_size: int) -> tuple[float, list[float]]:
     assert_close(xs.grad, xr.grad)
     assert_close(w1s.grad, w1r.grad.chunk(world_size, 0)[r])
     assert_close(w2s.grad, w2r.grad.chunk(world_size, 1)[r])
-    return loss.item(), [w1s.grad.norm().item()]
+    return loss.item()
 
 
 def test_megatron_mlp_chain(spmd):
-    results = spmd(_chain, 2)
-    assert results[0][0] == results[1][0]  # replicated loss identical on both ranks
+    losses = spmd(_chain, 2)
+    assert losses[0] == losses[1]  # the replicated loss is bitwise identical on both ranks

@@ -10,16 +10,16 @@ import torch.distributed as dist
 from autopar.runtime.launch import RankError, run_ranks
 
 
-def _sum_ranks(rank: int, world_size: int, scale: float) -> tuple[int, float, int]:
+def _sum_ranks(rank: int, world_size: int, scale: float) -> tuple[int, torch.Tensor, int]:
     t = torch.tensor([float(rank)])
     dist.all_reduce(t)
-    return rank, t.item() * scale, torch.get_num_threads()
+    return rank, t * scale, torch.get_num_threads()
 
 
 def test_results_in_rank_order(spmd):
     results = spmd(_sum_ranks, 4, 2.0)
-    # 0+1+2+3 = 6, scaled by 2; each rank runs one intra-op thread.
-    assert results == [(r, 12.0, 1) for r in range(4)]
+    # 0+1+2+3 = 6, scaled by 2 (tensors come back by value); each rank runs one intra-op thread.
+    assert [(r, t.tolist(), n) for r, t, n in results] == [(r, [12.0], 1) for r in range(4)]
 
 
 def _fail_on_rank_1(rank: int, world_size: int) -> None:

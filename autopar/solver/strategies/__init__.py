@@ -150,6 +150,9 @@ def _compute(node: fx.Node, mesh_shape: tuple[int, ...]) -> tuple[Strategy, ...]
 
 def _finalize(rules: list[Rule], node: fx.Node, n_in: int, outs: tuple, mesh_shape: tuple[int, ...]) -> tuple[Strategy, ...]:
     in_shapes = [tuple(_int(s) for s in a.meta["val"].shape) for a in tensor_args(node)]
+    # a bool tensor cannot be a Partial sum: no strategy may ask for or produce one
+    bools = [a.meta["val"].dtype == torch.bool for a in tensor_args(node)]
+    out_bools = [v is not None and v.dtype == torch.bool for v in outs]
     out_shapes = [None if v is None else tuple(_int(s) for s in v.shape) for v in outs]
     ndim = len(mesh_shape)
     rep = Spec.replicate(ndim)
@@ -158,6 +161,8 @@ def _finalize(rules: list[Rule], node: fx.Node, n_in: int, outs: tuple, mesh_sha
         if len(ins) != n_in or len(os) < len(outs):
             continue
         os = tuple(rep if shape is None else s for s, shape in zip(os, out_shapes))
+        if any(b and s.has_partial() for b, s in zip(bools + out_bools, ins + os)):
+            continue
         if all(is_even(s, sh, mesh_shape) for s, sh in zip(ins, in_shapes)) and all(
             sh is None or is_even(s, sh, mesh_shape) for s, sh in zip(os, out_shapes)
         ):

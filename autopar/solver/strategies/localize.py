@@ -5,9 +5,10 @@ whose arguments spell out a shape must then get the local shape:
 view/reshape/expand sizes, new_* and factory sizes, and arange bounds (a rank
 that holds block k of an arange builds exactly that block).
 
-    args, kwargs = local_args(node, strategy, mesh_shape, coordinate)
+    target, args, kwargs = local_call(node, strategy, mesh_shape, coordinate)
 
-Tensor arguments are returned unchanged (fx.Nodes); the caller substitutes
+`target` differs from `node.target` only for arange (a sharded block needs
+`arange.start_step`). Tensor arguments are returned unchanged (fx.Nodes); the caller substitutes
 each rank's local tensor.
 """
 from __future__ import annotations
@@ -43,15 +44,15 @@ def block_index(spec: Spec, dim: int, mesh_shape: Sequence[int], coordinate: Seq
     return index, count
 
 
-def local_args(node: fx.Node, strategy: Strategy, mesh_shape: Sequence[int], coordinate: Sequence[int]) -> tuple[tuple, dict]:
+def local_call(node: fx.Node, strategy: Strategy, mesh_shape: Sequence[int], coordinate: Sequence[int]) -> tuple[Any, tuple, dict]:
     args, kwargs = tuple(node.args), dict(node.kwargs)
     op = node.target
-    if not strategy.output_specs:
-        return args, kwargs
-    out_spec = strategy.output_specs[0]
     val = node.meta.get("val")
-    if not isinstance(val, torch.Tensor) or out_spec.shard_factor(mesh_shape) == 1:
-        return args, kwargs
+    if not strategy.output_specs or not isinstance(val, torch.Tensor):
+        return op, args, kwargs
+    out_spec = strategy.output_specs[0]
+    if out_spec.shard_factor(mesh_shape) == 1:
+        return op, args, kwargs
     if op in _SIZE_ARG:
         i = _SIZE_ARG[op]
         local = list(out_spec.local_shape(tuple(int(s) for s in val.shape), mesh_shape))
@@ -60,18 +61,16 @@ def local_args(node: fx.Node, strategy: Strategy, mesh_shape: Sequence[int], coo
         else:
             kwargs["size"] = local
     elif op in _ARANGE:
-        args = _local_arange(op, args, out_spec, int(val.shape[0]), mesh_shape, coordinate)
-    return args, kwargs
+        return aten.arange.start_step, _local_arange(op, args, out_spec, int(val.shape[0]), mesh_shape, coordinate), kwargs
+    return op, args, kwargs
 
 
 def _local_arange(op: Any, args: tuple, spec: Spec, length: int, mesh_shape: Sequence[int], coordinate: Sequence[int]) -> tuple:
     if op is aten.arange.default:
         start, step = 0, 1
-    elif op is aten.arange.start:
-        start, step = args[0], 1
-    else:
-        start, step = args[0], args[2]
+    else:  # start_step's step defaults to 1 and may be omitted
+        start, step = args[0], args[2] if len(args) > 2 else 1
     index, count = block_index(spec, 0, mesh_shape, coordinate)
     block = length // count
     lo = start + index * block * step
-    return (lo, lo + block * step, step) + (() if op is aten.arange.start_step else ())  if op is aten.arange.start_step else (lo, lo + block * step, step)
+    return (lo, lo + block * step, step)

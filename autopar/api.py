@@ -1,0 +1,108 @@
+"""`autopar.parallelize`: trace, profile, solve (or take a plan) and lower, in one call.
+
+    pm = autopar.parallelize(model, {"input_ids": ids, "labels": labels}, device_mesh=(2, 2))
+    opt = torch.optim.AdamW(pm.parameters())
+    loss = pm(**my_slice)            # each rank feeds its slice of the batch (DDP convention)
+    loss.backward(); opt.step()
+
+Runs inside an initialised process group (torchrun, or `autopar.runtime.launch.run_ranks`).
+"""
+from __future__ import annotations
+
+import copy
+import logging
+import math
+import time
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.utils import _pytree as pytree
+
+from autopar.codegen import ParallelModule, lower
+from autopar.profiler import profile
+from autopar.runtime.mesh import ProcessMesh
+from autopar.solver import solve
+from autopar.solver.mesh import Mesh, make_mesh
+from autopar.solver.plan import Plan
+from autopar.solver.plan_io import check_plan, load_plan, plan_from_json, plan_to_json
+from autopar.tracer import TracedGraph, trace
+
+log = logging.getLogger(__name__)
+
+
+def meta_copy(model: nn.Module) -> nn.Module:
+    """A copy of `model` whose parameters and buffers live on `meta`, tied weights still tied.
+
+    (`copy.deepcopy(model).to("meta")` unties them: `.to` across device types makes a
+    new Parameter per attribute, so export would see two parameters.)
+    """
+    memo: dict[int, Any] = {}
+    for p in model.parameters():
+        memo[id(p)] = nn.Parameter(torch.empty_like(p, device="meta"), requires_grad=p.requires_grad)
+    for b in model.buffers():
+        memo[id(b)] = torch.empty_like(b, device="meta")
+    return copy.deepcopy(model, memo)
+
+
+def meta_sample(sample: Any) -> Any:
+    return pytree.tree_map(lambda t: t.to("meta") if isinstance(t, torch.Tensor) else t, sample)
+
+
+def parallelize(
+    model: nn.Module,
+    sample_input: Any,
+    device_mesh: tuple[int, ...] | DeviceMesh,
+    memory_budget: float | None = None,
+    hardware: str | Mesh | None = None,
+    plan: Plan | str | Path | None = None,
+    optimizer: str = "adamw",
+    input_layout: Literal["shard", "replicate"] = "shard",
+    time_limit_s: float = 30.0,
+) -> ParallelModule:
+    """Return `model` parallelized over `device_mesh` as a `ParallelModule` (local shards, same FQNs).
+
+    sample_input: the GLOBAL batch (tensor, tuple of args or dict of kwargs), used for tracing only.
+    memory_budget: bytes per device (default: the hardware's memory).
+    hardware: a preset name of `autopar.solver.mesh.PRESETS` (default "cpu", or "h100" on CUDA) or a `Mesh`
+      whose numbers the solver uses; ignored when `plan` is given.
+    plan: a `Plan` or the path of a JSON plan file; checked against the traced model.
+    """
+    start = time.perf_counter()
+    pmesh = ProcessMesh(device_mesh)
+    traced = trace(meta_copy(model), meta_sample(sample_input))
+    if plan is None:
+        plan = _solve_on_rank0(traced, pmesh, memory_budget, hardware, optimizer, time_limit_s)
+    else:
+        if not isinstance(plan, Plan):
+            plan = load_plan(plan)
+        check_plan(plan, traced, plan.mesh, plan.fingerprint.budget_bytes)
+    gm = lower(
+        traced, plan, pmesh,
+        params=dict(model.named_parameters(remove_duplicate=False)),
+        buffers=dict(model.named_buffers(remove_duplicate=False)),
+        input_layout=input_layout,
+    )
+    if dist.get_rank() == 0:
+        log.info("parallelize: %s on mesh %s in %.2f s (est. step %.1f ms)", type(model).__name__, pmesh.shape,
+                 time.perf_counter() - start, plan.time.total_s * 1e3)
+    return ParallelModule(gm, traced, pmesh, plan)
+
+
+def _solve_on_rank0(traced: TracedGraph, pmesh: ProcessMesh, memory_budget: float | None, hardware: str | Mesh | None,
+                    optimizer: str, time_limit_s: float) -> Plan:
+    """Rank 0 solves and broadcasts the plan as JSON: a time-limited ILP need not agree across ranks."""
+    text = [None]
+    if dist.get_rank() == 0:
+        if isinstance(hardware, Mesh):
+            mesh = hardware.with_shape(pmesh.shape, pmesh.axis_names)
+        else:
+            preset = hardware or ("h100" if torch.cuda.is_available() else "cpu")
+            mesh = make_mesh(math.prod(pmesh.shape), pmesh.shape, preset, pmesh.axis_names)
+        prof = profile(traced, optimizer=optimizer)
+        text = [plan_to_json(solve(traced, prof, mesh, memory_budget_bytes=memory_budget, time_limit_s=time_limit_s))]
+    dist.broadcast_object_list(text, src=0)
+    return plan_from_json(text[0])

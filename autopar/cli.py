@@ -1,0 +1,194 @@
+"""The `autopar` command: plan, show, explain, diff, profile, calibrate.
+
+    autopar plan examples/gpt2.py --gpus 8 --memory 80GB --save plan.json --html plan.html
+    autopar show plan.json
+    autopar explain plan.json transformer.h.0.mlp.c_fc
+    autopar diff a.json b.json
+    autopar profile examples/gpt2.py --size tiny
+    torchrun --nproc_per_node 4 -m autopar.cli calibrate --gpus 4 --save mesh.json
+
+A thin driver over trace -> profile -> solve (DESIGN.md section 1). Errors print
+one line of cause and one line of fix; exit code 2 for usage errors, 1 when no
+plan fits or anything else fails; tracebacks only with --debug. This module is
+the only place that configures logging handlers.
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import logging
+import sys
+import time
+import traceback
+from dataclasses import replace
+from pathlib import Path
+from typing import Any, Iterator, Sequence
+
+from rich.console import Console
+from rich.logging import RichHandler
+
+from autopar.errors import AutoparError, InfeasibleError, UsageError
+from autopar.report.units import fmt_bytes, parse_bytes
+
+log = logging.getLogger(__name__)
+
+
+# ---------------------------------------------------------------- output helpers
+def _out() -> Console:
+    # Looked up per call so tests capturing sys.stdout see the output; 160 columns off a terminal keeps tables unwrapped.
+    return Console(file=sys.stdout, width=None if sys.stdout.isatty() else 160, highlight=False)
+
+
+def _err() -> Console:
+    return Console(file=sys.stderr, width=None if sys.stderr.isatty() else 120, highlight=False)
+
+
+@contextlib.contextmanager
+def phase(name: str) -> Iterator[None]:
+    """A spinner on stderr while `name` runs; its duration is printed when it took over a second."""
+    console = _err()
+    start = time.perf_counter()
+    with console.status(f"{name}...", spinner="dots"):
+        yield
+    elapsed = time.perf_counter() - start
+    if elapsed > 1.0:
+        console.print(f"[dim]{name}: {elapsed:.1f} s[/dim]")
+
+
+def _print_json(obj: Any) -> None:
+    sys.stdout.write(json.dumps(obj, indent=1) + "\n")
+
+
+# ---------------------------------------------------------------- argument values
+def _memory(text: str) -> float:
+    try:
+        return parse_bytes(text)
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(str(err)) from None
+
+
+def _mesh_shape(text: str) -> tuple[int, ...]:
+    try:
+        shape = tuple(int(x) for x in text.lower().split("x"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"cannot read mesh shape {text!r}; write sizes joined by x, e.g. 8 or 2x4") from None
+    if not shape or any(n < 1 for n in shape):
+        raise argparse.ArgumentTypeError(f"mesh shape {text!r} needs positive sizes, e.g. 2x4")
+    return shape
+
+
+def _positive(text: str) -> int:
+    try:
+        n = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"{n} must be at least 1")
+    return n
+
+
+def _add_model_args(p: argparse.ArgumentParser) -> None:
+    # MODEL.py is optional on the parser because --hf-config replaces it; the command checks that one is given.
+    p.add_argument("model", nargs="?", help="MODEL.py defining `model` and `sample_input`, or build(batch_size, seq_len)")
+    p.add_argument("--hf-config", choices=("gpt2", "llama"), help="instead of MODEL.py: a Hugging Face preset with random weights (gpt2 = GPT-2 small, llama = LLaMA-2-7B shape)")
+    p.add_argument("--batch-size", type=_positive, help="passed to build(); default: the file's own")
+    p.add_argument("--seq-len", type=_positive, help="passed to build(); default: the file's own")
+    p.add_argument("--size", help="passed to build(size=...), e.g. tiny or small for the examples/ zoo")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="autopar", description="Automatic parallelization planner for PyTorch training.")
+    parser.add_argument("--debug", action="store_true", help="show tracebacks and debug logs")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help="show tracebacks and debug logs")
+    common.add_argument("--json", action="store_true", help="print machine-readable JSON instead of tables")
+
+    p = sub.add_parser("plan", parents=[common], help="plan a model's parallelization")
+    _add_model_args(p)
+    p.add_argument("--gpus", type=_positive, required=True, help="number of devices")
+    p.add_argument("--mesh", type=_mesh_shape, help="logical mesh shape, e.g. 2x4 (default: try every shape of --gpus)")
+    p.add_argument("--hardware", default="h100", help="preset name (h100, a100, cpu, ...) or a mesh JSON from `autopar calibrate --save`")
+    p.add_argument("--memory", type=_memory, help="per-device budget: 80GB (10^9 bytes), 80GiB (2^30 bytes), 512MB or plain bytes; default: the device's memory")
+    p.add_argument("--optimizer", default="adamw", help="optimizer whose state is budgeted: adamw, adam, sgd, sgd-momentum")
+    p.add_argument("--time-limit", type=float, default=30.0, help="ILP time limit in seconds")
+    p.add_argument("--save", help="write the plan to this JSON file")
+    p.add_argument("--load", help="reuse this plan file (checked against the model) instead of solving")
+    p.add_argument("--html", help="write a self-contained HTML report here")
+
+    p = sub.add_parser("show", parents=[common], help="print the report of a saved plan")
+    p.add_argument("plan", help="plan.json")
+    p.add_argument("--html", help="also write the HTML report here")
+
+    p = sub.add_parser("explain", parents=[common], help="why a node or module got its strategy, with each alternative's cost")
+    p.add_argument("plan", help="plan.json")
+    p.add_argument("target", help="node name, parameter FQN or module path")
+    p.add_argument("--model", help="MODEL.py to price alternatives with (default: the one recorded in the plan)")
+
+    p = sub.add_parser("diff", parents=[common], help="what changed between two plans and the predicted effect")
+    p.add_argument("a", help="first plan.json")
+    p.add_argument("b", help="second plan.json")
+
+    p = sub.add_parser("profile", parents=[common], help="FLOPs, activation and parameter bytes per module")
+    _add_model_args(p)
+    p.add_argument("--optimizer", default="adamw", help="optimizer whose state is counted")
+
+    p = sub.add_parser("calibrate", parents=[common], help="measure the mesh numbers on the live process group (run under torchrun)")
+    p.add_argument("--gpus", type=_positive, required=True, help="number of ranks (must equal torchrun's world size)")
+    p.add_argument("--save", help="write the measured mesh to this JSON file (use it as --hardware)")
+    return parser
+
+
+# ---------------------------------------------------------------- commands
+def _run(args: argparse.Namespace) -> int:
+    from autopar.report import commands  # heavy imports (torch) only after argument parsing succeeded
+
+    return getattr(commands, f"cmd_{args.command}")(args)
+
+
+def _configure_logging(debug: bool) -> None:
+    root = logging.getLogger("autopar")
+    root.handlers[:] = [RichHandler(console=_err(), show_time=False, show_path=debug)]
+    root.setLevel(logging.DEBUG if debug else logging.WARNING)
+    root.propagate = False
+
+
+def _with_fix(err: AutoparError) -> str:
+    text = str(err).strip()
+    if "fix:" in text:
+        return text
+    if isinstance(err, InfeasibleError) and err.min_memory_bytes:
+        return f"{text}\n  fix: pass --memory {fmt_bytes(err.min_memory_bytes).replace(' ', '')} or more, or plan for more --gpus"
+    return f"{text}\n  fix: rerun with --debug for details"
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as exc:  # argparse already printed its usage message
+        return int(exc.code or 0)
+    debug = getattr(args, "debug", False)
+    _configure_logging(debug)
+    try:
+        return _run(args)
+    except UsageError as err:
+        sys.stderr.write(f"autopar {args.command}: error: {_with_fix(err)}\n")
+        return 2
+    except AutoparError as err:
+        if debug:
+            traceback.print_exc()
+        sys.stderr.write(f"autopar {args.command}: error: {_with_fix(err)}\n")
+        return 1
+    except KeyboardInterrupt:
+        return 130
+    except Exception as err:  # the last resort: one line instead of a stack, unless --debug
+        if debug:
+            traceback.print_exc()
+        sys.stderr.write(f"autopar {args.command}: internal error: {type(err).__name__}: {err}\n  fix: rerun with --debug and report the traceback\n")
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

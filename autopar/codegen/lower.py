@@ -1,0 +1,363 @@
+"""Lower a traced graph + plan to one rank's distributed fx.GraphModule.
+
+    gm = lower(traced, plan, ProcessMesh((2,)), params=dict(model.named_parameters()))
+    print(gm.code)    # local shapes, collectives as named calls with group names
+
+The new graph runs every original ATen op on local tensors, in the original
+order, applying the plan in one fixed order per node:
+  1. its tensor inputs are resharded from the producer's spec to the spec the
+     strategy wants (collective nodes from `autopar.runtime.collectives`, each
+     with its conjugate backward), plus the gradient all-reduces `edges.py`
+     derives (why they are needed is explained there);
+  2. shape arguments are rewritten to local sizes (`shapes.py`) and device
+     arguments to the runtime device (the trace ran on `meta`);
+  3. random ops are wrapped so their masks follow the Megatron rule (`random.py`).
+Parameters and buffers are `get_attr` nodes on this rank's shards, stored under
+their original FQNs; ZeRO parameters hold the storage shard and are gathered to
+their use spec in the graph (gradients reduce-scattered on the way back).
+The loss is all-reduced to Replicate (every rank returns the global loss, so no
+gradient needs a 1/N); other outputs come back in the input convention.
+Finally runs of recomputed nodes become checkpointed regions (`recompute.py`).
+"""
+from __future__ import annotations
+
+import logging
+import math
+import operator
+from dataclasses import dataclass, field
+from typing import Any, Literal, Mapping
+
+import torch
+from torch import fx, nn
+from torch.utils import _pytree as pytree
+
+from autopar.codegen import random as random_ops
+from autopar.codegen.edges import Edge, Step, edge_for, is_float, plan_steps, sharded_axes
+from autopar.codegen.recompute import outline_recompute_regions
+from autopar.codegen.shapes import LoweringError, local_block, localize_call
+from autopar.runtime import collectives as C
+from autopar.runtime.mesh import ProcessMesh
+from autopar.solver.plan import Plan
+from autopar.solver.spec import Replicate, Shard, Spec
+from autopar.tracer import TracedGraph, tensor_args
+from autopar.tracer.nodes import is_tensor_node as _is_tensor_node
+
+log = logging.getLogger(__name__)
+
+InputLayout = Literal["shard", "replicate"]
+_CHECKS = frozenset({torch.ops.aten._assert_tensor_metadata.default})
+
+
+@dataclass(frozen=True)
+class LoweringInfo:
+    """What the runtime wrapper needs besides the graph (kept on `gm.meta["autopar"]`)."""
+
+    param_storage: Mapping[str, Spec]  # FQN -> storage spec of the local tensor
+    grad_sync_axes: Mapping[str, tuple[int, ...]]  # FQN -> mesh axes its grad is all-reduced over after backward
+    buffer_specs: Mapping[str, Spec]
+    input_specs: tuple[Spec, ...]  # per user input: the layout each rank feeds
+    data_parallel_axes: tuple[int, ...]
+    aliases: Mapping[str, str] = field(default_factory=dict)  # tied FQN -> the FQN that holds the tensor
+
+
+def lower(
+    traced: TracedGraph,
+    plan: Plan,
+    mesh: ProcessMesh,
+    params: Mapping[str, torch.Tensor] | None = None,
+    buffers: Mapping[str, torch.Tensor] | None = None,
+    input_layout: InputLayout = "shard",
+    device: torch.device | None = None,
+) -> fx.GraphModule:
+    """This rank's GraphModule for `plan`. `params`/`buffers`: full tensors by FQN (zeros when omitted)."""
+    if tuple(plan.mesh.shape) != tuple(mesh.shape):
+        raise LoweringError(f"plan is for mesh {plan.mesh.shape} but the process mesh is {mesh.shape}; solve again for this mesh")
+    if input_layout not in ("shard", "replicate"):
+        raise LoweringError(f"input_layout={input_layout!r}; use 'shard' (each rank feeds its slice of the batch) or 'replicate'")
+    return _Lowerer(traced, plan, mesh, params or {}, buffers or {}, input_layout, device).run()
+
+
+def _device_of(mesh: ProcessMesh) -> torch.device:
+    if mesh.device_mesh.device_type == "cuda":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device(mesh.device_mesh.device_type)
+
+
+class _Lowerer:
+    def __init__(self, traced, plan, mesh, params, buffers, input_layout, device):
+        self.traced, self.plan, self.mesh = traced, plan, mesh
+        self.full_params, self.full_buffers = params, buffers
+        self.input_layout = input_layout
+        self.device = device or _device_of(mesh)
+        self.decisions = {d.node: d for d in plan.nodes}
+        self.param_decisions = {d.node: d for d in plan.params}
+        self.nodes = {n.name: n for n in traced.graph.nodes}
+        self.graph = fx.Graph()
+        self.root = nn.Module()
+        self.env: dict[str, fx.Node] = {}
+        self.cache: dict[tuple, fx.Node] = {}
+        self.edges: dict[tuple[str, int], Edge] = {}
+        self.tied = _tied_groups(params)
+        self._targs: dict[str, tuple[fx.Node, ...]] = {}
+        self.origin: dict[str, str] = {}  # new node name -> the traced node it implements (for recompute regions)
+
+    # ------------------------------------------------------------ specs
+    def out_specs(self, node: fx.Node) -> tuple[Spec, ...]:
+        d = self.decisions.get(node.name)
+        if d is not None:
+            return d.strategy.output_specs
+        if node.target is operator.getitem:  # tuple element without its own decision: as its producer made it
+            return (self.out_specs(node.args[0])[node.args[1]],)
+        if node.op == "placeholder" and node.name in self.param_decisions:
+            return (self.param_decisions[node.name].use,)
+        raise LoweringError(f"the plan has no strategy for node {node.name!r} ({node.format_node()}); the plan does not match this graph")
+
+    def tensor_args(self, node: fx.Node) -> tuple[fx.Node, ...]:
+        if node.name not in self._targs:
+            self._targs[node.name] = tensor_args(node)
+        return self._targs[node.name]
+
+    def in_specs(self, node: fx.Node) -> tuple[Spec, ...]:
+        specs = self.decisions[node.name].strategy.input_specs if node.name in self.decisions else ()
+        targs = self.tensor_args(node)
+        if len(specs) != len(targs):
+            raise LoweringError(f"strategy of {node.name!r} has {len(specs)} input specs for {len(targs)} tensor arguments ({node.format_node()})")
+        return specs
+
+    def src_spec(self, producer: fx.Node) -> Spec:
+        return self.out_specs(producer)[0]
+
+    # ------------------------------------------------------------ analysis
+    def analyse_edges(self) -> None:
+        for node in self.traced.graph.nodes:
+            if node.op != "call_function" or node.target is operator.getitem or node.target in _CHECKS:
+                continue
+            ins = self.in_specs(node)
+            axes = sharded_axes(ins + self.out_specs(node))
+            for i, (a, dst) in enumerate(zip(self.tensor_args(node), ins)):
+                self.edges[(node.name, i)] = edge_for(a, node, i, self.src_spec(a), dst, axes, self.plan.mesh)
+
+    def owner(self, fqn: str) -> str:
+        return self.tied.get(fqn, fqn)
+
+    def plan_params(self) -> tuple[dict, dict]:
+        """Per used parameter: (placeholder -> storage->use steps, owner FQN -> axes left to the bucketed grad sync)."""
+        zero_steps, sync_axes = {}, {}
+        uses: dict[str, list[Edge]] = {}
+        for e in self.edges.values():
+            uses.setdefault(e.producer, []).append(e)
+        for ph, fqn in self.traced.param_fqns.items():
+            d = self.param_decisions.get(ph)
+            if d is None:
+                raise LoweringError(f"the plan has no parameter decision for {fqn!r} (placeholder {ph}); the plan does not match this model")
+            edges = uses.get(ph, [])
+            if not edges:
+                continue
+            # axes on which every use holds a partial grad: reduced once, on the parameter, not per use
+            common = set.intersection(*(set(e.grad_reduce_axes) for e in edges))
+            for e in edges:
+                self.edges[(e.consumer, e.index)] = _without_axes(e, common)
+            shape = tuple(self.nodes[ph].meta["val"].shape)
+            # ZeRO: the storage->use all-gather over k takes over k's reduction (its backward reduce-scatters)
+            steps, left = plan_steps(d.storage, d.use, shape, self.plan.mesh, common) if d.zero else ((), common)
+            zero_steps[ph] = steps
+            sync_axes[self.owner(fqn)] = tuple(sorted(left))
+        return zero_steps, sync_axes
+
+    # ------------------------------------------------------------ emission
+    def collective(self, x: fx.Node, step: Step) -> fx.Node:
+        s, g = step.step, self.mesh.group_name(step.step.mesh_axis)
+        if s.kind == "all_gather":
+            fn = C.all_gather_rs if step.reduce_scatter_grad else C.all_gather
+            return self.graph.call_function(fn, (x, s.src_dim, g))
+        if s.kind == "reduce_scatter":
+            return self.graph.call_function(C.reduce_scatter, (x, s.dst_dim, g))
+        if s.kind == "all_reduce":
+            return self.graph.call_function(C.all_reduce, (x, g))
+        if s.kind == "all_to_all":
+            return self.graph.call_function(C.all_to_all, (x, s.src_dim, s.dst_dim, g))
+        if s.kind == "slice":
+            return self.graph.call_function(C.local_slice, (x, s.dst_dim, g))
+        if s.kind == "replicate_to_partial":
+            return self.graph.call_function(C.replicate_to_partial, (x, g))
+        raise LoweringError(f"no collective lowers resharding step {s}")
+
+    def emit_steps(self, x: fx.Node, steps: tuple[Step, ...], grad_axes: tuple[int, ...]) -> fx.Node:
+        key = (x.name, steps, grad_axes)
+        if key in self.cache:
+            return self.cache[key]
+        out = x
+        for step in steps:
+            out = self.collective(out, step)
+        for k in grad_axes:
+            out = self.graph.call_function(C.grad_all_reduce, (out, self.mesh.group_name(k)))
+        self.cache[key] = out
+        return out
+
+    def edge_value(self, consumer: fx.Node, index: int) -> fx.Node:
+        e = self.edges[(consumer.name, index)]
+        return self.emit_steps(self.env[e.producer], e.steps, e.grad_reduce_axes)
+
+    def reshard(self, x: fx.Node, producer: fx.Node, src: Spec, dst: Spec) -> fx.Node:
+        steps, _ = plan_steps(src, dst, tuple(producer.meta["val"].shape), self.plan.mesh, set())
+        return self.emit_steps(x, steps, ())
+
+    def get_attr(self, fqn: str, value: torch.Tensor, is_param: bool) -> fx.Node:
+        _set_nested(self.root, fqn, nn.Parameter(value, requires_grad=value.is_floating_point()) if is_param else value, is_param)
+        return self.graph.get_attr(fqn)
+
+    def local_tensor(self, fqn: str, node: fx.Node, spec: Spec, full: Mapping[str, torch.Tensor]) -> torch.Tensor:
+        val = node.meta["val"]
+        if fqn in full:
+            t = full[fqn].detach()
+            if tuple(t.shape) != tuple(val.shape):
+                raise LoweringError(f"{fqn!r} has shape {tuple(t.shape)} but the traced model has {tuple(val.shape)}")
+            return local_block(t, spec, self.mesh.shape, self.mesh.coordinate).to(self.device, copy=True).contiguous()
+        return torch.zeros(spec.local_shape(tuple(val.shape), self.mesh.shape), dtype=val.dtype, device=self.device)
+
+    def run(self) -> fx.GraphModule:
+        self.analyse_edges()
+        zero_steps, sync_axes = self.plan_params()
+        dp_axes = self.data_parallel_axes()
+        fed_specs = []
+        storage, buffer_specs = {}, {}
+        held: dict[str, fx.Node] = {}  # tensor owner FQN -> its get_attr node (tied params share one)
+        for node in self.traced.graph.nodes:
+            if node.op == "placeholder":
+                if node.name in self.traced.param_fqns:
+                    fqn = self.traced.param_fqns[node.name]
+                    if node.name not in zero_steps:
+                        continue  # unused (e.g. the tied twin export leaves behind)
+                    d = self.param_decisions[node.name]
+                    owner = self.owner(fqn)
+                    if owner in held:
+                        raise LoweringError(f"tied parameters {owner!r} and {fqn!r} are used through two placeholders; not supported")
+                    storage[owner] = d.storage
+                    held[owner] = self.get_attr(owner, self.local_tensor(fqn, node, d.storage, self.full_params), True)
+                    self.env[node.name] = self.emit_steps(held[owner], zero_steps[node.name], ())
+                elif node.name in self.traced.buffer_fqns:
+                    fqn = self.traced.buffer_fqns[node.name]
+                    spec = self.src_spec(node)
+                    buffer_specs[fqn] = spec
+                    self.env[node.name] = self.get_attr(fqn, self.local_tensor(fqn, node, spec, self.full_buffers), False)
+                else:
+                    fed = self.fed_spec(node, dp_axes)
+                    fed_specs.append(fed)
+                    ph = self.graph.placeholder(node.name)
+                    ph.meta["val"] = node.meta.get("val")
+                    self.env[node.name] = self.reshard(ph, node, fed, self.src_spec(node))
+            elif node.op == "call_function" and node.target in _CHECKS:
+                continue  # export's metadata asserts: about the traced (global, meta) tensors, not local shards
+            elif node.op == "call_function":
+                self.env[node.name] = self.emit_call(node)
+            elif node.op == "output":
+                self.emit_output(dp_axes)
+            else:
+                raise LoweringError(f"unexpected {node.op} node in a traced graph: {node.format_node()}")
+        aliases = {fqn: owner for fqn, owner in self.tied.items() if fqn != owner and owner in held}
+        for fqn, owner in aliases.items():
+            _set_nested(self.root, fqn, _get_nested(self.root, owner), True)
+        outline_recompute_regions(self.graph, self.root, {d.node for d in self.plan.nodes if d.recompute}, self.origin)
+        gm = fx.GraphModule(self.root, self.graph, class_name="ParallelGraph")
+        gm.meta["autopar"] = LoweringInfo(storage, sync_axes, buffer_specs, tuple(fed_specs), dp_axes, aliases)
+        log.info("codegen: %d nodes, %d collectives", len(gm.graph.nodes), _count_collectives(gm))
+        return gm
+
+    def emit_call(self, node: fx.Node) -> fx.Node:
+        before = next(iter(reversed(self.graph.nodes)), None)
+        if node.target is operator.getitem:
+            producer = node.args[0]
+            out = self.graph.create_node("call_function", operator.getitem, (self.env[producer.name], node.args[1]), name=node.name)
+            if node.name in self.decisions:
+                out = self.reshard(out, node, self.out_specs(producer)[node.args[1]], self.src_spec(node))
+        else:
+            in_specs = self.in_specs(node)
+            strategy = self.decisions[node.name].strategy
+            # sizes first (on the traced args), then tensors and devices substituted leaf by leaf
+            target, args, kwargs = localize_call(node, strategy, self.mesh.shape, self.mesh.coordinate)
+            counter = iter(range(len(in_specs)))
+            flat, spec = pytree.tree_flatten((args, kwargs))
+            new_flat = []
+            for leaf in flat:
+                if _is_tensor_node(leaf):
+                    new_flat.append(self.edge_value(node, next(counter)))
+                elif isinstance(leaf, fx.Node):
+                    new_flat.append(self.env[leaf.name])
+                elif isinstance(leaf, torch.device):
+                    new_flat.append(self.device)
+                else:
+                    new_flat.append(leaf)
+            args, kwargs = pytree.tree_unflatten(new_flat, spec)
+            target, args, kwargs = random_ops.wrap(target, tuple(args), kwargs, self.out_specs(node), self.mesh)
+            out = self.graph.create_node("call_function", target, tuple(args), kwargs, name=node.name)
+            out.meta["val"] = node.meta.get("val")
+        new = before.next if before is not None else next(iter(self.graph.nodes))
+        while new.op != "root":
+            self.origin.setdefault(new.name, node.name)
+            new = new.next
+        return out
+
+    def fed_spec(self, node: fx.Node, dp_axes: tuple[int, ...]) -> Spec:
+        val = node.meta.get("val")
+        placements = [Replicate()] * len(self.mesh.shape)
+        if self.input_layout == "shard" and isinstance(val, torch.Tensor) and val.dim() >= 1:
+            if val.shape[0] % math.prod(self.mesh.shape[k] for k in dp_axes) == 0:
+                for k in dp_axes:
+                    placements[k] = Shard(0)
+        return Spec(tuple(placements))
+
+    def data_parallel_axes(self) -> tuple[int, ...]:
+        """Mesh axes on which the plan shards the first user input's dim 0 (the DDP convention's axes)."""
+        if not self.traced.input_names:
+            return ()
+        spec = self.src_spec(self.nodes[self.traced.input_names[0]])
+        return tuple(k for k, p in enumerate(spec.placements) if p == Shard(0))
+
+    def emit_output(self, dp_axes: tuple[int, ...]) -> None:
+        if self.traced.buffer_mutations:
+            raise LoweringError(f"the model updates buffers in forward ({sorted(self.traced.buffer_mutations.values())}); not supported by codegen yet")
+        outs = []
+        for i, name in enumerate(self.traced.output_names):
+            if name is None:
+                raise LoweringError(f"user output {i} is a constant, not a graph value; return tensors only")
+            node = self.nodes[name]
+            dst = Spec.replicate(len(self.mesh.shape)) if i == self.traced.loss_index else self.fed_spec(node, dp_axes)
+            outs.append(self.reshard(self.env[name], node, self.src_spec(node), dst))
+        self.graph.output(tuple(outs))
+
+
+def _without_axes(e: Edge, axes: set[int]) -> Edge:
+    return Edge(e.producer, e.consumer, e.index, e.src, e.dst, e.steps, tuple(k for k in e.grad_reduce_axes if k not in axes))
+
+
+def _tied_groups(full: Mapping[str, torch.Tensor]) -> dict[str, str]:
+    """FQN -> the first FQN naming the same tensor (GPT-2's lm_head.weight -> transformer.wte.weight)."""
+    first: dict[int, str] = {}
+    out = {}
+    for fqn, t in full.items():
+        out[fqn] = first.setdefault(id(t), fqn)
+    return out
+
+
+def _set_nested(root: nn.Module, fqn: str, value: Any, is_param: bool) -> None:
+    *path, leaf = fqn.split(".")
+    mod = root
+    for part in path:
+        if not hasattr(mod, part):
+            mod.add_module(part, nn.Module())
+        mod = getattr(mod, part)
+    if is_param:
+        mod.register_parameter(leaf, value)
+    else:
+        mod.register_buffer(leaf, value)
+
+
+def _get_nested(root: nn.Module, fqn: str) -> Any:
+    for part in fqn.split("."):
+        root = getattr(root, part)
+    return root
+
+
+def _count_collectives(gm: fx.GraphModule) -> int:
+    names = set(C.COLLECTIVES.values())
+    return sum(1 for n in gm.graph.nodes if n.op == "call_function" and n.target in names)

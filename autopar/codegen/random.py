@@ -1,0 +1,34 @@
+"""Random ops (dropout masks) under the Megatron RNG-tracker rule.
+
+Ranks that hold the same replicated activation must draw the same mask (else
+the replicas diverge); ranks that hold different data (data-parallel shards, or
+different shards of a sharded activation) must draw independent masks. The
+runtime's `rng` module owns the generator state; codegen only routes each random
+op through it, naming the mesh axes on which the op's output is not Replicate.
+"""
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import torch
+
+from autopar.runtime.mesh import ProcessMesh
+from autopar.solver.spec import Replicate, Spec
+
+aten = torch.ops.aten
+
+RANDOM_OPS = frozenset({
+    aten.native_dropout.default, aten.bernoulli.default, aten.bernoulli.p, aten.rand_like.default,
+    aten.randn_like.default, aten.rand.default, aten.randn.default,
+})
+
+
+def wrap(target: Any, args: tuple, kwargs: dict, out_specs: Sequence[Spec], mesh: ProcessMesh) -> tuple[Any, tuple, dict]:
+    """(target, args, kwargs) of the node to emit: random ops go through the runtime's rng helper."""
+    if target not in RANDOM_OPS:
+        return target, args, kwargs
+    from autopar.runtime import rng  # the runtime's tracker: independent across differing shards, equal across replicas
+
+    spec = out_specs[0]
+    distinct_axes = tuple(k for k, p in enumerate(spec.placements) if not isinstance(p, Replicate))
+    return rng.random_op, (target, distinct_axes) + tuple(args), kwargs

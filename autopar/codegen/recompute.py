@@ -1,0 +1,71 @@
+"""Recompute decisions as checkpointed regions, using torch's own mechanism.
+
+Each maximal run (in graph order) of lowered nodes whose traced node the plan
+marks `recompute` is outlined into a sub-GraphModule `recompute_<i>` and called
+through `torch.utils.checkpoint.checkpoint(..., use_reentrant=False)`: its
+activations are freed after forward and rebuilt in backward (RNG state
+included, which torch's checkpoint restores). Collectives inside a region run
+again during recomputation; every rank recomputes the same regions in the same
+order, so they stay matched.
+"""
+from __future__ import annotations
+
+import operator
+from typing import Mapping
+
+import torch.utils.checkpoint
+from torch import fx, nn
+
+
+def checkpointed(region: fx.GraphModule, *args):
+    """Run `region` under non-reentrant activation checkpointing (a named call in `gm.code`)."""
+    return torch.utils.checkpoint.checkpoint(region, *args, use_reentrant=False)
+
+
+def _runs(graph: fx.Graph, recompute: set[str], origin: Mapping[str, str]) -> list[list[fx.Node]]:
+    runs: list[list[fx.Node]] = []
+    current: list[fx.Node] = []
+    for node in graph.nodes:
+        if node.op == "call_function" and origin.get(node.name) in recompute:
+            current.append(node)
+            continue
+        if current:
+            runs.append(current)
+            current = []
+    if current:
+        runs.append(current)
+    return runs
+
+
+def outline_recompute_regions(graph: fx.Graph, root: nn.Module, recompute: set[str], origin: Mapping[str, str]) -> int:
+    """Rewrite `graph` in place (regions registered on `root`, before the GraphModule is built: one compile); returns the count."""
+    count = 0
+    for run in _runs(graph, recompute, origin):
+        members = set(run)
+        inputs: dict[fx.Node, None] = {}
+        for node in run:
+            for a in node.all_input_nodes:
+                if a not in members:
+                    inputs.setdefault(a, None)
+        outputs = [n for n in run if any(u not in members for u in n.users)]
+        if not outputs:
+            continue  # nothing leaves the region: dead code, fx's DCE removes it
+        sub = fx.Graph()
+        env: dict[fx.Node, fx.Node] = {}
+        for a in inputs:
+            env[a] = sub.placeholder(a.name)
+        for node in run:
+            env[node] = sub.node_copy(node, lambda n: env[n])
+        sub.output(tuple(env[n] for n in outputs))
+        name = f"recompute_{count}"
+        root.add_module(name, fx.GraphModule(nn.Module(), sub, class_name="RecomputeRegion"))
+        with graph.inserting_before(run[0]):
+            region = graph.get_attr(name)
+            call = graph.call_function(checkpointed, (region, *inputs))
+            results = [graph.call_function(operator.getitem, (call, i)) for i in range(len(outputs))]
+        for old, new in zip(outputs, results):
+            old.replace_all_uses_with(new, delete_user_cb=lambda user: user not in members)
+        for node in reversed(run):
+            graph.erase_node(node)
+        count += 1
+    return count

@@ -1,0 +1,202 @@
+"""Stage 2: `profile(traced) -> GraphProfile`, symbolic costs per node and per parameter.
+
+Per node: forward/backward FLOPs and saved tensors come from `probe` (the op's
+real autograd on fake tensors, cached by signature); output bytes are
+numel * itemsize of the fake outputs (0 for views); saved tensors are
+attributed to the producer of the storage they live in (see `graph.py`).
+Values are sympy expressions in the trace's symbols (`traced.symbols`).
+"""
+from __future__ import annotations
+
+import logging
+import operator
+import time
+
+import sympy
+import torch
+
+from autopar.errors import AutoparError
+from autopar.profiler.flops import op_flops
+from autopar.profiler.graph import GraphFacts, Ref, analyze, tensor_bytes
+from autopar.profiler.probe import OpProbe, probe, to_expr
+from autopar.profiler.types import GraphProfile, NodeProfile, ParamProfile
+from autopar.tracer import TracedGraph, output_vals
+
+log = logging.getLogger(__name__)
+
+_ZERO = sympy.Integer(0)
+
+# Optimizer state per parameter, as multiples of the parameter's bytes, and
+# whether torch.optim keeps a per-parameter `step` tensor (a 4-byte fp32
+# scalar for Adam/AdamW with capturable=False).
+_OPTIMIZERS: dict[str, tuple[int, bool]] = {
+    "sgd": (0, False),
+    "sgd_momentum": (1, False),  # momentum_buffer
+    "adam": (2, True),  # exp_avg, exp_avg_sq
+    "adamw": (2, True),
+}
+_ALIASES = {"sgd+momentum": "sgd_momentum", "momentum": "sgd_momentum"}
+
+
+class ProfileError(AutoparError):
+    """The profiler was given something it cannot price (names the value and the fix)."""
+
+
+def optimizer_key(optimizer: str) -> str:
+    key = _ALIASES.get(optimizer.lower(), optimizer.lower())
+    if key not in _OPTIMIZERS:
+        raise ProfileError(
+            f"unknown optimizer {optimizer!r}; choose one of {sorted(_OPTIMIZERS) + sorted(_ALIASES)}"
+        )
+    return key
+
+
+def profile(traced: TracedGraph, optimizer: str = "adamw") -> GraphProfile:
+    """Symbolic FLOPs and bytes for every node and parameter of `traced`."""
+    opt = optimizer_key(optimizer)
+    start = time.perf_counter()
+    facts = analyze(traced)
+    probes: dict[str, OpProbe] = {}
+    for node in traced.graph.nodes:
+        p = _probe_node(node, facts)
+        if p is not None:
+            probes[node.name] = p
+    elided = elided_copies(traced, probes)
+    if elided:
+        facts = analyze(traced, elided)
+    saved: set[Ref] = set()
+    for name, p in probes.items():
+        refs = facts.arg_refs[name]
+        saved.update(facts.base[refs[i]] for i in p.saved_args)
+        saved.update(facts.base[(name, j)] for j in p.saved_own)
+
+    nodes: dict[str, NodeProfile] = {}
+    for node in traced.graph.nodes:
+        if node.op not in ("placeholder", "call_function"):
+            continue
+        vals = output_vals(node)
+        alias = facts.aliases.get(node.name, (False,) * len(vals))
+        p = probes.get(node.name)
+        out_bytes = tuple(
+            _ZERO if v is None or alias[i] else to_expr(tensor_bytes(v)) for i, v in enumerate(vals)
+        )
+        nodes[node.name] = NodeProfile(
+            name=node.name,
+            op="placeholder" if node.op == "placeholder" else str(node.target),
+            fwd_flops=p.fwd_flops if p else _fwd_flops_no_grad(node),
+            bwd_flops=p.bwd_flops if p else _ZERO,
+            output_bytes=out_bytes,
+            saved_outputs=tuple((node.name, i) in saved for i in range(len(vals))),
+            extra_saved_bytes=p.extra_saved_bytes if p else _ZERO,
+            temp_bytes=p.temp_bytes if p else _ZERO,
+            saved_refs=_saved_refs(node.name, p, facts),
+            requires_grad=facts.requires_grad.get(node.name, False),
+            value_bytes=tuple(_ZERO if v is None else to_expr(tensor_bytes(v)) for v in vals),
+        )
+    params = _params(traced, opt)
+    log.info("profiler: %d nodes (%d probed op signatures) in %.2f s", len(nodes), len(set(map(id, probes.values()))),
+             time.perf_counter() - start)
+    return GraphProfile(nodes=nodes, params=params, symbols=dict(traced.symbols), optimizer=opt)
+
+
+def elided_copies(traced: TracedGraph, probes: dict[str, OpProbe]) -> frozenset[str]:
+    """`clone` nodes that eager execution does not copy, so they are priced as views.
+
+    Export writes `clone` where eager returns its input: `nn.Dropout` with p=0
+    (eager returns the input itself) and `.contiguous()` on a tensor that the
+    real CPU kernels already lay out contiguously (e.g. attention output, which
+    the CPU flash kernel returns in (B, T, H, D) order: the meta strides in the
+    trace say otherwise, so we use the probe's strides through permutes).
+    A user's explicit `.clone()` stays a copy.
+    """
+    out = set()
+    for node in traced.graph.nodes:
+        if node.target is not torch.ops.aten.clone.default or not node.all_input_nodes:
+            continue
+        stack = node.meta.get("nn_module_stack") or {}
+        if stack and "Dropout" in str(list(stack.values())[-1][1]):
+            out.add(node.name)
+        elif node.kwargs.get("memory_format") == torch.contiguous_format and _real_contiguous(node.args[0], probes):
+            out.add(node.name)
+    return frozenset(out)
+
+
+def _real_contiguous(node, probes: dict[str, OpProbe]) -> bool:
+    perms = []
+    while node.target is torch.ops.aten.permute.default:
+        perms.append(node.args[1])
+        node = node.args[0]
+    p = probes.get(node.name)
+    val = node.meta.get("val")
+    if p is None or len(p.out_strides) != 1 or not isinstance(val, torch.Tensor):
+        return False
+    shape = [to_expr(s) for s in val.shape]
+    strides = list(p.out_strides[0])
+    for dims in reversed(perms):
+        shape = [shape[d] for d in dims]
+        strides = [strides[d] for d in dims]
+    expected = sympy.Integer(1)
+    for size, stride in zip(reversed(shape), reversed(strides)):
+        if size != 1 and sympy.expand(stride - expected) != 0:
+            return False
+        expected = expected * size
+    return True
+
+
+def _probe_node(node, facts: GraphFacts) -> OpProbe | None:
+    """Probe ops that take part in autograd; views save nothing and cost no FLOPs, so they are skipped."""
+    if node.op != "call_function" or node.target is operator.getitem or not facts.requires_grad.get(node.name):
+        return None
+    if all(facts.aliases.get(node.name, (False,))):
+        return None
+    return probe(node, facts.requires_grad, facts.used_outputs[node.name])
+
+
+def _fwd_flops_no_grad(node) -> sympy.Expr:
+    """Forward FLOPs of an op outside autograd (no probe needed: the formula reads shapes only)."""
+    if node.op != "call_function" or not isinstance(node.target, torch._ops.OpOverload):
+        return _ZERO
+    from torch.fx.node import map_arg
+
+    args = map_arg(node.args, lambda a: a.meta.get("val"))
+    kwargs = map_arg(node.kwargs, lambda a: a.meta.get("val"))
+    return to_expr(op_flops(node.target, args, kwargs, node.meta.get("val")))
+
+
+def _saved_refs(name: str, p: OpProbe | None, facts: GraphFacts) -> tuple[Ref, ...]:
+    if p is None:
+        return ()
+    refs = facts.arg_refs[name]
+    out = [facts.base[refs[i]] for i in p.saved_args] + [facts.base[(name, j)] for j in p.saved_own]
+    return tuple(dict.fromkeys(out))
+
+
+def _params(traced: TracedGraph, opt: str) -> dict[str, ParamProfile]:
+    """Per-parameter bytes; tied parameters (one storage under several FQNs) are counted once."""
+    from torch.multiprocessing.reductions import StorageWeakRef
+
+    state_mult, has_step = _OPTIMIZERS[opt]
+    placeholders = [n for n in traced.graph.nodes if n.op == "placeholder" and n.name in traced.param_fqns]
+    # The placeholder the graph actually reads owns a tied storage (export routes all uses to one).
+    placeholders.sort(key=lambda n: not n.users)
+    owners: set = set()
+    params: dict[str, ParamProfile] = {}
+    for n in placeholders:
+        val = n.meta["val"]
+        sid = StorageWeakRef(val.untyped_storage())
+        nbytes = int(tensor_bytes(val))
+        tied = sid in owners
+        owners.add(sid)
+        if tied:
+            log.debug("profiler: %s is tied to another parameter; counted once", traced.param_fqns[n.name])
+        grad = 0 if tied or not val.is_floating_point() else nbytes
+        params[traced.param_fqns[n.name]] = ParamProfile(
+            fqn=traced.param_fqns[n.name],
+            node=n.name,
+            numel=int(val.numel()),
+            param_bytes=0 if tied else nbytes,
+            grad_bytes=grad,
+            optimizer_bytes=0 if tied else state_mult * nbytes + (4 if has_step else 0),
+        )
+    order = {n.name: i for i, n in enumerate(traced.graph.nodes)}
+    return dict(sorted(params.items(), key=lambda kv: order[kv[1].node]))

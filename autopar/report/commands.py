@@ -1,0 +1,328 @@
+"""The CLI's subcommands (`autopar.cli` parses arguments and handles errors; these do the work).
+
+Each `cmd_*` drives the pipeline stages (trace -> profile -> solve) and the report
+builders, prints to stdout and returns the exit code.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import sys
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+from rich.table import Table
+from rich.text import Text
+
+from autopar.errors import PlanMismatchError, UsageError
+from autopar.report.explain import ExplainContext, diff, explain
+from autopar.report.html import memory_timeline, write_html
+from autopar.report.render import plan_report
+from autopar.report.summary import summarize
+from autopar.report.units import fmt_bytes, fmt_seconds, fmt_signed_bytes, fmt_signed_seconds
+from autopar.report.words import graph_layouts
+from autopar.solver.mesh import Mesh
+from autopar.solver.plan import BaselineResult, Plan, PlanSource
+
+
+def _console():
+    from autopar.cli import _out  # the CLI owns console set-up (width, stdout capture)
+
+    return _out()
+
+
+def _phase(name: str):
+    from autopar.cli import phase
+
+    return phase(name)
+
+
+# ---------------------------------------------------------------- model and mesh
+def _source(args: Any) -> PlanSource:
+    if bool(args.model) == bool(args.hf_config):
+        raise UsageError(
+            "give either MODEL.py or --hf-config, not " + ("both" if args.model else "neither")
+            + "\n  fix: e.g. `autopar plan examples/gpt2.py --gpus 8` or `autopar plan --hf-config gpt2 --gpus 8`"
+        )
+    if args.model and not Path(args.model).is_file():
+        raise UsageError(f"model file {args.model!r} does not exist\n  fix: pass the path of a .py file, e.g. examples/gpt2.py")
+    return PlanSource(args.model or "", args.hf_config or "", args.batch_size, args.seq_len, args.size, getattr(args, "optimizer", "adamw"))
+
+
+def _build(source: PlanSource):
+    from autopar.model_file import load_hf_preset, load_model_file
+
+    if source.hf_config:
+        if source.size:
+            raise UsageError(f"--size is for MODEL.py files, not --hf-config {source.hf_config}\n  fix: drop --size")
+        return load_hf_preset(source.hf_config, source.batch_size, source.seq_len)
+    extra = {"size": source.size} if source.size else {}
+    return load_model_file(source.model_file, source.batch_size, source.seq_len, **extra)
+
+
+def _trace_and_profile(source: PlanSource):
+    from autopar.profiler import profile
+    from autopar.tracer import trace
+
+    with _phase("loading model"):
+        model, sample = _build(source)
+    with _phase("tracing"):
+        traced = trace(model, sample)
+    with _phase("profiling"):
+        prof = profile(traced, optimizer=source.optimizer)
+    return traced, prof
+
+
+def _mesh(hardware: str, gpus: int, shape: tuple[int, ...] | None) -> Mesh:
+    """A preset name, or a mesh file from `autopar calibrate --save` laid out as `shape` (default: 1-D)."""
+    if hardware.endswith(".json") or Path(hardware).is_file():
+        from autopar.solver.plan_io import load_mesh
+
+        if not Path(hardware).is_file():
+            raise UsageError(f"hardware file {hardware!r} does not exist\n  fix: run `autopar calibrate --gpus N --save {hardware}` first, or pass a preset name")
+        return load_mesh(hardware).with_shape(shape or (gpus,))
+    from autopar.solver.mesh import PRESETS, make_mesh
+
+    if hardware not in PRESETS:
+        raise UsageError(f"unknown hardware {hardware!r}\n  fix: use one of {', '.join(sorted(PRESETS))}, or a mesh JSON from `autopar calibrate --save`")
+    return make_mesh(gpus, shape=shape, hardware=hardware)
+
+
+# ---------------------------------------------------------------- plan
+def _baselines(traced, prof, plan: Plan, budget: float | None, time_limit_s: float) -> tuple[BaselineResult, ...]:
+    from autopar.solver import baseline_plans
+
+    return baseline_plans(traced, prof, plan.mesh, memory_budget_bytes=budget, time_limit_s=time_limit_s)
+
+
+def _solve(args: Any, traced, prof, budget: float | None) -> tuple[Plan, list]:
+    """The plan, and what each mesh shape tried would give (empty when --mesh or a mesh file fixes the shape)."""
+    from autopar.solver import solve, solve_for_devices
+
+    with _phase("solving"):
+        if args.mesh or args.hardware.endswith(".json") or Path(args.hardware).is_file():
+            return solve(traced, prof, _mesh(args.hardware, args.gpus, args.mesh), memory_budget_bytes=budget, time_limit_s=args.time_limit), []
+        return solve_for_devices(traced, prof, args.gpus, hardware=args.hardware, memory_budget_bytes=budget, time_limit_s=args.time_limit)
+
+
+def _load_checked(args: Any, traced, budget: float | None) -> Plan:
+    from autopar.solver.plan_io import check_plan, load_plan
+
+    plan = load_plan(args.load)
+    shape = args.mesh or (plan.mesh.shape if math.prod(plan.mesh.shape) == args.gpus else (args.gpus,))
+    mesh = _mesh(args.hardware, args.gpus, shape)
+    check_plan(plan, traced, mesh, mesh.memory_bytes if budget is None else budget)  # the solver's default budget
+    return plan
+
+
+def cmd_plan(args: Any) -> int:
+    source = _source(args)
+    if args.mesh and math.prod(args.mesh) != args.gpus:
+        shape = "x".join(map(str, args.mesh))
+        raise UsageError(f"--mesh {shape} has {math.prod(args.mesh)} devices but --gpus is {args.gpus}\n  fix: make the product of the --mesh sizes equal --gpus (or drop --mesh to try every shape)")
+    if not args.load:
+        _mesh(args.hardware, args.gpus, args.mesh)  # unknown hardware fails before tracing
+    traced, prof = _trace_and_profile(source)
+    budget = args.memory
+    shapes: list = []
+    if args.load:
+        plan = _load_checked(args, traced, budget)
+    else:
+        plan, shapes = _solve(args, traced, prof, budget)
+        with _phase("pricing baselines"):
+            plan = replace(plan, source=source, baselines=plan.baselines or _baselines(traced, prof, plan, budget, args.time_limit))
+    if args.save:
+        from autopar.solver.plan_io import save_plan
+
+        save_plan(plan, args.save)
+    layouts = graph_layouts(traced.graph, traced.param_fqns)
+    summary = summarize(plan, layouts)
+    if args.html:
+        write_html(summary, memory_timeline(plan, prof.evaluate()), args.html)
+    if shapes:
+        summary["mesh_shapes_tried"] = [
+            {"shape": list(r.shape), "step_s": r.step_s, "memory_bytes": r.memory_bytes, "error": r.error} for r in shapes
+        ]
+    _emit(summary, args.json, saved=args.save, html=args.html)
+    return 0
+
+
+def _emit(summary: dict, as_json: bool, saved: str | None = None, html: str | None = None) -> None:
+    if as_json:
+        sys.stdout.write(json.dumps(summary, indent=1) + "\n")
+        return
+    console = _console()
+    for part in plan_report(summary):
+        console.print(part)
+    tried = summary.get("mesh_shapes_tried", [])
+    if len(tried) > 1:
+        console.print("Mesh shapes tried: " + ", ".join(
+            f"{'x'.join(map(str, r['shape']))} {fmt_seconds(r['step_s']) if r['step_s'] is not None else 'does not fit'}" for r in tried))
+    for what, path in (("plan saved to", saved), ("HTML report written to", html)):
+        if path:
+            console.print(f"{what} {path}")
+
+
+# ---------------------------------------------------------------- show / explain / diff
+def _load(path: str) -> Plan:
+    from autopar.solver.plan_io import load_plan
+
+    if not Path(path).is_file():
+        raise UsageError(f"plan file {path!r} does not exist\n  fix: create one with `autopar plan MODEL.py --gpus N --save {path}`")
+    return load_plan(path)
+
+
+def cmd_show(args: Any) -> int:
+    plan = _load(args.plan)
+    summary = summarize(plan)
+    if args.html:
+        write_html(summary, memory_timeline(plan), args.html)
+    _emit(summary, args.json, html=args.html)
+    return 0
+
+
+def _explain_context(plan: Plan, model_file: str | None) -> ExplainContext | None:
+    """Re-trace the planned model so alternatives can be priced; None when the plan says nothing of its model."""
+    from autopar.solver.plan_io import plan_differences
+    from autopar.solver.strategies import enumerate_strategies
+
+    source = plan.source or PlanSource()
+    if model_file:
+        source = replace(source, model_file=model_file, hf_config="")
+    if not (source.model_file or source.hf_config):
+        return None
+    if source.model_file and not Path(source.model_file).is_file():
+        raise UsageError(f"the plan's model file {source.model_file!r} does not exist here\n  fix: pass --model MODEL.py")
+    traced, prof = _trace_and_profile(source)
+    diffs = [d for d in plan_differences(plan, traced, plan.mesh, plan.fingerprint.budget_bytes) if "mesh" not in d and "hardware" not in d]
+    if diffs:
+        raise PlanMismatchError(f"the plan was made for a different model than {source.model_file or source.hf_config}: {'; '.join(diffs)}\n  fix: pass --model with the file the plan was made from", tuple(diffs))
+    with _phase("enumerating strategies"):
+        strategies = enumerate_strategies(traced, plan.mesh)
+    return ExplainContext(traced, prof.evaluate(), strategies)
+
+
+_MAX_ALTERNATIVES = 8  # per node in the table; --json lists them all
+
+
+def cmd_explain(args: Any) -> int:
+    plan = _load(args.plan)
+    from autopar.report.explain import find_nodes
+
+    find_nodes(plan, args.target)  # an unknown name fails before the slow re-trace
+    result = explain(plan, args.target, _explain_context(plan, args.model))
+    if args.json:
+        sys.stdout.write(json.dumps(result, indent=1) + "\n")
+        return 0
+    console = _console()
+    console.print(Text(f"Mesh {result['mesh']}", style="bold"))
+    for n in result["nodes"]:
+        head = f"{n['node']} ({n['op']}) in {n['module'] or '(top level)'}: {n['strategy']}"
+        console.print(Text(head, style="bold"))
+        if "parameter" in n:
+            console.print(f"  parameter {n['parameter']}: {n['words']} (use {n['use']}, storage {n['storage']})")
+        console.print(f"  output: {n['output']}; recomputed in backward: {'yes' if n['recompute'] else 'no'}")
+        alts = n.get("alternatives")
+        if not alts:
+            continue
+        t = Table(show_edge=False)
+        for col in ("", "strategy", "compute", "comm", "reshard inputs", "total", "saved/device"):
+            t.add_column(col, justify="left" if col in ("", "strategy") else "right")
+        shown = alts[:_MAX_ALTERNATIVES] + [a for a in alts[_MAX_ALTERNATIVES:] if a["chosen"]]
+        for a in shown:
+            t.add_row("chosen" if a["chosen"] else "", a["strategy"], fmt_seconds(a["compute_s"]), fmt_seconds(a["comm_s"]),
+                      fmt_seconds(a["reshard_s"]), fmt_seconds(a["total_s"]), fmt_bytes(a["saved_bytes"]), style="bold" if a["chosen"] else None)
+        console.print(t)
+        if len(alts) > len(shown):
+            console.print(f"  ... {len(alts) - len(shown)} more alternatives (--json lists all)")
+    if not result["priced"]:
+        console.print("[dim]alternatives not priced: the plan records no model; pass --model MODEL.py[/dim]")
+    return 0
+
+
+def cmd_diff(args: Any) -> int:
+    a, b = _load(args.a), _load(args.b)
+    d = diff(a, b)
+    if args.json:
+        sys.stdout.write(json.dumps(d, indent=1) + "\n")
+        return 0
+    console = _console()
+    if d["mesh"]["changed"]:
+        console.print(f"mesh: {d['mesh']['a']} -> {d['mesh']['b']}")
+    if not d["same_model"]:
+        console.print("[yellow]note: the plans were made for different models[/yellow]")
+    ta, dt = d["time_a"], d["time_delta"]
+    ma, dm = d["memory_a"], d["memory_delta"]
+    console.print(
+        f"step time {fmt_seconds(ta['total_s'])} -> {fmt_seconds(ta['total_s'] + dt['total_s'])} ({fmt_signed_seconds(dt['total_s'])}: "
+        f"compute {fmt_signed_seconds(dt['compute_s'])}, comm {fmt_signed_seconds(dt['comm_s'])}, recompute {fmt_signed_seconds(dt['recompute_s'])})"
+    )
+    console.print(
+        f"peak memory {fmt_bytes(ma['total_bytes'])} -> {fmt_bytes(ma['total_bytes'] + dm['total_bytes'])} ({fmt_signed_bytes(dm['total_bytes'])}: "
+        f"params {fmt_signed_bytes(dm['params_bytes'])}, optimizer {fmt_signed_bytes(dm['optimizer_bytes'])}, activations {fmt_signed_bytes(dm['activations_bytes'])})"
+    )
+    if d["layers"]:
+        t = Table(title="Changed layers", title_justify="left")
+        for col in ("module", "before (params | output | recompute)", "after"):
+            t.add_column(col, overflow="fold")
+        for row in d["layers"]:
+            t.add_row(row["module"], row["a"], row["b"])
+        console.print(t)
+    console.print(f"{len(d['nodes'])} node decisions and {len(d['params'])} parameter placements differ"
+                  + (f"; {len(d['only_in_a'])} nodes only in {args.a}, {len(d['only_in_b'])} only in {args.b}" if d["only_in_a"] or d["only_in_b"] else ""))
+    return 0
+
+
+# ---------------------------------------------------------------- profile / calibrate
+def _flops(n: float) -> str:
+    for unit, size in (("PFLOP", 1e15), ("TFLOP", 1e12), ("GFLOP", 1e9), ("MFLOP", 1e6), ("KFLOP", 1e3)):
+        if n >= size:
+            return f"{n / size:.2f} {unit}"
+    return f"{n:.0f} FLOP"
+
+
+def cmd_profile(args: Any) -> int:
+    from autopar.profiler import profile_table
+
+    traced, prof = _trace_and_profile(_source(args))
+    rows = profile_table(traced, prof)
+    if args.json:
+        sys.stdout.write(json.dumps([dataclasses.asdict(r) for r in rows], indent=1) + "\n")
+        return 0
+    t = Table(title="Profile per layer (one training step, whole batch, one device)", title_justify="left")
+    for col in ("module", "forward", "backward", "saved activations", "parameters"):
+        t.add_column(col, justify="left" if col == "module" else "right")
+    for r in rows:
+        t.add_row(r.module or "(top level)", _flops(r.fwd_flops), _flops(r.bwd_flops), fmt_bytes(r.activation_bytes), fmt_bytes(r.param_bytes))
+    t.add_row(Text("total", style="bold"), _flops(sum(r.fwd_flops for r in rows)), _flops(sum(r.bwd_flops for r in rows)),
+              fmt_bytes(sum(r.activation_bytes for r in rows)), fmt_bytes(sum(r.param_bytes for r in rows)))
+    _console().print(t)
+    return 0
+
+
+def cmd_calibrate(args: Any) -> int:
+    from autopar.runtime.calibrate import calibrate
+    from autopar.runtime.launch import init_from_env
+    from autopar.solver.plan_io import mesh_to_json
+
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        init_from_env()
+    if dist.get_world_size() != args.gpus:
+        raise UsageError(f"--gpus {args.gpus} but the process group has {dist.get_world_size()} ranks\n  fix: launch with `torchrun --nproc_per_node {args.gpus} -m autopar.cli calibrate --gpus {args.gpus}`")
+    mesh = calibrate()
+    if dist.get_rank() == 0:
+        if args.json:
+            sys.stdout.write(mesh_to_json(mesh) + "\n")
+        else:
+            _console().print(str(mesh))
+            for a in mesh.axes:
+                _console().print(f"  axis {a.name}: size {a.size}, latency {fmt_seconds(a.alpha_s)}, bandwidth {a.beta_bytes_per_s / 1e9:.2f} GB/s")
+            _console().print(f"  compute {mesh.flops_per_s / 1e12:.2f} TFLOP/s, memory bandwidth {mesh.mem_bandwidth_bytes_per_s / 1e9:.1f} GB/s, memory {fmt_bytes(mesh.memory_bytes)}")
+        if args.save:
+            Path(args.save).write_text(mesh_to_json(mesh) + "\n")
+    return 0
+

@@ -1,0 +1,190 @@
+"""`autopar explain` and `autopar diff`: why a node got its strategy, and what changed between two plans.
+
+    explain(plan, "transformer.h.0.mlp.c_fc", ctx)  # chosen strategy + every alternative's cost
+    diff(plan_a, plan_b)                            # changed decisions + predicted time/memory deltas
+
+Alternatives are priced with the solver's own cost model (`autopar.solver.cost`
+for compute and in-strategy collectives, `autopar.solver.reshard` for
+resharding the inputs from what their producers chose in the plan), so the
+numbers are the ones the ILP compared.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+import torch
+
+from autopar.errors import AutoparError
+from autopar.profiler.types import ConcreteProfile
+from autopar.report.layers import rollup, split_block
+from autopar.report.summary import memory_dict, time_dict
+from autopar.report.words import activation_words, guess_layout, param_words
+from autopar.solver.plan import NodeDecision, Plan
+from autopar.solver.spec import Strategy
+from autopar.tracer import TracedGraph, output_vals
+
+
+@dataclass(frozen=True)
+class ExplainContext:
+    """What pricing alternatives needs beyond the plan: the re-traced model, its costs and its strategies."""
+
+    traced: TracedGraph
+    costs: ConcreteProfile
+    strategies: Mapping[str, tuple[Strategy, ...]]
+
+
+def find_nodes(plan: Plan, query: str) -> tuple[NodeDecision, ...]:
+    """A node by fx name, a parameter by FQN, or every node of a module path (and its submodules)."""
+    by_name = {d.node: d for d in plan.nodes}
+    if query in by_name:
+        return (by_name[query],)
+    for p in plan.params:
+        if p.fqn == query and p.node in by_name:
+            return (by_name[p.node],)
+    prefix = query.rstrip(".") + "."
+    param_nodes = {p.node for p in plan.params if p.fqn.startswith(prefix)}
+    hits = tuple(d for d in plan.nodes if d.module == query or d.module.startswith(prefix) or d.node in param_nodes)
+    if hits:
+        return hits
+    modules = sorted({d.module for d in plan.nodes if d.module})
+    close = [m for m in modules if query.split(".")[-1] in m][:3] or modules[:3]
+    raise AutoparError(f"no node, parameter or module named {query!r} in the plan\n  fix: use a node name or module path from the plan, e.g. {', '.join(close)}")
+
+
+def _concrete_shape(val: torch.Tensor) -> tuple[int, ...]:
+    return tuple(int(s.node.hint) if isinstance(s, torch.SymInt) and s.node.has_hint() else int(s) for s in val.shape)
+
+
+def alternatives(plan: Plan, decision: NodeDecision, ctx: ExplainContext) -> list[dict[str, Any]]:
+    """Every strategy of the node, priced: compute, in-strategy comm, resharding of inputs, saved bytes."""
+    from autopar.solver.cost import strategy_cost  # the solver's own formulas, not a copy
+    from autopar.solver.reshard import reshard_cost
+    from autopar.solver.strategies import strategy_inputs
+
+    node = ctx.traced.node(decision.node)
+    cost = ctx.costs.nodes.get(decision.node)
+    mesh = plan.mesh
+    vals = output_vals(node)
+    out_shapes = [None if v is None else _concrete_shape(v) for v in vals]
+    inputs = strategy_inputs(node)
+    in_vals = [output_vals(src)[i] if i < len(output_vals(src)) else None for src, i in inputs]
+    in_bytes = [0.0 if v is None else float(math.prod(_concrete_shape(v)) * v.element_size()) for v in in_vals]
+    chosen_by_name = {d.node: d for d in plan.nodes}
+    rows = []
+    for strat in ctx.strategies.get(decision.node, ()):
+        compute_s, comm_s = strategy_cost(cost, strat, out_shapes, mesh, in_bytes) if cost is not None else (0.0, 0.0)
+        reshard_s = 0.0
+        for (src, idx), want, val in zip(inputs, strat.input_specs, in_vals):
+            prod = chosen_by_name.get(src.name)
+            if prod is None or want is None or val is None or idx >= len(prod.strategy.output_specs):
+                continue
+            have = prod.strategy.output_specs[idx]
+            if have is not None and have != want:
+                reshard_s += reshard_cost(have, want, _concrete_shape(val), val.element_size(), mesh, val.is_floating_point())
+        saved = 0.0
+        if cost is not None:
+            for i, (b, keep) in enumerate(zip(cost.output_bytes, cost.saved_outputs)):
+                spec = strat.output_specs[i] if i < len(strat.output_specs) else None
+                if keep:
+                    saved += b / (spec.shard_factor(mesh.shape) if spec is not None else 1)
+        rows.append({
+            "strategy": str(strat),
+            "compute_s": compute_s,
+            "comm_s": comm_s,
+            "reshard_s": reshard_s,
+            "total_s": compute_s + comm_s + reshard_s,
+            "saved_bytes": saved,
+            "chosen": strat == decision.strategy,
+        })
+    return sorted(rows, key=lambda r: (r["total_s"], not r["chosen"]))
+
+
+def explain(plan: Plan, query: str, ctx: ExplainContext | None = None) -> dict[str, Any]:
+    axis_names = plan.mesh.axis_names
+    params_by_node = {p.node: p for p in plan.params}
+    shapes = dict(plan.fingerprint.param_shapes)
+    out = []
+    for d in find_nodes(plan, query):
+        entry: dict[str, Any] = {
+            "node": d.node,
+            "op": d.op,
+            "module": d.module,
+            "strategy": str(d.strategy),
+            "output": activation_words(d.strategy.output_specs[0] if d.strategy.output_specs else None, axis_names),
+            "recompute": d.recompute,
+        }
+        p = params_by_node.get(d.node)
+        if p is not None:
+            entry.update(parameter=p.fqn, use=str(p.use), storage=str(p.storage),
+                         words=param_words(p, axis_names, guess_layout(p.fqn, len(shapes[p.fqn]) if p.fqn in shapes else None)))
+        if ctx is not None:
+            entry["alternatives"] = alternatives(plan, d, ctx)
+        out.append(entry)
+    return {"query": query, "mesh": str(plan.mesh), "nodes": out, "priced": ctx is not None}
+
+
+# ---------------------------------------------------------------- diff
+def _delta(a: Mapping[str, float | None], b: Mapping[str, float | None]) -> dict[str, float | None]:
+    return {k: None if a[k] is None or b[k] is None else b[k] - a[k] for k in a}
+
+
+def _per_module(plan: Plan) -> dict[str, str]:
+    return {m: f"{r.params} | {r.output} | recompute {r.recompute}" for r in rollup(plan) for m in r.members}
+
+
+def _changed_layers(a: Plan, b: Plan) -> list[dict[str, Any]]:
+    """Modules whose decisions differ; consecutive blocks with the same change merged, as in the report."""
+    before, after = _per_module(a), _per_module(b)
+    groups: dict[tuple, list[int | None]] = {}
+    for module in list(after) + [m for m in before if m not in after]:
+        old, new = before.get(module, "-"), after.get(module, "-")
+        if old != new:
+            prefix, idx, rest = split_block(module)
+            groups.setdefault((prefix, rest, old, new), []).append(idx)
+    out = []
+    for (prefix, rest, old, new), indices in groups.items():
+        if indices == [None]:
+            out.append({"module": prefix, "count": 1, "a": old, "b": new})
+            continue
+        runs: list[list[int]] = []
+        for i in sorted(indices):
+            if runs and i == runs[-1][-1] + 1:
+                runs[-1].append(i)
+            else:
+                runs.append([i])
+        for r in runs:
+            label = f"{prefix}{r[0]}{rest}" if len(r) == 1 else f"{prefix}{r[0]}..{r[-1]}{rest}"
+            out.append({"module": label, "count": len(r), "a": old, "b": new})
+    return out
+
+
+def diff(a: Plan, b: Plan) -> dict[str, Any]:
+    """What `b` decides differently from `a`, per layer and per node, and the predicted effect."""
+    da, db = {d.node: d for d in a.nodes}, {d.node: d for d in b.nodes}
+    changed = [
+        {"node": n, "op": da[n].op, "module": da[n].module, "a": str(da[n].strategy), "b": str(db[n].strategy),
+         "recompute_a": da[n].recompute, "recompute_b": db[n].recompute}
+        for n in da if n in db and (da[n].strategy != db[n].strategy or da[n].recompute != db[n].recompute)
+    ]
+    pa, pb = {p.fqn: p for p in a.params}, {p.fqn: p for p in b.params}
+    params = [
+        {"param": f, "a": f"use {pa[f].use}, storage {pa[f].storage}", "b": f"use {pb[f].use}, storage {pb[f].storage}"}
+        for f in pa if f in pb and (pa[f].use != pb[f].use or pa[f].storage != pb[f].storage)
+    ]
+    layers = _changed_layers(a, b)
+    mesh_changed = a.mesh.shape != b.mesh.shape or a.mesh.axis_names != b.mesh.axis_names or a.mesh.hardware != b.mesh.hardware
+    return {
+        "mesh": {"a": str(a.mesh), "b": str(b.mesh), "changed": mesh_changed},
+        "same_model": (a.fingerprint.ops_sha, a.fingerprint.params_sha) == (b.fingerprint.ops_sha, b.fingerprint.params_sha),
+        "layers": layers,
+        "nodes": changed,
+        "only_in_a": sorted(set(da) - set(db)),
+        "only_in_b": sorted(set(db) - set(da)),
+        "params": params,
+        "time_a": time_dict(a.time),
+        "time_delta": _delta(time_dict(a.time), time_dict(b.time)),
+        "memory_a": memory_dict(a.memory),
+        "memory_delta": _delta(memory_dict(a.memory), memory_dict(b.memory)),
+    }

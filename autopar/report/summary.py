@@ -1,0 +1,69 @@
+"""A plan as a plain, JSON-ready summary: what `--json` prints and what the rich and HTML reports draw.
+
+    summary = summarize(plan, layouts=None)   # dict of plain values
+"""
+from __future__ import annotations
+
+from typing import Any, Mapping
+
+from autopar.report.layers import rollup
+from autopar.report.words import Layout
+from autopar.solver.plan import MemoryBreakdown, Plan, TimeBreakdown
+
+
+def memory_dict(m: MemoryBreakdown) -> dict[str, float | None]:
+    return {
+        "params_bytes": m.params_bytes,
+        "grads_bytes": m.grads_bytes,
+        "optimizer_bytes": m.optimizer_bytes,
+        "activations_bytes": m.activations_bytes,
+        "temp_bytes": m.temp_bytes,
+        "total_bytes": m.total_bytes,
+        "budget_bytes": m.budget_bytes,
+    }
+
+
+def time_dict(t: TimeBreakdown) -> dict[str, float]:
+    return {"compute_s": t.compute_s, "comm_s": t.comm_s, "recompute_s": t.recompute_s, "total_s": t.total_s}
+
+
+def summarize(plan: Plan, layouts: Mapping[str, Layout] | None = None) -> dict[str, Any]:
+    rows = rollup(plan, layouts)
+    zero = [p.fqn for p in plan.params if p.zero]
+    baselines = []
+    for b in plan.baselines:
+        baselines.append({
+            "name": b.name,
+            "step_s": None if b.time is None else b.time.total_s,
+            "memory_bytes": None if b.memory is None else b.memory.total_bytes,
+            "fits": b.fits,
+            # > 1: the plan is that many times faster than this baseline under the same cost model
+            "plan_speedup": None if b.time is None or plan.time.total_s <= 0 else b.time.total_s / plan.time.total_s,
+        })
+    return {
+        "mesh": {
+            "axes": [{"name": a.name, "size": a.size} for a in plan.mesh.axes],
+            "devices": plan.mesh.num_devices,
+            "hardware": plan.mesh.hardware,
+        },
+        "layers": [
+            {"module": r.module, "count": r.count, "params": r.params, "output": r.output, "recompute": r.recompute, "kind": r.kind}
+            for r in rows
+        ],
+        "memory": memory_dict(plan.memory),
+        "time": time_dict(plan.time),
+        "comm_bytes_by_kind": dict(plan.comm_bytes_by_kind),
+        "baselines": baselines,
+        "zero_params": len(zero),
+        "params": len(plan.params),
+        "recomputed_nodes": len(plan.recomputed()),
+        "solver": {
+            "backend": plan.solver.backend,
+            "status": plan.solver.status,
+            "solve_s": plan.solver.solve_s,
+            "num_variables": plan.solver.num_variables,
+            "num_constraints": plan.solver.num_constraints,
+            "gap": plan.solver.gap,
+        },
+        "notes": list(plan.notes),
+    }

@@ -1,0 +1,176 @@
+"""Bucketed gradient all-reduce for parameters replicated over data-parallel axes, overlapped with backward.
+
+    sync = GradSync([(name, param, (mesh.group_name("dp"),)) for name, param in ...])
+    loss.backward()            # buckets are all-reduced as their grads appear; waited at the end of backward
+
+Each parameter is registered with the group names of the mesh axes its gradient
+must be SUMMED over (never averaged: the loss the generated graph produces is
+already the global loss, so each rank's grad is one term of the global grad).
+ZeRO-sharded parameters are not registered: `all_gather_rs` reduce-scatters their
+grads inside the graph.
+
+Like DDP: parameters are bucketed in reverse registration order (backward produces
+grads roughly last layer first), a bucket is launched when the last of its grads has
+been accumulated (`register_post_accumulate_grad_hook`), and buckets are launched in
+bucket order, whatever order the hooks fire in, so that every rank issues the same
+collectives in the same order. A callback queued on the autograd engine waits for all
+of them when backward ends (or call `finish()`); a bucket some of whose grads were
+never produced is launched there with zeros for them, since the peers may have them.
+Packing into the flat bucket and back is `kernels.pack` / `kernels.unpack` (one
+fused pass each, optional cast for the wire).
+"""
+from __future__ import annotations
+
+import contextlib
+import logging
+from dataclasses import dataclass, field
+from typing import Iterable, Iterator, Sequence
+
+import torch
+import torch.distributed as dist
+from torch.distributed.distributed_c10d import _resolve_process_group
+
+from kernels import pack, unpack
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_BUCKET_BYTES = 25 * 2**20  # DDP's default: large enough to amortise latency, small enough to overlap
+
+
+@dataclass
+class _Bucket:
+    index: int
+    groups: tuple[str, ...]  # reduced over each in turn (a sum over all of those axes)
+    names: list[str]
+    params: list[torch.nn.Parameter]
+    buffer: torch.Tensor  # flat, in the wire dtype
+    ready: set[int] = field(default_factory=set)  # positions in `params` whose grad is accumulated
+    work: dist.Work | None = None  # the in-flight all-reduce over groups[0]
+
+
+class GradSync:
+    """All-reduces registered parameters' grads in buckets during backward.
+
+    `params`: (name, parameter, group names to sum the grad over). A parameter with
+    no groups is skipped (nothing to reduce). `reduce_dtype` casts the bucket for the
+    wire (e.g. torch.bfloat16 halves the traffic), default: the grads' dtype.
+    """
+
+    def __init__(
+        self,
+        params: Iterable[tuple[str, torch.nn.Parameter, Sequence[str]]],
+        bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+        reduce_dtype: torch.dtype | None = None,
+    ):
+        if bucket_bytes <= 0:
+            raise ValueError(f"bucket_bytes must be > 0, got {bucket_bytes}")
+        self.bucket_bytes = bucket_bytes
+        self.enabled = True
+        self.launched = 0  # buckets launched in the current backward (tests read it to check overlap)
+        self._buckets: list[_Bucket] = []
+        self._where: dict[int, tuple[_Bucket, int]] = {}  # id(param) -> (bucket, position)
+        self._next = 0  # next bucket index to launch
+        self._callback_queued = False
+        self._handles = []
+        self._build(list(params), reduce_dtype)
+        if dist.is_initialized() and dist.get_rank() == 0:
+            logger.info("runtime: grad sync of %d params in %d buckets (%.1f MB max)", len(self._where), len(self._buckets), bucket_bytes / 2**20)
+
+    def _build(self, params: list[tuple[str, torch.nn.Parameter, Sequence[str]]], reduce_dtype: torch.dtype | None) -> None:
+        open_buckets: dict[tuple, _Bucket] = {}  # (groups, dtype, device) -> the bucket being filled
+        sizes: list[int] = []  # elements per bucket
+        for name, p, groups in reversed(params):
+            groups = tuple(groups)
+            if not groups or not p.requires_grad:
+                continue
+            if id(p) in self._where:
+                raise ValueError(f"parameter {name!r} is registered twice with GradSync")
+            for g in groups:
+                _resolve_process_group(g)  # fail here, naming the group, rather than mid-backward
+            dtype = reduce_dtype or p.dtype
+            key = (groups, dtype, p.device)
+            b = open_buckets.get(key)
+            if b is not None and (sizes[b.index] + p.numel()) * b.buffer.element_size() > self.bucket_bytes:
+                b = None  # full: start a new one (a parameter larger than a bucket gets one of its own)
+            if b is None:
+                b = _Bucket(len(self._buckets), groups, [], [], torch.empty(0, dtype=dtype, device=p.device))
+                self._buckets.append(b)
+                sizes.append(0)
+                open_buckets[key] = b
+            self._where[id(p)] = (b, len(b.params))
+            b.names.append(name)
+            b.params.append(p)
+            sizes[b.index] += p.numel()
+            self._handles.append(p.register_post_accumulate_grad_hook(self._on_grad))
+        for b, n in zip(self._buckets, sizes):
+            b.buffer = torch.empty(n, dtype=b.buffer.dtype, device=b.buffer.device)
+
+    @property
+    def num_buckets(self) -> int:
+        return len(self._buckets)
+
+    def bucket_names(self) -> list[list[str]]:
+        """Parameter names per bucket, in launch order."""
+        return [list(b.names) for b in self._buckets]
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Accumulate grads locally (gradient accumulation micro-steps); the next synced backward reduces the sum."""
+        self.enabled = False
+        try:
+            yield
+        finally:
+            self.enabled = True
+
+    def _on_grad(self, p: torch.nn.Parameter) -> None:
+        if not self.enabled:
+            return
+        if not self._callback_queued:  # first grad of this backward
+            # Runs when this backward's graph task finishes: the waits happen before loss.backward() returns.
+            torch.autograd.Variable._execution_engine.queue_callback(self.finish)
+            self._callback_queued = True
+            self.launched = 0
+        bucket, pos = self._where[id(p)]
+        bucket.ready.add(pos)
+        # Launch in bucket order so all ranks issue identical collective sequences.
+        while self._next < len(self._buckets) and len(self._buckets[self._next].ready) == len(self._buckets[self._next].params):
+            self._launch(self._buckets[self._next])
+            self._next += 1
+
+    def _launch(self, b: _Bucket) -> None:
+        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in b.params]
+        pack(grads, out=b.buffer)
+        b.work = dist.all_reduce(b.buffer, group=_resolve_process_group(b.groups[0]), async_op=True)
+        self.launched += 1
+
+    def finish(self) -> None:
+        """Wait for every bucket and write the summed grads back; launches buckets whose grads never came.
+
+        Called by autograd at the end of each synced backward; a no-op outside one.
+        """
+        if not self._callback_queued:
+            return
+        for b in self._buckets[self._next:]:
+            self._launch(b)
+        for b in self._buckets:
+            if b.work is None:
+                continue
+            b.work.wait()
+            # Further axes one after another: collectives on different groups may run on different
+            # threads, so the next sum can only start once the previous one is complete.
+            for g in b.groups[1:]:
+                dist.all_reduce(b.buffer, group=_resolve_process_group(g))
+            for p in b.params:
+                if p.grad is None:
+                    p.grad = torch.empty_like(p)
+            unpack(b.buffer, [p.grad for p in b.params])
+            b.work = None
+            b.ready.clear()
+        self._next = 0
+        self._callback_queued = False
+
+    def remove(self) -> None:
+        """Detach the hooks (the parameters stop being synced)."""
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()

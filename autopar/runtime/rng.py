@@ -1,0 +1,80 @@
+"""Random ops on sharded activations: the Megatron RNG rule.
+
+Ranks that hold different shards of an activation must draw independent masks
+(else every tensor-parallel or data-parallel shard is dropped in the same pattern);
+ranks that hold the same replicated activation must draw identical ones (else the
+replicas diverge). So the seed of a random op depends on this rank's coordinates
+on exactly the mesh axes where the activation is Shard (Replicate and Partial axes
+share the mask: dropout commutes with a sum only under one mask).
+
+Unlike Megatron's tracker we keep no RNG state of our own: each random op draws a
+fresh base seed from torch's default generator, which every rank advances
+identically (SPMD: same ops, same local shapes), then seeds a forked RNG with
+(base seed, shard index). Hence `torch.manual_seed` on every rank controls all
+masks, masks change every step, and activation checkpointing (which restores the
+default RNG state before recomputing) redraws the same masks.
+
+    with fork_rng_for(Spec.parse("S(0)R"), mesh.coordinate, mesh.shape):
+        y = torch.nn.functional.dropout(x, 0.1)
+
+In generated code: `sharded_random(torch.ops.aten.native_dropout.default, x, 0.1, True, groups=('1',))`.
+"""
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Callable, Iterator, Sequence
+
+import torch
+from torch.distributed.distributed_c10d import _resolve_process_group
+
+from autopar.solver.spec import Shard, Spec
+
+_SEED_MOD = 2**63
+_GOLDEN = 0x9E3779B97F4A7C15  # odd, so index -> index * _GOLDEN mod 2**63 is a bijection: distinct shards, distinct seeds
+
+
+def shard_index(spec: Spec, coordinate: Sequence[int], mesh_shape: Sequence[int]) -> int:
+    """Row-major index of this rank's coordinates over the axes where `spec` is Shard (0 when replicated everywhere)."""
+    index = 0
+    for p, c, n in zip(spec.placements, coordinate, mesh_shape):
+        if isinstance(p, Shard):
+            index = index * n + c
+    return index
+
+
+def _devices() -> list[int]:
+    return list(range(torch.cuda.device_count())) if torch.cuda.is_available() else []
+
+
+@contextlib.contextmanager
+def _fork_with_index(index: int, seed: int | None) -> Iterator[None]:
+    if seed is None:
+        # Consumed identically on every rank, so the default generators stay in step.
+        seed = int(torch.randint(0, _SEED_MOD - 1, (1,), dtype=torch.int64).item())
+    with torch.random.fork_rng(devices=_devices()):
+        torch.manual_seed((seed + index * _GOLDEN) % _SEED_MOD)
+        yield
+
+
+@contextlib.contextmanager
+def fork_rng_for(spec: Spec, coordinate: Sequence[int], mesh_shape: Sequence[int], seed: int | None = None) -> Iterator[None]:
+    """Run the body under an RNG seeded for this rank's shard of an activation laid out as `spec`.
+
+    `seed`: fixed base seed (tests); default: drawn from the default generator.
+    The default generator is restored (advanced by that one draw) on exit.
+    """
+    if len(spec.placements) != len(coordinate) or len(coordinate) != len(mesh_shape):
+        raise ValueError(f"spec {spec}, coordinate {tuple(coordinate)} and mesh shape {tuple(mesh_shape)} must have one entry per mesh axis")
+    with _fork_with_index(shard_index(spec, coordinate, mesh_shape), seed):
+        yield
+
+
+def sharded_random(op: Callable[..., Any], *args: Any, groups: tuple[str, ...] = (), **kwargs: Any) -> Any:
+    """`op(*args, **kwargs)` seeded per the Megatron rule; `groups` are the c10d group names of the
+    mesh axes (in mesh order) where the op's output is Shard: this rank's position in each gives the shard index."""
+    index = 0
+    for name in groups:
+        pg = _resolve_process_group(name)
+        index = index * pg.size() + pg.rank()
+    with _fork_with_index(index, None):
+        return op(*args, **kwargs)

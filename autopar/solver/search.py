@@ -1,0 +1,222 @@
+"""Top-level solving: one mesh (`solve`), every shape of N devices (`solve_for_devices`), fixed plans and baselines.
+
+    plan = solve(traced, profile(traced), make_mesh(4, (2, 2)), memory_budget_bytes=40 * 2**30)
+    plan, per_shape = solve_for_devices(traced, profile(traced), 8)   # tries (8,), (2, 4), (4, 2)
+
+`fixed_plan` and the baselines price given assignments with the same cost model,
+so the ILP's plan can be compared with pure data parallel, ZeRO-3/FSDP and
+Megatron tensor parallel + data parallel on equal terms.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from typing import Callable, Literal, Mapping
+
+from autopar.errors import AutoparError, InfeasibleError
+from autopar.profiler.types import ConcreteProfile, GraphProfile
+from autopar.solver.ilp import Restrictions, Solution, evaluate, min_memory, solve_problem
+from autopar.solver.mesh import Mesh, candidate_shapes, make_mesh
+from autopar.solver.plan import BaselineResult, Fingerprint, NodeDecision, ParamDecision, Plan, SolverReport
+from autopar.solver.problem import Assignment, BuiltProblem, build_problem
+from autopar.solver.spec import Replicate, Spec, Strategy
+from autopar.solver.strategies import enumerate_strategies, strategy_inputs
+from autopar.tracer import TracedGraph, module_path
+
+log = logging.getLogger(__name__)
+
+BASELINES = ("data_parallel", "zero3", "megatron")
+
+
+@dataclass(frozen=True)
+class ShapeResult:
+    """What one logical mesh shape would give: its best plan's predicted step time, or why it has none."""
+
+    shape: tuple[int, ...]
+    step_s: float | None
+    memory_bytes: float | None
+    error: str = ""  # set when no plan fits this shape
+
+
+def _concrete(profile: GraphProfile | ConcreteProfile, sizes: Mapping[str, int] | None) -> ConcreteProfile:
+    return profile.evaluate(**(sizes or {})) if isinstance(profile, GraphProfile) else profile
+
+
+def _build(traced, profile, mesh, budget, sizes, grouped: bool = True) -> BuiltProblem:
+    strategies = enumerate_strategies(traced, mesh)
+    return build_problem(traced, _concrete(profile, sizes), mesh, strategies, budget, grouped=grouped)
+
+
+def _budget(mesh: Mesh, memory_budget_bytes: float | None) -> float:
+    return mesh.memory_bytes if memory_budget_bytes is None else float(memory_budget_bytes)
+
+
+def _fingerprint(traced: TracedGraph, mesh: Mesh, budget: float | None) -> Fingerprint:
+    try:
+        from autopar.solver.plan_io import fingerprint
+    except ImportError:  # plan_io is optional for planning itself
+        return Fingerprint("", "", "", mesh.shape, mesh.hardware, budget)
+    return fingerprint(traced, mesh, budget)
+
+
+def to_plan(traced: TracedGraph, mesh: Mesh, built: BuiltProblem, sol: Solution) -> Plan:
+    """Map a problem assignment back onto every graph node and parameter."""
+    g, a = built.grouping, sol.assignment
+    chosen: dict[str, Strategy] = {}
+    nodes, params = [], []
+    for node in traced.graph.nodes:
+        if node.op == "output":
+            ins = tuple(chosen[p.name].output_specs[k] for p, k in ((x, 0) for x in _output_args(node)) if p.name in chosen)
+            nodes.append(NodeDecision(node.name, "output", Strategy(ins, ())))
+            continue
+        cls = g.class_of[g.cluster_of[node.name]]
+        k = built.member_strategy(node.name, a.choice[cls])
+        strat = chosen[node.name] = built.strategies[node.name][k]
+        op = "placeholder" if node.op == "placeholder" else str(node.target)
+        nodes.append(NodeDecision(node.name, op, strat, a.recompute[cls] and node.op == "call_function", module_path(node)))
+        if node.name in traced.param_fqns:
+            use = strat.output_specs[0]
+            storage = built.storage[node.name, k] if a.zero[cls] else use
+            params.append(ParamDecision(traced.param_fqns[node.name], node.name, use, storage))
+    return Plan(_fingerprint(traced, mesh, built.problem.budget_bytes), mesh, tuple(nodes), tuple(params),
+                sol.memory, sol.time, sol.report)
+
+
+def _output_args(node) -> list:
+    from autopar.tracer.nodes import is_tensor_node
+    from torch.utils import _pytree as pytree
+
+    return [x for x in pytree.tree_leaves(node.args) if is_tensor_node(x)]
+
+
+def solve(
+    traced: TracedGraph,
+    profile: GraphProfile | ConcreteProfile,
+    mesh: Mesh,
+    memory_budget_bytes: float | None = None,
+    time_limit_s: float = 30.0,
+    backend: Literal["highs", "cbc"] = "highs",
+    sizes: Mapping[str, int] | None = None,
+) -> Plan:
+    """The fastest plan on `mesh` within the budget (default: the device memory)."""
+    start = time.perf_counter()
+    built = _build(traced, profile, mesh, _budget(mesh, memory_budget_bytes), sizes)
+    log.debug("solver: problem built in %.2f s (%d graph nodes -> %d problem nodes)",
+              time.perf_counter() - start, built.num_graph_nodes, len(built.problem.nodes))
+    return to_plan(traced, mesh, built, solve_problem(built.problem, time_limit_s, backend))
+
+
+def solve_for_devices(
+    traced: TracedGraph,
+    profile: GraphProfile | ConcreteProfile,
+    num_devices: int,
+    hardware: str = "h100",
+    memory_budget_bytes: float | None = None,
+    time_limit_s: float = 30.0,
+    backend: Literal["highs", "cbc"] = "highs",
+    sizes: Mapping[str, int] | None = None,
+) -> tuple[Plan, list[ShapeResult]]:
+    """Try every logical shape of `num_devices` devices; keep the fastest plan."""
+    best: Plan | None = None
+    results: list[ShapeResult] = []
+    smallest: InfeasibleError | None = None
+    for shape in candidate_shapes(num_devices):
+        mesh = make_mesh(num_devices, shape, hardware)
+        try:
+            plan = solve(traced, profile, mesh, memory_budget_bytes, time_limit_s, backend, sizes)
+        except InfeasibleError as err:
+            results.append(ShapeResult(shape, None, err.min_memory_bytes, str(err)))
+            if smallest is None or (err.min_memory_bytes or 0) < (smallest.min_memory_bytes or 0):
+                smallest = err
+            continue
+        results.append(ShapeResult(shape, plan.time.total_s, plan.memory.total_bytes))
+        if best is None or plan.time.total_s < best.time.total_s - 1e-12:
+            best = plan
+    for r in results:
+        log.info("solver: mesh %s: %s", "x".join(map(str, r.shape)),
+                 f"{r.step_s * 1e3:.1f} ms" if r.step_s is not None else "no plan fits")
+    if best is None:
+        assert smallest is not None
+        raise smallest
+    return best, results
+
+
+def fixed_plan(
+    traced: TracedGraph,
+    profile: GraphProfile | ConcreteProfile,
+    mesh: Mesh,
+    choices: Mapping[str, Strategy],
+    recompute: frozenset[str] = frozenset(),
+    zero_params: frozenset[str] = frozenset(),
+    memory_budget_bytes: float | None = None,
+    sizes: Mapping[str, int] | None = None,
+) -> Plan:
+    """Price a given assignment (a strategy for every node; recompute node names; ZeRO param FQNs or node names)."""
+    built = _build(traced, profile, mesh, memory_budget_bytes, sizes, grouped=False)
+    names = [built.problem.nodes[v].name for v in range(len(built.problem.nodes))]
+    missing = [n for n in names if n not in choices]
+    if missing:
+        raise AutoparError(f"fixed_plan needs a strategy for every node; missing {len(missing)}: {missing[:5]}")
+    choice = []
+    for n in names:
+        try:
+            choice.append(built.strategies[n].index(choices[n]))
+        except ValueError:
+            raise AutoparError(f"strategy {choices[n]} is not a valid strategy of node {n!r}; pick one of enumerate_strategies()") from None
+    zero_nodes = {node for node, fqn in traced.param_fqns.items() if fqn in zero_params or node in zero_params}
+    a = Assignment(tuple(choice), tuple(n in recompute for n in names), tuple(n in zero_nodes for n in names))
+    memory, step = evaluate(built.problem, a)
+    report = SolverReport("none", "fixed", 0.0, 0, 0)
+    return to_plan(traced, mesh, built, Solution(a, memory, step, report))
+
+
+def _param_rule(name: str, mesh: Mesh) -> Callable[[Spec], bool]:
+    """Which use specs a baseline allows for parameters."""
+    if name == "megatron":  # tensor parallel on the last (fastest) axis, replicated (data parallel) on the others
+        return lambda spec: all(isinstance(p, Replicate) for p in spec.placements[:-1])
+    return Spec.is_replicate  # data parallel and ZeRO-3: every parameter used whole
+
+
+def baseline_plan(
+    traced: TracedGraph,
+    profile: GraphProfile | ConcreteProfile,
+    mesh: Mesh,
+    name: str,
+    memory_budget_bytes: float | None = None,
+    time_limit_s: float = 30.0,
+    sizes: Mapping[str, int] | None = None,
+) -> Plan:
+    """A textbook plan: the ILP restricted to the baseline's parameter specs and ZeRO rule (recompute allowed)."""
+    if name not in BASELINES:
+        raise ValueError(f"unknown baseline {name!r}; choose one of {BASELINES}")
+    built = _build(traced, profile, mesh, _budget(mesh, memory_budget_bytes), sizes)
+    rule = _param_rule(name, mesh)
+    allowed = {}
+    for v, node in enumerate(built.problem.nodes):
+        leader = built.grouping.clusters[built.grouping.classes[v][0]].leader
+        if leader in traced.param_fqns:
+            allowed[v] = frozenset(i for i, s in enumerate(built.strategies[leader]) if rule(s.output_specs[0]))
+    restrictions = Restrictions(allowed, zero="always" if name == "zero3" else "never")
+    try:
+        sol = solve_problem(built.problem, time_limit_s, restrictions=restrictions)
+    except InfeasibleError:
+        sol = min_memory(built.problem, time_limit_s, restrictions=restrictions)  # priced anyway; `fits` says no
+    return to_plan(traced, mesh, built, sol)
+
+
+def baseline_plans(
+    traced: TracedGraph,
+    profile: GraphProfile | ConcreteProfile,
+    mesh: Mesh,
+    memory_budget_bytes: float | None = None,
+    time_limit_s: float = 30.0,
+    sizes: Mapping[str, int] | None = None,
+) -> tuple[BaselineResult, ...]:
+    """Pure data parallel, ZeRO-3/FSDP and Megatron TP+DP priced by the same model."""
+    budget = _budget(mesh, memory_budget_bytes)
+    out = []
+    for name in BASELINES:
+        plan = baseline_plan(traced, profile, mesh, name, budget, time_limit_s, sizes)
+        out.append(BaselineResult(name, plan.time, plan.memory, plan.memory.total_bytes <= budget * (1 + 1e-9)))
+    return tuple(out)

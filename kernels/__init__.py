@@ -1,0 +1,35 @@
+"""Fused data movement around the runtime's collectives: Triton kernels with torch fallbacks.
+
+    pytest tests/kernels                   # torch fallback + Triton interpreter tests (CPU)
+    python benchmarks/kernels.py           # fused vs unfused bucket packing
+
+Public functions (all take `impl="auto" | "triton" | "torch"`, see `_dispatch` for the rule:
+Triton on CUDA tensors, or on CPU tensors under TRITON_INTERPRET=1, else torch):
+
+- `pack(tensors, out=None, scale=1.0, dtype=None)`: gradients -> flat bucket, scaled and cast.
+- `unpack(bucket, tensors, scale=1.0, accumulate=False)`: bucket -> tensors (or += into them).
+- `chunk_to_leading(x, dim, parts)`: split `dim` into `parts` chunks laid out back to back,
+  the send buffer of an all-to-all / reduce-scatter along `dim`.
+- `leading_to_dim(buf, dim, parts, shape)`: the inverse, after an all-gather / all-to-all.
+- `add_epilogue(x, bias=None, residual=None)`: (x + bias) + residual in one pass.
+
+This package imports neither `autopar` nor (until a Triton path runs) `triton`.
+"""
+
+from kernels._dispatch import Impl, TritonUnavailableError, interpret_requested, triton_importable
+from kernels.bucket import bucket_offsets, pack, unpack
+from kernels.epilogue import add_epilogue
+from kernels.layout import chunk_to_leading, leading_to_dim
+
+__all__ = [
+    "Impl",
+    "TritonUnavailableError",
+    "add_epilogue",
+    "bucket_offsets",
+    "chunk_to_leading",
+    "interpret_requested",
+    "leading_to_dim",
+    "pack",
+    "triton_importable",
+    "unpack",
+]

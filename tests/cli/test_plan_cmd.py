@@ -1,0 +1,95 @@
+"""`autopar plan` end to end on tiny zoo models (real trace, profile and ILP), and `autopar profile`."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from autopar.cli import main
+from autopar.solver.plan_io import load_plan
+from plans import EXAMPLES
+
+GPT2 = str(EXAMPLES / "gpt2.py")
+MLP = str(EXAMPLES / "mlp.py")
+TINY = ["--size", "tiny", "--batch-size", "2", "--seq-len", "16"]
+
+
+def run(capsys, *argv: str) -> tuple[int, str, str]:
+    code = main(list(argv))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+@pytest.fixture(scope="module")
+def planned(tmp_path_factory):
+    d = tmp_path_factory.mktemp("planned")
+    argv = ["plan", GPT2, *TINY, "--gpus", "2", "--hardware", "cpu", "--save", str(d / "plan.json"), "--html", str(d / "plan.html"), "--json"]
+    code = main(argv)
+    return d, code
+
+
+def test_plan_saves_a_plan_and_prints_json(planned, capsys):
+    d, code = planned
+    assert code == 0
+    plan = load_plan(d / "plan.json")
+    assert plan.source.model_file == GPT2 and (plan.source.batch_size, plan.source.seq_len, plan.source.size) == (2, 16, "tiny")
+    assert [b.name for b in plan.baselines] == ["data_parallel", "zero3", "megatron"]
+    assert plan.mesh.hardware == "cpu" and plan.mesh.num_devices == 2
+    code, out, _ = run(capsys, "show", str(d / "plan.json"), "--json")
+    s = json.loads(out)
+    assert s["time"]["total_s"] == pytest.approx(plan.time.total_s)
+    assert s["memory"]["total_bytes"] == pytest.approx(plan.memory.total_bytes)
+    # the pure-DP baseline is a restriction of the ILP's search space: the plan can only be as fast or faster
+    dp = next(b for b in s["baselines"] if b["name"] == "data_parallel")
+    assert dp["plan_speedup"] >= 1 - 1e-9
+    assert any(r["module"] == "transformer.h.0..1.mlp.c_fc" and r["count"] == 2 for r in s["layers"])
+    html = (d / "plan.html").read_text()
+    assert "<svg" in html and "transformer.h.0..1.mlp.c_fc" in html
+
+
+def test_plan_text_report(capsys):
+    code, out, _ = run(capsys, "plan", MLP, "--size", "tiny", "--batch-size", "8", "--gpus", "2", "--mesh", "2", "--hardware", "cpu")
+    assert code == 0
+    assert "Mesh dp=2  (2 devices, cpu)" in out
+    assert "layers.0..2.fc1" in out and "pure data parallel" in out and "ZeRO-3 / FSDP" in out
+
+
+def test_load_reuses_the_plan(planned, capsys):
+    d, _ = planned
+    saved = load_plan(d / "plan.json")
+    code, out, _ = run(capsys, "plan", GPT2, *TINY, "--gpus", "2", "--hardware", "cpu", "--load", str(d / "plan.json"), "--json")
+    assert code == 0
+    s = json.loads(out)
+    assert s["solver"]["solve_s"] == saved.solver.solve_s  # not re-solved: the file's own numbers
+    assert s["time"]["total_s"] == saved.time.total_s
+
+
+def test_load_mismatched_plan(planned, capsys):
+    d, _ = planned
+    code, _, err = run(capsys, "plan", GPT2, "--size", "tiny", "--batch-size", "4", "--seq-len", "16", "--gpus", "2",
+                       "--hardware", "cpu", "--load", str(d / "plan.json"))
+    assert code == 1
+    first, fix = err.strip().splitlines()[-2:]  # after the phase timings
+    assert "the plan does not match this model and mesh: activation shapes or dtypes differ" in first
+    assert fix.strip().startswith("fix:")
+    code, _, err = run(capsys, "plan", GPT2, *TINY, "--gpus", "2", "--hardware", "a100", "--load", str(d / "plan.json"))
+    assert code == 1 and "hardware is 'cpu' in the plan but 'a100' here" in err
+
+
+def test_infeasible_budget_names_the_minimum(capsys):
+    code, _, err = run(capsys, "plan", MLP, "--size", "tiny", "--batch-size", "8", "--gpus", "2", "--hardware", "cpu", "--memory", "1000")
+    assert code == 1
+    first, fix = err.strip().splitlines()[-2:]  # after the phase timings
+    assert "no plan fits: needs" in first and "per device" in first
+    assert fix.strip().startswith("fix: pass --memory")
+
+
+def test_profile_command(capsys):
+    code, out, _ = run(capsys, "profile", MLP, "--size", "tiny", "--batch-size", "8", "--json")
+    assert code == 0
+    rows = json.loads(out)
+    # hand count: 3 blocks of (8, 32) @ (32, 64) and (8, 64) @ (64, 32), 2 FLOPs per multiply-add
+    assert sum(r["fwd_flops"] for r in rows) == pytest.approx(3 * 2 * (2 * 8 * 32 * 64), rel=0.01)
+    assert sum(r["param_bytes"] for r in rows) == 3 * (32 * 64 + 64 + 64 * 32 + 32) * 4
+    code, out, _ = run(capsys, "profile", GPT2, *TINY)
+    assert code == 0 and "transformer.h.0" in out and "total" in out

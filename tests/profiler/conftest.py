@@ -1,0 +1,23 @@
+"""Shared fixture: each zoo model traced once per test session (tracing is the slow part)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from autopar.tracer import trace
+from tests.profiler.zoo import DYNAMIC, load_example
+
+_TRACES: dict[str, object] = {}
+
+
+@pytest.fixture(scope="session")
+def traced_zoo():
+    torch.set_num_threads(1)
+
+    def get(name: str):
+        if name not in _TRACES:
+            model, sample = load_example(name).build(2, 16, size="tiny", device="meta")
+            _TRACES[name] = trace(model, sample, dynamic_dims=DYNAMIC[name])
+        return _TRACES[name]
+
+    return get

@@ -1,0 +1,211 @@
+"""Golden-answer tests of the joint ILP on hand-built 3-5 node problems.
+
+The reference is brute force: every (option, recompute, ZeRO) combination priced
+by `evaluate`, which does not touch PuLP.
+"""
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import random
+
+import pytest
+
+from autopar.errors import InfeasibleError
+from autopar.solver.ilp import Restrictions, _Model, evaluate, min_memory, solve_problem
+from autopar.solver.problem import Assignment, Edge, Node, Option, Problem, ZeroOption
+
+GIB = 2**30
+MB = 2**20
+
+
+def brute_force(problem: Problem, restrictions: Restrictions = Restrictions()):
+    """(best time, best assignment) over every combination that fits; None when nothing fits."""
+    best = None
+    n = len(problem.nodes)
+    for choice in itertools.product(*(range(len(node.options)) for node in problem.nodes)):
+        if any(v in restrictions.allowed and c not in restrictions.allowed[v] for v, c in enumerate(choice)):
+            continue
+        rc_ok = [problem.nodes[v].recomputable and problem.nodes[v].options[c].saved_bytes > 0 for v, c in enumerate(choice)]
+        z_ok = [problem.nodes[v].options[c].zero is not None for v, c in enumerate(choice)]
+        for rc in itertools.product(*([False, True] if ok else [False] for ok in rc_ok)):
+            for z in itertools.product(*([False, True] if ok else [False] for ok in z_ok)):
+                a = Assignment(choice, rc, z)
+                mem, t = evaluate(problem, a)
+                if problem.budget_bytes is not None and mem.total_bytes > problem.budget_bytes * (1 + 1e-9):
+                    continue
+                if best is None or t.total_s < best[0] - 1e-12:
+                    best = (t.total_s, a)
+    assert n == len(problem.nodes)
+    return best
+
+
+def dp_vs_tp(bandwidth_bytes_per_s: float, budget_bytes: float | None) -> Problem:
+    """y = x @ w on 2 devices. Options: data parallel (x S(0), w R) or tensor parallel (x R, w S(1)).
+
+    w: 1 GiB of fp32 (param + grad + 2 Adam states = 4 GiB replicated); x and y: 256 MiB each.
+    """
+    w_bytes, act_bytes = 1 * GIB, 256 * MB
+    ring = lambda b: b / bandwidth_bytes_per_s  # (n-1)/n * 2 for n=2 all-reduce = 1x bytes
+    w = Node("w", (
+        Option("R", param_bytes=w_bytes, grad_bytes=w_bytes, optimizer_bytes=2 * w_bytes,
+               zero=ZeroOption(factor=2, comm_s=ring(w_bytes) / 2, gathered_bytes=w_bytes)),
+        Option("S(1)", param_bytes=w_bytes / 2, grad_bytes=w_bytes / 2, optimizer_bytes=w_bytes),
+    ))
+    x = Node("x", (Option("S(0)", saved_bytes=act_bytes / 2), Option("R", saved_bytes=act_bytes)))
+    mm = Node("mm", (
+        Option("DP", compute_s=1.0, saved_bytes=act_bytes / 2, recompute_s=0.3),
+        Option("TP", compute_s=1.0, saved_bytes=act_bytes / 2, recompute_s=0.3),
+    ), recomputable=True)
+    # grad sync: w replicated + mm data parallel = all-reduce of w's grad; TP: all-reduce of x's grad in backward.
+    w_mm = Edge.dense(0, 2, [[ring(w_bytes), 0.0], [1e3, 0.0]])  # w S(1) cannot feed DP: huge resharding
+    x_mm = Edge.dense(1, 2, [[0.0, ring(act_bytes)], [0.0, 2 * ring(act_bytes)]])
+    return Problem((w, x, mm), (w_mm, x_mm), budget_bytes)
+
+
+def test_ample_memory_slow_links_prefer_data_parallel_without_recompute():
+    # Activation-heavy: TP's activation resharding (10 s) dwarfs DP's 0.1 s gradient all-reduce.
+    p = dp_vs_tp(bandwidth_bytes_per_s=10e9, budget_bytes=None)
+    act_heavy = Problem(p.nodes, (p.edges[0], Edge.dense(1, 2, [[0.0, 10.0], [0.0, 10.0]])), 64 * GIB)
+    sol = solve_problem(act_heavy)
+    assert [p.nodes[v].options[c].label for v, c in enumerate(sol.assignment.choice)] == ["R", "S(0)", "DP"]
+    assert not any(sol.assignment.recompute) and not any(sol.assignment.zero)
+    assert sol.report.status == "optimal"
+    assert sol.time.total_s == pytest.approx(brute_force(act_heavy)[0])
+
+
+def test_memory_below_data_parallel_need_shards_parameters():
+    p = dp_vs_tp(bandwidth_bytes_per_s=10e9, budget_bytes=None)
+    act_heavy = lambda budget: Problem(p.nodes, (p.edges[0], Edge.dense(1, 2, [[0.0, 10.0], [0.0, 10.0]])), budget)
+    dp = solve_problem(act_heavy(64 * GIB))
+    dp_need = dp.memory.total_bytes
+    assert dp_need == pytest.approx(4 * GIB + 128 * MB + 128 * MB)  # static 4 GiB + x, y halves
+    tight = solve_problem(act_heavy(dp_need - 1 * MB))
+    # ZeRO (params+grads+opt halved, +1 GiB gathered transient) beats TP's 10 s resharding.
+    assert tight.assignment.zero[0] and tight.assignment.choice == (0, 0, 0)
+    assert tight.memory.params_bytes + tight.memory.grads_bytes + tight.memory.optimizer_bytes == pytest.approx(2 * GIB)
+    assert tight.time.total_s == pytest.approx(brute_force(act_heavy(dp_need - 1 * MB))[0])
+
+
+def test_memory_below_data_parallel_need_goes_tensor_parallel_when_zero_is_too_slow():
+    p = dp_vs_tp(bandwidth_bytes_per_s=1e9, budget_bytes=3 * GIB)  # ZeRO's 2 GiB + 1 GiB gather does not fit 3 GiB
+    sol = solve_problem(p)
+    assert [p.nodes[v].options[c].label for v, c in enumerate(sol.assignment.choice)][0::2] == ["S(1)", "TP"]
+    assert sol.memory.total_bytes <= 3 * GIB
+    assert sol.time.total_s == pytest.approx(brute_force(p)[0])
+
+
+def chain_with_activations(budget_bytes: float | None) -> Problem:
+    """A placeholder then three layers saving 1 GiB each; recomputing them costs 3 s, 1 s, 2 s."""
+    inp = Node("inp", (Option("S(0)", saved_bytes=0.5 * GIB),))
+    layers = tuple(
+        Node(f"l{i}", (Option("S(0)", compute_s=5.0, saved_bytes=1 * GIB, recompute_s=r),), recomputable=True)
+        for i, r in enumerate((3.0, 1.0, 2.0))
+    )
+    return Problem((inp,) + layers, (), budget_bytes)
+
+
+@pytest.mark.parametrize("budget_gib, expected", [(3.5, ()), (3.0, (2,)), (2.0, (2, 3)), (1.0, (1, 2, 3))])
+def test_tighter_budget_recomputes_cheapest_first(budget_gib, expected):
+    p = chain_with_activations(budget_gib * GIB)
+    sol = solve_problem(p)
+    assert tuple(v for v, r in enumerate(sol.assignment.recompute) if r) == expected
+    assert sol.time.recompute_s == pytest.approx(sum(p.nodes[v].options[0].recompute_s for v in expected))
+    assert not sol.assignment.recompute[0]  # the placeholder is never recomputed
+
+
+def test_infeasible_budget_reports_the_minimum_and_what_dominates():
+    p = dp_vs_tp(bandwidth_bytes_per_s=10e9, budget_bytes=1 * GIB)
+    with pytest.raises(InfeasibleError) as info:
+        solve_problem(p)
+    # By hand: w S(1) holds 2 GiB static (ZeRO on w R also 2 GiB, plus a 1 GiB gathered transient);
+    # x S(0) (a placeholder, never recomputed) 128 MiB; mm recomputed saves nothing. Minimum 2.125 GiB.
+    assert info.value.min_memory_bytes == pytest.approx(2.125 * GIB)
+    assert "needs 2.1 GiB per device (optimizer state 1.0 GiB); budget 1.0 GiB" in str(info.value)
+    assert min_memory(p).memory.total_bytes == pytest.approx(2.125 * GIB)
+
+
+def test_resharding_edges_pick_the_globally_cheapest_chain():
+    # a -> b -> c, each with options S / R. Locally S is cheaper everywhere, but c only has a cheap R option,
+    # and resharding S->R costs 4 s on each edge: the optimum switches the whole chain to R.
+    a = Node("a", (Option("S", compute_s=1.0), Option("R", compute_s=2.0)))
+    b = Node("b", (Option("S", compute_s=1.0), Option("R", compute_s=2.0)))
+    c = Node("c", (Option("S", compute_s=10.0), Option("R", compute_s=1.0)))
+    cost = [[0.0, 4.0], [4.0, 0.0]]
+    p = Problem((a, b, c), (Edge.dense(0, 1, cost), Edge.dense(1, 2, cost)))
+    sol = solve_problem(p)
+    assert sol.assignment.choice == (1, 1, 1)
+    assert sol.time.total_s == pytest.approx(5.0) == pytest.approx(brute_force(p)[0])
+
+
+def test_grouped_edge_classes_price_like_the_dense_matrix():
+    # b has 3 options whose input spec is S, S, R: grouped into 2 classes.
+    a = Node("a", (Option("S", compute_s=2.0), Option("R", compute_s=1.0)))
+    b = Node("b", (Option("S1", compute_s=3.0), Option("S2", compute_s=2.5), Option("R", compute_s=4.0)))
+    grouped = Edge(0, 1, (0, 1), (0, 0, 1), ((0.0, 1.0), (0.2, 0.0)))
+    sol = solve_problem(Problem((a, b), (grouped,)))
+    assert sol.assignment.choice == (1, 1)  # 1 + 2.5 + 0.2
+    assert sol.time.total_s == pytest.approx(3.7)
+
+
+def random_problem(rng: random.Random) -> Problem:
+    nodes = []
+    for v in range(rng.randint(3, 5)):
+        opts = []
+        for s in range(rng.randint(1, 3)):
+            static = rng.choice([0.0, rng.uniform(0, 4)]) * GIB
+            zero = ZeroOption(rng.choice([2, 4]), rng.uniform(0, 2), static / 4) if static and rng.random() < 0.6 else None
+            opts.append(Option(f"o{s}", compute_s=rng.uniform(0, 5), comm_s=rng.uniform(0, 1), recompute_s=rng.uniform(0, 2),
+                               saved_bytes=rng.uniform(0, 2) * GIB, temp_bytes=rng.uniform(0, 1) * GIB,
+                               param_bytes=static / 4, grad_bytes=static / 4, optimizer_bytes=static / 2, zero=zero))
+        nodes.append(Node(f"n{v}", tuple(opts), recomputable=v > 0))
+    edges = []
+    for v in range(1, len(nodes)):
+        u = rng.randrange(v)
+        edges.append(Edge.dense(u, v, [[rng.choice([0.0, rng.uniform(0, 3)]) for _ in nodes[v].options] for _ in nodes[u].options]))
+    return Problem(tuple(nodes), tuple(edges), rng.uniform(2, 12) * GIB)
+
+
+def test_random_problems_match_brute_force():
+    rng = random.Random(0)
+    checked = infeasible = 0
+    for _ in range(25):
+        p = random_problem(rng)
+        ref = brute_force(p)
+        if ref is None:
+            with pytest.raises(InfeasibleError) as info:
+                solve_problem(p)
+            assert info.value.min_memory_bytes > p.budget_bytes
+            infeasible += 1
+            continue
+        sol = solve_problem(p)
+        assert sol.time.total_s == pytest.approx(ref[0], rel=1e-6, abs=1e-6)
+        assert sol.memory.total_bytes <= p.budget_bytes * (1 + 1e-6)
+        checked += 1
+    assert checked >= 15 and infeasible >= 1  # both outcomes exercised
+
+
+def test_cbc_agrees_with_highs_and_solves_are_deterministic():
+    p = random_problem(random.Random(7))
+    p = Problem(p.nodes, p.edges, None)
+    highs, again, cbc = solve_problem(p), solve_problem(p), solve_problem(p, backend="cbc")
+    assert highs.assignment == again.assignment
+    assert highs.report.backend == "highs" and cbc.report.backend == "cbc"
+    assert cbc.time.total_s == pytest.approx(highs.time.total_s)
+
+
+def test_restrictions_force_options_zero_and_no_recompute():
+    p = dp_vs_tp(bandwidth_bytes_per_s=10e9, budget_bytes=None)
+    sol = solve_problem(p, restrictions=Restrictions(allowed={0: frozenset({0}), 2: frozenset({0})}, zero="always", recompute="never"))
+    assert sol.assignment.choice[0] == 0 and sol.assignment.choice[2] == 0
+    assert sol.assignment.zero[0] and not any(sol.assignment.recompute)
+
+
+def test_every_constraint_is_named_after_its_family():
+    p = dp_vs_tp(bandwidth_bytes_per_s=10e9, budget_bytes=8 * GIB)
+    mm = p.nodes[2]
+    mm = Node(mm.name, tuple(dataclasses.replace(o, temp_bytes=64 * MB) for o in mm.options), mm.recomputable)
+    p = Problem(p.nodes[:2] + (mm,), p.edges, p.budget_bytes)
+    names = list(_Model(p, Restrictions(), "time").prob.constraints)
+    families = {n.rsplit("_", 1)[0].rstrip("_0123456789") for n in names}
+    assert families == {"onehot", "edge_src", "edge_dst", "recompute", "zero", "temp", "gather", "memory"}

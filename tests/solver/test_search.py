@@ -1,0 +1,120 @@
+"""End-to-end solving on traced zoo models: known answers, edge-case meshes, baselines, infeasibility."""
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from autopar.errors import InfeasibleError
+from autopar.profiler import profile
+from autopar.solver import baseline_plans, fixed_plan, solve, solve_for_devices
+from autopar.solver.mesh import MeshAxis, make_mesh
+from autopar.solver.spec import Shard
+from autopar.tracer import trace
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _zoo(name: str):
+    if name not in sys.modules:
+        spec = importlib.util.spec_from_file_location(name, ROOT / "examples" / f"{name.split('_')[1]}.py")
+        mod = importlib.util.module_from_spec(spec)
+        sys.modules[name] = mod
+        spec.loader.exec_module(mod)
+    return sys.modules[name]
+
+
+_CACHE: dict = {}
+
+
+def mlp(n_layers: int, dim: int, hidden: int, batch: int):
+    key = ("mlp", n_layers, dim, hidden, batch)
+    if key not in _CACHE:
+        m = _zoo("zoo_mlp")
+        with torch.device("meta"):
+            model = m.MLP(m.MLPConfig(n_layers, dim, hidden)).train()
+            x, y = torch.randn(batch, dim), torch.randn(batch, dim)
+        traced = trace(model, (x, y))
+        _CACHE[key] = (traced, profile(traced))
+    return _CACHE[key]
+
+
+def slow_mesh(n: int, beta: float):
+    mesh = make_mesh(n, (n,), "h100")
+    return dataclasses.replace(mesh, axes=(MeshAxis("dp", n, 1e-5, beta),))
+
+
+def test_ample_memory_and_slow_links_give_pure_data_parallel():
+    traced, prof = mlp(2, 1024, 4096, 32768)  # activation-heavy: DP's grad all-reduce << TP's activation traffic
+    plan = solve(traced, prof, slow_mesh(4, 50e9))
+    assert all(p.use.is_replicate() and not p.zero for p in plan.params)
+    assert plan.recomputed() == ()
+    # No cheaper plan in the data-parallel family exists (same model, restricted ILP). Known gap: `mean`
+    # (the MSE loss) has only a replicate strategy today, so the batch split is priced with a gather at the end.
+    dp = {b.name: b for b in baseline_plans(traced, prof, plan.mesh)}["data_parallel"]
+    assert dp.time.total_s == pytest.approx(plan.time.total_s)
+
+
+def test_tighter_budgets_trade_time_for_memory_then_fail_with_the_minimum():
+    traced, prof = mlp(2, 1024, 4096, 32768)
+    mesh = slow_mesh(4, 50e9)
+    dp = solve(traced, prof, mesh)
+    tight = solve(traced, prof, mesh, memory_budget_bytes=0.5 * dp.memory.total_bytes)
+    assert tight.memory.total_bytes <= 0.5 * dp.memory.total_bytes
+    assert tight.time.total_s >= dp.time.total_s
+    assert [d.strategy for d in tight.nodes] != [d.strategy for d in dp.nodes] or tight.recomputed() or any(p.zero for p in tight.params)
+    with pytest.raises(InfeasibleError) as info:
+        solve(traced, prof, mesh, memory_budget_bytes=1e6)
+    minimum = info.value.min_memory_bytes
+    assert minimum > 1e6 and "per device" in str(info.value) and "budget" in str(info.value)
+    # the reported minimum is achievable: a budget 1% above it plans
+    assert solve(traced, prof, mesh, memory_budget_bytes=minimum * 1.01).memory.total_bytes <= minimum * 1.01
+
+
+def test_two_level_mesh_puts_tensor_parallelism_on_the_fast_axis():
+    traced, prof = mlp(2, 4096, 16384, 256)  # weight-heavy
+    mesh = make_mesh(4, (2, 2), "h100-ib")  # axis 0 InfiniBand, axis 1 NVLink
+    assert mesh.axes[1].beta_bytes_per_s > mesh.axes[0].beta_bytes_per_s
+    plan = solve(traced, prof, mesh)
+    sharded = [p for p in plan.params if not p.use.is_replicate()]
+    assert sharded, "weight-heavy model on a fast axis should go tensor parallel"
+    assert all(not isinstance(p.use.placements[0], Shard) for p in plan.params)
+    assert any(isinstance(p.use.placements[1], Shard) for p in sharded)
+
+
+@pytest.mark.parametrize("shape", [(1,), (6,), (3, 2)])
+def test_edge_case_meshes_plan(shape):
+    traced, prof = mlp(1, 32, 64, 4)  # batch 4 < 6 devices: dims smaller than the mesh axis
+    n = 1
+    for s in shape:
+        n *= s
+    plan = solve(traced, prof, make_mesh(n, shape))
+    assert plan.mesh.shape == shape and len(plan.params) == 4
+    if n == 1:
+        assert plan.time.comm_s < 1e-9 and not any(p.zero for p in plan.params)  # one device: nothing to send
+
+
+def test_solve_for_devices_tries_every_shape_and_keeps_the_fastest():
+    traced, prof = mlp(2, 256, 1024, 512)
+    plan, results = solve_for_devices(traced, prof, 12)
+    assert [r.shape for r in results] == [(12,), (2, 6), (3, 4), (4, 3), (6, 2)]
+    assert plan.time.total_s == pytest.approx(min(r.step_s for r in results if r.step_s is not None))
+
+
+def test_fixed_plan_reprices_the_solver_plan_identically_and_baselines_are_not_faster():
+    traced, prof = mlp(2, 1024, 4096, 2048)
+    mesh = make_mesh(4, (2, 2))
+    plan = solve(traced, prof, mesh)
+    again = fixed_plan(traced, prof, mesh, {d.node: d.strategy for d in plan.nodes if d.op != "output"},
+                       recompute=frozenset(plan.recomputed()), zero_params=frozenset(p.fqn for p in plan.params if p.zero))
+    # merging followers and tying layers must not change the price of a plan
+    assert again.time.total_s == pytest.approx(plan.time.total_s, rel=1e-9)
+    assert again.memory.total_bytes == pytest.approx(plan.memory.total_bytes, rel=1e-9)
+    results = {b.name: b for b in baseline_plans(traced, prof, mesh)}
+    assert set(results) == {"data_parallel", "zero3", "megatron"}
+    for b in results.values():
+        assert b.time.total_s >= plan.time.total_s * (1 - 1e-6)

@@ -1,0 +1,86 @@
+"""enumerate_strategies: API conventions, our own rules, fallback, speed."""
+from __future__ import annotations
+
+import logging
+import time
+
+import torch
+from torch import fx
+
+from autopar.solver.mesh import make_mesh
+from autopar.solver.spec import Spec
+from autopar.solver.strategies import _WARNED, enumerate_strategies, node_strategies, strategy_inputs
+from autopar.tracer import output_vals, trace
+
+from tests.solver.test_strategies_numeric import load_example
+
+MESH = make_mesh(4, (2, 2), "h100")
+
+
+def _tiny_gpt2():
+    model, sample = load_example("gpt2").build(batch_size=2, seq_len=8, size="tiny", device="meta")
+    return trace(model, sample)
+
+
+def test_conventions_on_tiny_gpt2():
+    traced = _tiny_gpt2()
+    strategies = enumerate_strategies(traced, MESH)
+    for node in traced.graph.nodes:
+        if node.op == "output":
+            assert node.name not in strategies
+            continue
+        for s in strategies[node.name]:
+            assert len(s.output_specs) == len(output_vals(node))
+            if node.op == "placeholder":
+                assert s.input_specs == () and not s.output_specs[0].has_partial()
+            else:
+                assert len(s.input_specs) == len(strategy_inputs(node))
+        assert len(set(strategies[node.name])) == len(strategies[node.name])  # deduplicated
+    # every even spec of a (256, 64) parameter without Partial: R, S(0), S(1) per axis -> 9
+    wte = next(name for name, fqn in traced.param_fqns.items() if fqn == "transformer.wte.weight")
+    assert len(strategies[wte]) == 9
+    # SDPA: replicate, batch or heads per axis (3 x 3 = 9; batch 2 on both axes is uneven -> 8)
+    sdpa = strategies["scaled_dot_product_attention"]
+    assert {str(s.output_specs[0]) for s in sdpa} == {"RR", "RS(0)", "RS(1)", "S(0)R", "S(0)S(1)", "S(1)R", "S(1)S(0)", "S(1)S(1)"}
+    # getitem mirrors its producer's output
+    ln = strategies["native_layer_norm"]
+    assert {s.output_specs[0] for s in strategies["getitem"]} == {s.output_specs[0] for s in ln}
+
+
+def test_sum_over_all_dims_gives_partial():
+    traced = _tiny_gpt2()
+    strategies = enumerate_strategies(traced, make_mesh(2, (2,), "h100"))
+    by = {str(s.input_specs[0]): str(s.output_specs[0]) for s in strategies["sum_2"]}
+    assert by == {"R": "R", "S(0)": "P", "P": "P"}  # DTensor would say S(0) -> S(0) on a scalar
+
+
+def test_unknown_op_falls_back_to_replicate_with_one_warning(caplog):
+    g = fx.Graph()
+    x = g.placeholder("x")
+    x.meta["val"] = torch.empty(8, 8, device="meta")
+    nodes = []
+    for _ in range(2):  # cdist has no DTensor rule (and no rule of ours)
+        n = g.call_function(torch.ops.aten._cdist_forward.default, (x, x, 2.0, None))
+        n.meta["val"] = torch.empty(8, 8, device="meta")
+        nodes.append(n)
+    _WARNED.discard("aten._cdist_forward.default")
+    with caplog.at_level(logging.WARNING):
+        for n in nodes:
+            assert node_strategies(n, (2,)) == (node_strategies(n, (2,))[0],)
+            assert node_strategies(n, (2,))[0].input_specs == (Spec.parse("R"), Spec.parse("R"))
+    assert sum("aten._cdist_forward.default" in r.message for r in caplog.records) == 1
+
+
+def test_gpt2_small_enumerates_fast():
+    model, sample = load_example("gpt2").build(batch_size=2, seq_len=128, size="small", device="meta")
+    traced = trace(model, sample)
+    start = time.perf_counter()
+    strategies = enumerate_strategies(traced, MESH)  # cold: layer 0 computes, layers 1-11 hit the cache
+    cold = time.perf_counter() - start
+    start = time.perf_counter()
+    again = enumerate_strategies(traced, MESH)  # e.g. the solver re-planning for another budget
+    warm = time.perf_counter() - start
+    print(f"\nGPT-2 small: {len(strategies)} nodes, {sum(map(len, strategies.values()))} strategies; "
+          f"cold {cold:.3f} s, cached {warm:.3f} s")
+    assert again == strategies
+    assert warm < 0.5 and cold < 5.0  # cold is ~0.6 s on an idle core; the bound leaves room for a busy CI box
