@@ -29,12 +29,16 @@ sys.path.insert(0, str(ROOT))  # the `kernels` package, not this file (also name
 from kernels import _dispatch, bucket_offsets, pack, unpack  # noqa: E402
 
 
-def make_grads(n: int, max_numel: int, dtype: torch.dtype, device: torch.device) -> list[torch.Tensor]:
-    """n gradients with log-uniform sizes in [1, max_numel] (biases and norms next to big
-    matrices, as in a transformer), seeded so every run packs the same bucket."""
+def grad_sizes(n: int, max_numel: int) -> list[int]:
+    """n log-uniform sizes in [1, max_numel]: biases and norms next to big matrices, as in a
+    transformer; seeded so every run packs the same bucket."""
     gen = torch.Generator().manual_seed(0)
-    sizes = torch.exp(torch.rand(n, generator=gen) * torch.log(torch.tensor(float(max_numel)))).long()
-    return [torch.randn(int(s), generator=gen).to(dtype=dtype, device=device) for s in sizes]
+    return torch.exp(torch.rand(n, generator=gen) * torch.log(torch.tensor(float(max_numel)))).long().tolist()
+
+
+def make_grads(sizes: list[int], dtype: torch.dtype, device: torch.device) -> list[torch.Tensor]:
+    gen = torch.Generator().manual_seed(1)
+    return [torch.randn(n, generator=gen).to(dtype=dtype, device=device) for n in sizes]
 
 
 def unfused_pack(grads: list[torch.Tensor], offsets: list[int], flat: torch.Tensor, scale: float) -> None:
@@ -71,7 +75,7 @@ def git_sha() -> str:
 
 def bench_device(device: torch.device, args: argparse.Namespace) -> list[dict]:
     grad_dtype, bucket_dtype = getattr(torch, args.grad_dtype), getattr(torch, args.bucket_dtype)
-    grads = make_grads(args.tensors, args.max_numel, grad_dtype, device)
+    grads = make_grads(grad_sizes(args.tensors, args.max_numel), grad_dtype, device)
     offsets = bucket_offsets(grads)
     flat = torch.empty(offsets[-1], dtype=bucket_dtype, device=device)
     scale = 1.0 / args.world
@@ -110,7 +114,7 @@ def main() -> None:
     devices = [torch.device("cpu")] if args.device in ("auto", "cpu") else []
     if args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available()):
         devices.append(torch.device("cuda"))
-    numel = bucket_offsets(make_grads(args.tensors, args.max_numel, torch.float32, torch.device("meta")))[-1]
+    numel = sum(grad_sizes(args.tensors, args.max_numel))
     print(f"{args.tensors} {args.grad_dtype} gradients, {numel:,} elements -> {args.bucket_dtype} bucket, "
           f"scale 1/{args.world}; torch threads {torch.get_num_threads()}")
     if not torch.cuda.is_available():

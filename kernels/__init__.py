@@ -1,6 +1,6 @@
 """Fused data movement around the runtime's collectives: Triton kernels with torch fallbacks.
 
-    pytest tests/kernels                   # torch fallback + Triton interpreter tests (CPU)
+    python -m pytest tests/kernels         # torch fallback + Triton interpreter tests (CPU)
     python benchmarks/kernels.py           # fused vs unfused bucket packing
 
 Public functions (all take `impl="auto" | "triton" | "torch"`, see `_dispatch` for the rule:

@@ -5,6 +5,8 @@ Rule (the same for every public function in `kernels`):
 - ``impl="auto"``: Triton when triton imports, every tensor has a float32 / float16 / bfloat16
   dtype, and either all tensors are on a CUDA device (compiled kernels) or ``TRITON_INTERPRET``
   is set and all tensors are on the CPU (Triton's interpreter); otherwise the torch fallback.
+  (With TRITON_INTERPRET set, CUDA tensors take the torch path: the multi-tensor kernels read
+  raw addresses from a table, which the interpreter cannot copy off the GPU.)
 - ``impl="triton"``: the same conditions, but a failed condition raises `TritonUnavailableError`
   naming it, so a test that means to exercise the kernel never silently runs the fallback.
 

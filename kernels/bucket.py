@@ -9,10 +9,10 @@ each direction in one pass and (per source dtype) one launch: a table of (addres
 bucket offset, chunk start) rows drives `multi_tensor_pack_kernel`, chunks keep the programs
 balanced when one embedding gradient is 1000x bigger than a LayerNorm's.
 
-Numerics (both paths, bit for bit): each element is float32(src) * float32(scale), rounded to
-float32, [+ float32(dst) when accumulating, no fused multiply-add], rounded once (to nearest
-even) to the destination dtype. float64 tensors are
-handled by the torch path only, in float64. Neither function is differentiable.
+Numerics (both paths, bit for bit): each element is float32(src) * float32(scale) rounded to
+float32, then (when accumulating) + float32(dst) with no fused multiply-add, then rounded once,
+to nearest even, to the destination dtype. float64 tensors take the torch path, in float64.
+Neither function is differentiable.
 """
 
 from __future__ import annotations
@@ -176,7 +176,8 @@ def _pack_triton(tensors: list[torch.Tensor], offsets: list[int], out: torch.Ten
     for dtype, rows in groups.items():
         table = _chunk_table(tuple(rows), out.device)
         mod.multi_tensor_pack_kernel[(table.shape[0],)](
-            table, out, scale, SRC_DTYPE=mod.TL_DTYPES[dtype], CHUNK=_CHUNK, BLOCK=_BLOCK)
+            table, out, scale, SRC_DTYPE=mod.TL_DTYPES[dtype], CHUNK=_CHUNK, BLOCK=_BLOCK,
+            enable_fp_fusion=False)  # nothing to fuse; set so triton 3.9 does not warn
     for i in strided:  # rare for gradients (a transposed parameter): one strided launch each
         t = tensors[i]
         launch_strided(out[offsets[i]:offsets[i] + t.numel()].view(t.shape), t, scale=scale)

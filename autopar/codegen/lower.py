@@ -244,7 +244,6 @@ class _Lowerer:
                     fed = self.fed_spec(node, dp_axes)
                     fed_specs.append(fed)
                     ph = self.graph.placeholder(node.name)
-                    ph.meta["val"] = node.meta.get("val")
                     self.env[node.name] = self.reshard(ph, node, fed, self.src_spec(node))
             elif node.op == "call_function" and node.target in _CHECKS:
                 continue  # export's metadata asserts: about the traced (global, meta) tensors, not local shards
@@ -290,7 +289,6 @@ class _Lowerer:
             args, kwargs = pytree.tree_unflatten(new_flat, spec)
             target, args, kwargs = random_ops.wrap(target, tuple(args), kwargs, self.out_specs(node), self.mesh)
             out = self.graph.create_node("call_function", target, tuple(args), kwargs, name=node.name)
-            out.meta["val"] = node.meta.get("val")
         new = before.next if before is not None else next(iter(self.graph.nodes))
         while new.op != "root":
             self.origin.setdefault(new.name, node.name)

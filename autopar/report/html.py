@@ -64,7 +64,10 @@ def memory_timeline(plan: Plan, profile: ConcreteProfile | None = None) -> list[
 
 def _svg(points: Sequence[tuple[str, float]], budget: float | None, width: int = 760, height: int = 260) -> str:
     pad_l, pad_b, pad_t = 70, 30, 10
-    top = max([b for _, b in points] + ([budget] if budget else [])) * 1.05 or 1.0
+    peak = max(b for _, b in points)
+    # A budget far above the peak would flatten the curve: then it is named in the corner instead of drawn.
+    budget_drawn = budget is not None and budget <= 2 * peak
+    top = (max(peak, budget) if budget_drawn else peak) * 1.1 or 1.0
     n = max(len(points) - 1, 1)
 
     def xy(i: int, b: float) -> tuple[float, float]:
@@ -84,7 +87,9 @@ def _svg(points: Sequence[tuple[str, float]], budget: float | None, width: int =
         f'<polyline fill="none" stroke="#3366cc" stroke-width="2" points="{line}"/>',
         f'<circle cx="{px:.1f}" cy="{py:.1f}" r="4" fill="#cc3333"><title>peak {html.escape(fmt_bytes(points[peak_i][1]))} at {html.escape(points[peak_i][0])}</title></circle>',
     ]
-    if budget:
+    if budget is not None and not budget_drawn:
+        parts.append(f'<text x="{width - 12}" y="{pad_t + 10}" text-anchor="end" font-size="11" fill="#cc3333">budget {html.escape(fmt_bytes(budget))} (above the chart)</text>')
+    elif budget is not None:
         _, by = xy(0, budget)
         parts.append(f'<line x1="{pad_l}" y1="{by:.1f}" x2="{width - 10}" y2="{by:.1f}" stroke="#cc3333" stroke-dasharray="6 4"/>')
         parts.append(f'<text x="{width - 12}" y="{by - 4:.1f}" text-anchor="end" font-size="11" fill="#cc3333">budget {html.escape(fmt_bytes(budget))}</text>')

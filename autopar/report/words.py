@@ -69,16 +69,16 @@ def param_words(p: ParamDecision, axis_names: Sequence[str], layout: Layout) -> 
 
 
 def activation_words(spec: Spec | None, axis_names: Sequence[str]) -> str:
-    """How an activation is laid out, e.g. "batch over dp, dim 2 over tp", "partial sums over tp"."""
+    """How an activation is laid out, e.g. "batch over dp, dim 2 over tp", "batch over dp+tp", "partial sums over tp"."""
     if spec is None:
         return "-"
-    parts = []
+    by_what: dict[str, list[str]] = {}  # one phrase per tensor dim (or Partial), listing every axis that splits it
     for name, p in zip(axis_names, spec.placements):
         if isinstance(p, Shard):
-            parts.append(f"{'batch' if p.dim == 0 else f'dim {p.dim}'} over {name}")
+            by_what.setdefault("batch" if p.dim == 0 else f"dim {p.dim}", []).append(name)
         elif isinstance(p, Partial):
-            parts.append(f"partial sums over {name}")
-    return ", ".join(parts) or "replicated"
+            by_what.setdefault("partial sums", []).append(name)
+    return ", ".join(f"{what} over {'+'.join(axes)}" for what, axes in by_what.items()) or "replicated"
 
 
 def placement_kind(spec: Spec) -> str:

@@ -165,7 +165,11 @@ def init_from_env(timeout_s: float = 600.0) -> tuple[int, int, torch.device]:
     """Join the world described by torchrun's environment; returns (rank, world_size, device).
 
     NCCL with one GPU per local rank when CUDA is available, gloo on CPU otherwise.
+    An already initialised world (e.g. inside `run_ranks`) is joined as it is.
     """
+    if dist.is_initialized():
+        device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
+        return dist.get_rank(), dist.get_world_size(), device
     for var in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
         if var not in os.environ:
             raise AutoparError(f"environment variable {var} is not set; launch with `torchrun --nproc_per_node N script.py`")
@@ -177,8 +181,7 @@ def init_from_env(timeout_s: float = 600.0) -> tuple[int, int, torch.device]:
     else:
         device = torch.device("cpu")
         backend = "gloo"
-    if not dist.is_initialized():
-        dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s))
+    dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s))
     rank, world_size = dist.get_rank(), dist.get_world_size()
     if rank == 0:
         logger.info("runtime: joined a world of %d ranks on %s (%s)", world_size, device, backend)

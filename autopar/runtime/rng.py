@@ -17,7 +17,7 @@ default RNG state before recomputing) redraws the same masks.
     with fork_rng_for(Spec.parse("S(0)R"), mesh.coordinate, mesh.shape):
         y = torch.nn.functional.dropout(x, 0.1)
 
-In generated code: `sharded_random(torch.ops.aten.native_dropout.default, x, 0.1, True, groups=('1',))`.
+In generated code: `random_op(torch.ops.aten.native_dropout.default, ('1',), x, 0.1, True)`.
 """
 from __future__ import annotations
 
@@ -69,11 +69,18 @@ def fork_rng_for(spec: Spec, coordinate: Sequence[int], mesh_shape: Sequence[int
         yield
 
 
-def sharded_random(op: Callable[..., Any], *args: Any, groups: tuple[str, ...] = (), **kwargs: Any) -> Any:
-    """`op(*args, **kwargs)` seeded per the Megatron rule; `groups` are the c10d group names of the
-    mesh axes (in mesh order) where the op's output is Shard: this rank's position in each gives the shard index."""
+def random_op(op: Callable[..., Any], groups: tuple[str, ...], *args: Any, **kwargs: Any) -> Any:
+    """`op(*args, **kwargs)` seeded per the Megatron rule, for generated code.
+
+    `groups`: the c10d group names of the mesh axes (in mesh order) where the op's
+    output is Shard; this rank's position in each group gives the shard index.
+    Leave out Replicate and Partial axes: dropout of a partial sum equals the sum of
+    the dropped terms only when every term uses the same mask.
+    """
     index = 0
     for name in groups:
+        if not isinstance(name, str):
+            raise TypeError(f"random_op: groups must be c10d group names (str), got {groups!r}; pass mesh.group_name(axis) for each Shard axis")
         pg = _resolve_process_group(name)
         index = index * pg.size() + pg.rank()
     with _fork_with_index(index, None):

@@ -15,7 +15,10 @@ result would be a strided shard, which is not in our vocabulary.
 The cheapest path is a shortest path (Dijkstra) over the even specs of the
 tensor (at most (ndim+2)^axes states), priced by the alpha-beta ring model in
 `autopar.solver.cost`; multi-axis orders (e.g. gather the inner axis before
-the outer) fall out of it.
+the outer) fall out of it. One search from a source prices every destination,
+and it is shared by all tensors of the same shape class (ndim, bytes, which
+mesh-axis products divide each dim): planning GPT-2 asks ~3,000 distinct
+(src, dst, shape) questions but only a few hundred searches.
 
 Backward: the gradient flows dst -> src with Partial read as Replicate (the
 all-reduce a Replicate input's Partial gradient needs is charged to the op
@@ -76,7 +79,10 @@ def step_bytes(step: CollectiveStep, spec_before: Spec, shape: Sequence[int], it
 
 
 def step_time_s(step: CollectiveStep, spec_before: Spec, shape: Sequence[int], itemsize: int, mesh: Mesh) -> float:
-    local_bytes = step_bytes(step, spec_before, shape, itemsize, mesh)
+    return _step_time(step, step_bytes(step, spec_before, shape, itemsize, mesh), mesh)
+
+
+def _step_time(step: CollectiveStep, local_bytes: float, mesh: Mesh) -> float:
     axis = mesh.axes[step.mesh_axis]
     if step.kind == "slice":  # a local copy of the kept block
         return local_bytes / axis.size / mesh.mem_bandwidth_bytes_per_s
@@ -89,12 +95,34 @@ def step_time_s(step: CollectiveStep, spec_before: Spec, shape: Sequence[int], i
     return collective_time_s(step.kind, local_bytes, axis)
 
 
-def _even(spec: Spec, shape: Sequence[int], mesh_shape: Sequence[int]) -> bool:
-    try:
-        spec.local_shape(shape, mesh_shape)
-    except (ValueError, IndexError):
-        return False
-    return True
+# ---------------------------------------------------------------- shape classes
+# A path's cost depends on the tensor's shape only through its total bytes (each
+# state's local bytes = total / shard factor, exactly, for even specs) and through
+# which specs are even (which products of mesh axis sizes divide each dim). Tensors
+# with equal (ndim, bytes, divisibility) share one shortest-path table.
+ShapeClass = tuple[int, int, tuple[tuple[bool, ...], ...]]
+
+
+def _axis_products(mesh_shape: tuple[int, ...]) -> tuple[int, ...]:
+    """Product of the mesh sizes of every non-empty subset of axes (bit i of the index + 1: axis i)."""
+    return tuple(math.prod(n for a, n in enumerate(mesh_shape) if mask >> a & 1) for mask in range(1, 1 << len(mesh_shape)))
+
+
+def shape_class(shape: Sequence[int], itemsize: int, mesh_shape: tuple[int, ...]) -> ShapeClass:
+    products = _axis_products(mesh_shape)
+    divisible = tuple(tuple(size % f == 0 for f in products) for size in shape)
+    return len(shape), math.prod(shape) * itemsize, divisible
+
+
+def _even_in_class(spec: Spec, cls: ShapeClass, mesh_shape: tuple[int, ...]) -> bool:
+    ndim, _, divisible = cls
+    masks = [0] * ndim
+    for a, p in enumerate(spec.placements):
+        if isinstance(p, Shard):
+            if p.dim >= ndim:
+                return False
+            masks[p.dim] |= 1 << a
+    return all(m == 0 or divisible[d][m - 1] for d, m in enumerate(masks))
 
 
 def reshard_steps(src: Spec, dst: Spec, shape: tuple[int, ...], mesh: Mesh, itemsize: int = 4) -> tuple[CollectiveStep, ...]:
@@ -102,35 +130,49 @@ def reshard_steps(src: Spec, dst: Spec, shape: tuple[int, ...], mesh: Mesh, item
     return _search(src, dst, tuple(shape), mesh, itemsize)[1]
 
 
-@functools.lru_cache(maxsize=65536)
 def _search(src: Spec, dst: Spec, shape: tuple[int, ...], mesh: Mesh, itemsize: int) -> tuple[float, tuple[CollectiveStep, ...]]:
     if len(src.placements) != len(mesh.shape) or len(dst.placements) != len(mesh.shape):
         raise ValueError(f"specs {src} and {dst} need one placement per axis of mesh {mesh}")
+    cls = shape_class(shape, itemsize, mesh.shape)
     for s in (src, dst):
-        if not _even(s, shape, mesh.shape):
+        if not _even_in_class(s, cls, mesh.shape):
             raise ValueError(f"spec {s} does not divide shape {shape} evenly over mesh {mesh.shape}")
     if src == dst:
         return 0.0, ()
+    found = _paths_from(src, cls, mesh).get(dst)
+    if found is None:  # unreachable: gathering everything, then slicing / zeroing, always works for even specs
+        raise AssertionError(f"no resharding path from {src} to {dst} for shape {shape}")
+    return found
+
+
+@functools.lru_cache(maxsize=16384)
+def _paths_from(src: Spec, cls: ShapeClass, mesh: Mesh) -> dict[Spec, tuple[float, tuple[CollectiveStep, ...]]]:
+    """Dijkstra from `src` to every even spec of the shape class: {spec: (cost with tie penalties, steps)}.
+
+    One search serves every destination; the path kept for a spec is the one the
+    single-destination search would return (same push order, strict improvements only)."""
+    mesh_shape = mesh.shape
+    ndim, nbytes, _ = cls
     best = {src: 0.0}
+    done: dict[Spec, tuple[float, tuple[CollectiveStep, ...]]] = {}
     heap: list[tuple[float, int, Spec, tuple[CollectiveStep, ...]]] = [(0.0, 0, src, ())]
     tie = 0
     while heap:
         cost, _, spec, path = heapq.heappop(heap)
-        if spec == dst:
-            return cost, path
-        if cost > best.get(spec, math.inf):
+        if spec in done or cost > best.get(spec, math.inf):
             continue
-        for step in _neighbours(spec, len(shape)):
+        done[spec] = (cost, path)
+        local_bytes = float(nbytes // spec.shard_factor(mesh_shape))
+        for step in _neighbours(spec, ndim):
             nxt = apply_step(spec, step)
-            if not _even(nxt, shape, mesh.shape):
+            if nxt in done or not _even_in_class(nxt, cls, mesh_shape):
                 continue
-            c = cost + step_time_s(step, spec, shape, itemsize, mesh) + _STEP_PENALTY_S
+            c = cost + _step_time(step, local_bytes, mesh) + _STEP_PENALTY_S
             if c < best.get(nxt, math.inf):
                 best[nxt] = c
                 tie += 1
                 heapq.heappush(heap, (c, tie, nxt, path + (step,)))
-    # unreachable: gathering everything, then slicing / zeroing, always works for even specs
-    raise AssertionError(f"no resharding path from {src} to {dst} for shape {shape}")
+    return done
 
 
 def _grad_spec(spec: Spec) -> Spec:

@@ -3,7 +3,6 @@ against the fallback, on mixed dtypes, odd sizes, non-contiguous tensors, scale 
 
 from __future__ import annotations
 
-
 import pytest
 import torch
 from torch.testing import assert_close

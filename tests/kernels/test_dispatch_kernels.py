@@ -10,8 +10,7 @@ import pytest
 import torch
 
 import kernels
-from kernels import TritonUnavailableError, pack
-from kernels import _dispatch, bucket
+from kernels import TritonUnavailableError, _dispatch, bucket, pack
 
 
 @pytest.fixture

@@ -5,7 +5,7 @@ import torch
 import torch.nn.functional as F
 
 from autopar.runtime.mesh import ProcessMesh
-from autopar.runtime.rng import fork_rng_for, shard_index, sharded_random
+from autopar.runtime.rng import fork_rng_for, random_op, shard_index
 from autopar.solver.spec import Spec
 
 SPECS = ("RR", "S(0)R", "RS(1)", "S(0)S(1)")
@@ -22,7 +22,7 @@ def _masks(rank: int, world_size: int) -> dict[str, object]:
         with fork_rng_for(Spec.parse(text), mesh.coordinate, mesh.shape):
             out[text + " again"] = F.dropout(x, 0.5) != 0
     # The graph-callable form, the activation sharded over mesh axis 0 only.
-    y, mask = sharded_random(torch.ops.aten.native_dropout.default, x, 0.5, True, groups=(mesh.group_name(0),))
+    y, mask = random_op(torch.ops.aten.native_dropout.default, (mesh.group_name(0),), x, 0.5, True)
     out["graph S(0)R"] = mask
     out["after"] = torch.rand(4)  # the default generators are still in step
     return out

@@ -1,0 +1,115 @@
+"""Profiler accuracy: predicted vs measured FLOPs and peak training-step memory on real CPU runs.
+
+    python benchmarks/profiler_accuracy.py                 # every zoo model, tiny, two batch sizes
+    python benchmarks/profiler_accuracy.py --models gpt2 --speed   # + GPT-2 small (B=8, S=1024) profiling time
+
+FLOPs are compared with FlopCounterMode (CPU SDPA formulas registered, see
+autopar/profiler/flops.py); memory with the peak of live tensor storage of one
+AdamW step (autopar/profiler/measure.py), without recomputation and with every
+transformer block checkpointed. "profile s" is `profile(traced)` from a cold
+cache; "step s" is one real training step.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from autopar.profiler import block_of, peak_memory, profile  # noqa: E402
+from autopar.profiler import probe as probe_mod  # noqa: E402
+from autopar.profiler.measure import block_paths, checkpoint_modules, measure_flops, measure_step, time_step  # noqa: E402
+from autopar.tracer import trace  # noqa: E402
+from tests.profiler.zoo import DYNAMIC, load_example  # noqa: E402
+
+DYNAMIC = {**DYNAMIC, "llama": {"batch": 0}, "hf_gpt2": {"batch": 0, "seq": 1}}
+BATCHES = {"mlp": (64, 512), "vit": (4, 16)}
+
+
+def _err(pred: float, meas: float) -> str:
+    return f"{100 * (pred - meas) / meas:+.2f}%"
+
+
+def run_model(name: str, seq: int) -> list[dict]:
+    example = load_example(name)
+    model, sample = example.build(2, seq, size="tiny", device="meta")  # models without a seq symbol trace at `seq`
+    traced = trace(model, sample, dynamic_dims=DYNAMIC.get(name, {"batch": 0}))
+    probe_mod._CACHE.clear()
+    start = time.perf_counter()
+    prof = profile(traced)
+    profile_s = time.perf_counter() - start
+    rows = []
+    for batch in BATCHES.get(name, (4, 8)):
+        sizes = {"batch": batch, "seq": seq}
+        cost = prof.evaluate(**sizes)
+        pred_flops = sum(c.fwd_flops + c.bwd_flops for c in cost.nodes.values())
+        real, real_in = example.build(batch, seq, size="tiny", device="cpu")
+        meas_flops = measure_flops(real, real_in)
+        step_s = time_step(real, real_in)
+        row = {"model": name, "batch": batch, "pred_flops": pred_flops, "meas_flops": meas_flops,
+               "flops_err": _err(pred_flops, meas_flops), "profile_s": profile_s, "step_s": step_s}
+        for label, ckpt in (("mem", False), ("mem_ckpt", True)):
+            real, real_in = example.build(batch, seq, size="tiny", device="cpu")
+            recompute = frozenset()
+            if ckpt:
+                blocks = block_paths(real)
+                checkpoint_modules(real, blocks)
+                recompute = frozenset(n.name for n in traced.graph.nodes if block_of(n) in blocks)
+            pred = peak_memory(traced, cost, recompute).peak_bytes
+            meas = measure_step(real, real_in).peak_bytes
+            row.update({f"{label}_pred": pred, f"{label}_meas": meas, f"{label}_err": _err(pred, meas)})
+        rows.append(row)
+    return rows
+
+
+def gpt2_small_speed() -> dict:
+    model, sample = load_example("gpt2").build(8, 1024, size="small", device="meta")
+    traced = trace(model, sample, dynamic_dims={"batch": 0, "seq": 1})
+    probe_mod._CACHE.clear()
+    start = time.perf_counter()
+    prof = profile(traced)
+    profile_s = time.perf_counter() - start
+    start = time.perf_counter()
+    cost = prof.evaluate(batch=8, seq=1024)
+    est = peak_memory(traced, cost)
+    return {"profile_s": profile_s, "evaluate_and_memory_s": time.perf_counter() - start,
+            "tflops_per_step": sum(c.fwd_flops + c.bwd_flops for c in cost.nodes.values()) / 1e12,
+            "peak_gib": est.peak_bytes / 2**30}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--models", nargs="*", default=["mlp", "gpt2", "bert", "vit", "llama", "hf_gpt2"])
+    parser.add_argument("--seq", type=int, default=64)
+    parser.add_argument("--speed", action="store_true", help="also time profiling GPT-2 small (B=8, S=1024)")
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    cols = ["model", "batch", "pred_flops", "meas_flops", "flops_err", "mem_pred", "mem_meas", "mem_err",
+            "mem_ckpt_pred", "mem_ckpt_meas", "mem_ckpt_err", "profile_s", "step_s"]
+    print(" | ".join(cols))
+    results = []
+    for name in args.models:
+        try:
+            rows = run_model(name, args.seq)
+        except Exception as err:  # one model failing should not hide the others' numbers
+            print(f"{name}: failed: {type(err).__name__}: {str(err).splitlines()[0]}")
+            continue
+        for row in rows:
+            results.append(row)
+            print(" | ".join(f"{row[c]:.4g}" if isinstance(row[c], float) else str(row[c]) for c in cols))
+    speed = gpt2_small_speed() if args.speed else None
+    if speed:
+        print(f"GPT-2 small B=8 S=1024: profile {speed['profile_s']:.2f} s (target < 1 s), "
+              f"evaluate+peak_memory {speed['evaluate_and_memory_s']:.2f} s, "
+              f"{speed['tflops_per_step']:.1f} TFLOP/step, peak {speed['peak_gib']:.2f} GiB")
+    sha = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    print(json.dumps({"torch": torch.__version__, "device": "cpu", "git": sha, "results": results, "gpt2_small": speed}))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,133 @@
+"""Train a zoo model parallelized by autopar; one process per device.
+
+    torchrun --nproc_per_node 4 examples/train.py --model gpt2 --steps 10
+    torchrun --nproc_per_node 4 examples/train.py --model llama --mesh 2,2 --memory-budget-mb 4
+
+Gloo on CPU here, NCCL on GPUs unchanged. Every rank builds the same model (same
+seed), `autopar.parallelize` keeps this rank's shards, and each rank feeds its
+slice of every global batch (the DDP convention; `--input-layout replicate` feeds
+the whole batch). Rank 0 prints the loss of each step: the global mean loss.
+The batches are random tokens drawn from one seeded generator on every rank; with
+`--fixed-batch` the model sees one batch over and over, and the loss falls fast.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import logging
+import sys
+import time
+from pathlib import Path
+from types import ModuleType
+
+import torch
+import torch.distributed as dist
+from torch.utils import _pytree as pytree
+
+import autopar
+from autopar.runtime.launch import init_from_env
+from autopar.runtime.state_dict import local_shard
+
+EXAMPLES = Path(__file__).resolve().parent
+
+
+def load_zoo(name: str) -> ModuleType:
+    """Import examples/<name>.py by path (examples/ is not a package)."""
+    path = EXAMPLES / f"{name}.py"
+    if not path.exists():
+        choices = sorted(p.stem for p in EXAMPLES.glob("*.py") if p.stem != "train")
+        raise SystemExit(f"no model file {path}; choose --model from {choices}")
+    spec = importlib.util.spec_from_file_location(f"autopar_zoo_{name}", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up here
+    spec.loader.exec_module(module)
+    return module
+
+
+def random_like(batch, gen: torch.Generator):
+    """A fresh batch with the sample's shapes: integer tensors get tokens below the sample's max + 1."""
+    def draw(t):
+        if not isinstance(t, torch.Tensor):
+            return t
+        if t.is_floating_point():
+            return torch.randn(t.shape, generator=gen, dtype=t.dtype)
+        high = int(t.max().item()) + 1
+        return torch.randint(0, max(high, 1), t.shape, generator=gen, dtype=t.dtype)
+    return pytree.tree_map(draw, batch)
+
+
+def local_batch(batch, pm) -> dict | tuple:
+    """This rank's slice of a global batch: each tensor input cut per the layout the module expects."""
+    flat, spec = pytree.tree_flatten(batch)
+    specs = iter(pm.info.input_specs)
+    local = [local_shard(t, next(specs), pm.mesh) if isinstance(t, torch.Tensor) else t for t in flat]
+    return pytree.tree_unflatten(local, spec)
+
+
+def call(model, batch) -> torch.Tensor:
+    out = model(**batch) if isinstance(batch, dict) else model(*batch) if isinstance(batch, tuple) else model(batch)
+    return out if isinstance(out, torch.Tensor) else out.loss  # Hugging Face models return an output object
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="gpt2", help="a zoo file in examples/ (gpt2, llama, bert, vit, mlp, hf_gpt2, hf_llama)")
+    ap.add_argument("--size", default="tiny", help="model size preset of the zoo file (tiny trains in seconds on CPU)")
+    ap.add_argument("--steps", type=int, default=5)
+    ap.add_argument("--batch-size", type=int, default=8, help="GLOBAL batch size (divisible by the data-parallel degree)")
+    ap.add_argument("--seq-len", type=int, default=32)
+    ap.add_argument("--lr", type=float, default=1e-3)
+    ap.add_argument("--mesh", default=None, help="logical mesh shape, e.g. 2,2 (default: one axis over the world)")
+    ap.add_argument("--memory-budget-mb", type=float, default=None, help="per-device budget for the solver (default: the hardware's memory)")
+    ap.add_argument("--plan", default=None, help="a JSON plan file to use instead of solving")
+    ap.add_argument("--input-layout", choices=("shard", "replicate"), default="shard")
+    ap.add_argument("--dropout", type=float, default=0.0)
+    ap.add_argument("--fixed-batch", action="store_true", help="train on one batch (overfit: the loss must fall)")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--print-code", action="store_true", help="rank 0 prints the generated forward")
+    return ap.parse_args(argv)
+
+
+def train(args: argparse.Namespace) -> list[float]:
+    """Run the training loop on this rank; returns the loss of every step."""
+    rank, world_size, device = init_from_env()
+    if rank == 0:
+        logging.basicConfig(level=logging.INFO, format="%(message)s")
+    mesh_shape = tuple(int(n) for n in args.mesh.split(",")) if args.mesh else (world_size,)
+
+    zoo = load_zoo(args.model)
+    torch.manual_seed(args.seed)  # same init and same dropout stream on every rank
+    model, sample = zoo.build(batch_size=args.batch_size, seq_len=args.seq_len, size=args.size, device="cpu",
+                              dropout=args.dropout, seed=args.seed)
+    budget = args.memory_budget_mb * 2**20 if args.memory_budget_mb else None
+    pm = autopar.parallelize(model.to(device), sample, mesh_shape, memory_budget=budget, plan=args.plan,
+                             input_layout=args.input_layout)
+    del model  # the parallel module holds this rank's shards; the full model is no longer needed
+    if rank == 0 and args.print_code:
+        print(pm.code)
+    optimizer = torch.optim.AdamW(pm.parameters(), lr=args.lr)
+
+    gen = torch.Generator().manual_seed(args.seed + 1)  # identical batches on every rank; each keeps its slice
+    losses = []
+    for step in range(args.steps):
+        batch = sample if args.fixed_batch else random_like(sample, gen)
+        if args.input_layout == "shard":
+            batch = local_batch(batch, pm)
+        batch = pytree.tree_map(lambda t: t.to(device) if isinstance(t, torch.Tensor) else t, batch)
+        start = time.perf_counter()
+        optimizer.zero_grad(set_to_none=True)
+        loss = call(pm, batch)
+        loss.backward()
+        optimizer.step()
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        step_ms = (time.perf_counter() - start) * 1e3
+        losses.append(loss.item())  # the global loss, identical on every rank
+        if rank == 0:
+            print(f"step {step:4d}  loss {losses[-1]:.4f}  {step_ms:7.1f} ms", flush=True)
+    return losses
+
+
+if __name__ == "__main__":
+    train(parse_args())
+    dist.destroy_process_group()

@@ -1,0 +1,59 @@
+"""Random valid plans over the tiny zoo train exactly like one device (the acceptance of codegen).
+
+Each plan draws a random strategy per node (from `enumerate_strategies`), a few
+random recompute spans and random ZeRO storage specs. All plans of one mesh run
+inside one forked world (each rank loops over them); the reference is the
+single-device model with the same weights and global batch (1 AdamW step for
+most plans, 3 for the first plans of every model).
+"""
+from __future__ import annotations
+
+import math
+import random
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parent / "codegen"))
+from harness import reference, run_plans, trace_model  # noqa: E402
+from plans import cpu_mesh, load_zoo, random_plan  # noqa: E402
+
+from autopar.runtime.launch import run_ranks  # noqa: E402
+from autopar.solver.strategies import enumerate_strategies  # noqa: E402
+
+ZOO = ("mlp", "gpt2", "llama", "bert", "vit", "hf_gpt2")
+# plans per model for each mesh: 6 * (24 + 5 + 5) = 204 random plans
+PLANS = {(2,): 24, (4,): 5, (2, 2): 5}
+THREE_STEP_PLANS = 2  # the first plans of each model train 3 steps, the rest 1
+
+
+def _cases(mesh_shape: tuple[int, ...], per_model: int, seed: int) -> list[tuple]:
+    rng = random.Random(seed)
+    mesh = cpu_mesh(mesh_shape)
+    cases = []
+    for name in ZOO:
+        model, sample = load_zoo(name).build(batch_size=4, seq_len=8, size="tiny", device="cpu")
+        traced = trace_model(model, sample)
+        strategies = enumerate_strategies(traced, mesh)
+        refs = {1: reference(model, sample, 1), 3: reference(model, sample, 3)}
+        for i in range(per_model):
+            steps = 3 if i < THREE_STEP_PLANS else 1
+            plan = random_plan(traced, mesh, rng, strategies)
+            cases.append((f"{name} plan {i} on {mesh_shape}", model, sample, traced, plan, refs[steps], steps))
+    return cases
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("mesh_shape", list(PLANS), ids=lambda s: "x".join(map(str, s)))
+def test_random_plans_match_single_device(mesh_shape):
+    cases = _cases(mesh_shape, PLANS[mesh_shape], seed=len(mesh_shape) * 10 + mesh_shape[0])
+    # the plans really exercise ZeRO, recompute and sharding (not only replicated runs)
+    assert sum(any(p.zero for p in c[4].params) for c in cases) > len(cases) // 2
+    assert sum(bool(c[4].recomputed()) for c in cases) > len(cases) // 2
+    assert all(any(not d.strategy.output_specs[0].is_replicate() for d in c[4].nodes if d.strategy.output_specs) for c in cases)
+    results = run_ranks(run_plans, math.prod(mesh_shape), mesh_shape, cases, timeout_s=220)
+    for rank_results in results:
+        assert [label for label, _ in rank_results] == [c[0] for c in cases]
+        for label, worst in rank_results:
+            assert worst["loss"] < 1e-5, label
