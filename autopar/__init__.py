@@ -1,0 +1,23 @@
+"""autopar: automatic parallelization of PyTorch training.
+
+    model = autopar.parallelize(model, sample_input, device_mesh=(2, 2))
+
+The pipeline (each stage a package, data flowing one way):
+tracer.trace -> profiler.profile -> solver.solve -> codegen.lower -> runtime.
+"""
+from autopar.api import parallelize
+from autopar.errors import AutoparError, InfeasibleError, PlanFormatError, PlanMismatchError, TraceError
+from autopar.solver.plan import Plan
+from autopar.solver.plan_io import load_plan, save_plan
+
+__all__ = [
+    "parallelize",
+    "Plan",
+    "load_plan",
+    "save_plan",
+    "AutoparError",
+    "TraceError",
+    "InfeasibleError",
+    "PlanMismatchError",
+    "PlanFormatError",
+]

@@ -16,22 +16,17 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import logging
 import sys
 import time
 import traceback
-from dataclasses import replace
-from pathlib import Path
-from typing import Any, Iterator, Sequence
+from typing import Iterator, Sequence
 
 from rich.console import Console
 from rich.logging import RichHandler
 
 from autopar.errors import AutoparError, InfeasibleError, UsageError
 from autopar.report.units import fmt_bytes, parse_bytes
-
-log = logging.getLogger(__name__)
 
 
 # ---------------------------------------------------------------- output helpers
@@ -54,10 +49,6 @@ def phase(name: str) -> Iterator[None]:
     elapsed = time.perf_counter() - start
     if elapsed > 1.0:
         console.print(f"[dim]{name}: {elapsed:.1f} s[/dim]")
-
-
-def _print_json(obj: Any) -> None:
-    sys.stdout.write(json.dumps(obj, indent=1) + "\n")
 
 
 # ---------------------------------------------------------------- argument values

@@ -51,18 +51,26 @@ def unfused_unpack(flat: torch.Tensor, grads: list[torch.Tensor], offsets: list[
         g.add_(flat[o:o + g.numel()].view_as(g) * scale)
 
 
-def time_ms(fn: Callable[[], None], device: torch.device, warmup: int, iters: int) -> float:
+def time_ms(fns: list[Callable[[], None]], device: torch.device, warmup: int, iters: int
+            ) -> list[tuple[float, float]]:
+    """(median wall ms, median process CPU ms) of each fn. Runs are interleaved (fn0, fn1, ...,
+    fn0, ...) so a change in machine load hits every variant alike; CPU time (all threads) is
+    the steadier number on a shared machine, wall time the one that matters on a GPU."""
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
-    for _ in range(warmup):
-        fn()
+    for fn in fns:
+        for _ in range(warmup):
+            fn()
     sync()
-    samples = []
+    wall: list[list[float]] = [[] for _ in fns]
+    cpu: list[list[float]] = [[] for _ in fns]
     for _ in range(iters):
-        start = time.perf_counter()
-        fn()
-        sync()
-        samples.append((time.perf_counter() - start) * 1e3)
-    return statistics.median(samples)
+        for i, fn in enumerate(fns):
+            start_wall, start_cpu = time.perf_counter(), time.process_time()
+            fn()
+            sync()
+            wall[i].append((time.perf_counter() - start_wall) * 1e3)
+            cpu[i].append((time.process_time() - start_cpu) * 1e3)
+    return [(statistics.median(w), statistics.median(c)) for w, c in zip(wall, cpu)]
 
 
 def git_sha() -> str:
@@ -88,12 +96,12 @@ def bench_device(device: torch.device, args: argparse.Namespace) -> list[dict]:
     cases += [("unpack+=", impl, lambda impl=impl: unpack(flat, grads, scale=scale, accumulate=True, impl=impl))
               for impl in impls]
     rows, baseline = [], {}
-    for op, impl, fn in cases:
-        ms = time_ms(fn, device, args.warmup, args.iters)
-        baseline.setdefault(op, ms)
+    timings = time_ms([fn for _, _, fn in cases], device, args.warmup, args.iters)
+    for (op, impl, _), (ms, cpu_ms) in zip(cases, timings):
+        baseline.setdefault(op, ms)  # the unfused variant comes first
         path = {"unfused": "torch, per tensor", "torch": "torch fallback (foreach)",
                 "triton": "triton (compiled)"}[impl]
-        rows.append({"device": device.type, "op": op, "impl": impl, "path": path, "ms": ms,
+        rows.append({"device": device.type, "op": op, "impl": impl, "path": path, "ms": ms, "cpu_ms": cpu_ms,
                      "speedup": baseline[op] / ms})
     return rows
 
@@ -121,9 +129,10 @@ def main() -> None:
         print("no CUDA device: Triton kernels not timed (the interpreter is for tests only)")
     rows = [row for device in devices for row in bench_device(device, args)]
 
-    print(f"{'device':<7}{'op':<10}{'path':<27}{'ms':>9}{'vs unfused':>12}")
+    print(f"{'device':<7}{'op':<10}{'path':<27}{'ms':>9}{'vs unfused':>12}{'cpu ms':>9}")
     for r in rows:
-        print(f"{r['device']:<7}{r['op']:<10}{r['path']:<27}{r['ms']:>9.2f}{r['speedup']:>11.2f}x")
+        print(f"{r['device']:<7}{r['op']:<10}{r['path']:<27}{r['ms']:>9.2f}{r['speedup']:>11.2f}x"
+              f"{r['cpu_ms']:>9.2f}")
     triton_version = None
     if _dispatch.triton_importable():
         import triton
@@ -135,6 +144,7 @@ def main() -> None:
         "git": git_sha(), "tensors": args.tensors, "numel": numel, "grad_dtype": args.grad_dtype,
         "bucket_dtype": args.bucket_dtype,
         "ms": {f"{r['device']}/{r['op']}/{r['impl']}": round(r["ms"], 3) for r in rows},
+        "cpu_ms": {f"{r['device']}/{r['op']}/{r['impl']}": round(r["cpu_ms"], 3) for r in rows},
     }))
 
 

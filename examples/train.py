@@ -26,7 +26,7 @@ from torch.utils import _pytree as pytree
 
 import autopar
 from autopar.runtime.launch import init_from_env
-from autopar.runtime.state_dict import local_shard
+from autopar.runtime.state_dict import shard_pytree
 
 EXAMPLES = Path(__file__).resolve().parent
 
@@ -54,14 +54,6 @@ def random_like(batch, gen: torch.Generator):
         high = int(t.max().item()) + 1
         return torch.randint(0, max(high, 1), t.shape, generator=gen, dtype=t.dtype)
     return pytree.tree_map(draw, batch)
-
-
-def local_batch(batch, pm) -> dict | tuple:
-    """This rank's slice of a global batch: each tensor input cut per the layout the module expects."""
-    flat, spec = pytree.tree_flatten(batch)
-    specs = iter(pm.info.input_specs)
-    local = [local_shard(t, next(specs), pm.mesh) if isinstance(t, torch.Tensor) else t for t in flat]
-    return pytree.tree_unflatten(local, spec)
 
 
 def call(model, batch) -> torch.Tensor:
@@ -112,7 +104,7 @@ def train(args: argparse.Namespace) -> list[float]:
     for step in range(args.steps):
         batch = sample if args.fixed_batch else random_like(sample, gen)
         if args.input_layout == "shard":
-            batch = local_batch(batch, pm)
+            batch = shard_pytree(batch, pm.info.input_specs, pm.mesh)  # each input cut per the layout the module expects
         batch = pytree.tree_map(lambda t: t.to(device) if isinstance(t, torch.Tensor) else t, batch)
         start = time.perf_counter()
         optimizer.zero_grad(set_to_none=True)

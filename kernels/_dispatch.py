@@ -18,10 +18,12 @@ interpreter on with ``monkeypatch.setenv`` after triton was imported.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib
 import os
 from collections.abc import Iterable
+from contextlib import AbstractContextManager
 from types import ModuleType
 from typing import Literal
 
@@ -87,6 +89,12 @@ def use_triton(impl: Impl, tensors: Iterable[torch.Tensor], op: str) -> bool:
     if impl == "triton":
         raise TritonUnavailableError(f"{op}: impl='triton' but {reason}")
     return False
+
+
+def device_guard(device: torch.device) -> AbstractContextManager[object]:
+    """Make `device` current for a launch: Triton launches on the *current* CUDA device, which
+    need not be the tensors' (cuda:1 tensors while cuda:0 is current). No-op off CUDA."""
+    return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
 
 
 def triton_kernels() -> ModuleType:

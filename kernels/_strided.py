@@ -12,7 +12,7 @@ from collections.abc import Sequence
 
 import torch
 
-from kernels._dispatch import triton_kernels
+from kernels._dispatch import device_guard, triton_kernels
 
 _KERNEL_DIMS = 4
 _TILE_ELEMENTS = 4096  # elements per program: 32 per thread at triton's default 4 warps
@@ -79,12 +79,13 @@ def launch_strided(
     block_r = max(1, _TILE_ELEMENTS // block_c)
     rows = s0 * s1 * s2
     grid = (-(-rows // block_r) * -(-s3 // block_c),)
-    triton_kernels().strided_ew_kernel[grid](
-        out, x, x if b is None else b, x if r is None else r,
-        float(scale),
-        rows, s1, s2, s3,
-        *so, *sx, *sb, *sr,
-        HAS_B=b is not None, HAS_R=r is not None,
-        BLOCK_R=block_r, BLOCK_C=block_c,
-        enable_fp_fusion=False,  # x * scale + b stays two roundings, as in the torch fallback
-    )
+    with device_guard(out.device):
+        triton_kernels().strided_ew_kernel[grid](
+            out, x, x if b is None else b, x if r is None else r,
+            float(scale),
+            rows, s1, s2, s3,
+            *so, *sx, *sb, *sr,
+            HAS_B=b is not None, HAS_R=r is not None,
+            BLOCK_R=block_r, BLOCK_C=block_c,
+            enable_fp_fusion=False,  # x * scale + b stays two roundings, as in the torch fallback
+        )

@@ -22,7 +22,7 @@ from collections.abc import Sequence
 
 import torch
 
-from kernels._dispatch import Impl, triton_kernels, use_triton
+from kernels._dispatch import Impl, device_guard, triton_kernels, use_triton
 from kernels._strided import launch_strided
 
 _BLOCK = 1024  # elements per loop step of the multi-tensor kernels
@@ -135,10 +135,22 @@ def _unpack_torch(bucket: torch.Tensor, tensors: list[torch.Tensor], offsets: li
         return
     # Scale into a float32 copy first: add_(b, alpha=scale) of two bf16 tensors rounds twice.
     src = bucket if scale == 1.0 else _scaled(bucket[:offsets[-1]], scale)
-    if accumulate:  # float32(t) + float32(src) in the promoted dtype, rounded once
-        torch._foreach_add_(tensors, _views(src, tensors, offsets))
-    else:
-        torch._foreach_copy_(tensors, _views(src, tensors, offsets))
+    views = _views(src, tensors, offsets)
+    if not accumulate:
+        torch._foreach_copy_(tensors, views)
+        return
+    same = [i for i, t in enumerate(tensors) if t.dtype == src.dtype]
+    if same:
+        torch._foreach_add_([tensors[i] for i in same], [views[i] for i in same])
+    for i in sorted(set(range(len(tensors))) - set(same)):
+        # Mixed dtypes: add in the promoted dtype (rounding once), but convert with copy kernels
+        # first: on CPU a mixed-dtype add_ takes torch's far slower scalar casting path.
+        t, v = tensors[i], views[i]
+        compute = torch.promote_types(t.dtype, v.dtype)
+        if compute == t.dtype:
+            t.add_(v.to(compute))
+        else:
+            t.copy_(t.to(compute).add_(v.to(compute)))
 
 
 # ----- Triton path -----
@@ -175,9 +187,10 @@ def _pack_triton(tensors: list[torch.Tensor], offsets: list[int], out: torch.Ten
     groups, strided = _grouped(tensors, offsets)
     for dtype, rows in groups.items():
         table = _chunk_table(tuple(rows), out.device)
-        mod.multi_tensor_pack_kernel[(table.shape[0],)](
-            table, out, scale, SRC_DTYPE=mod.TL_DTYPES[dtype], CHUNK=_CHUNK, BLOCK=_BLOCK,
-            enable_fp_fusion=False)  # nothing to fuse; set so triton 3.9 does not warn
+        with device_guard(out.device):
+            mod.multi_tensor_pack_kernel[(table.shape[0],)](
+                table, out, scale, SRC_DTYPE=mod.TL_DTYPES[dtype], CHUNK=_CHUNK, BLOCK=_BLOCK,
+                enable_fp_fusion=False)  # nothing to fuse; set so triton 3.9 does not warn
     for i in strided:  # rare for gradients (a transposed parameter): one strided launch each
         t = tensors[i]
         launch_strided(out[offsets[i]:offsets[i] + t.numel()].view(t.shape), t, scale=scale)
@@ -189,9 +202,10 @@ def _unpack_triton(bucket: torch.Tensor, tensors: list[torch.Tensor], offsets: l
     groups, strided = _grouped(tensors, offsets)
     for dtype, rows in groups.items():
         table = _chunk_table(tuple(rows), bucket.device)
-        mod.multi_tensor_unpack_kernel[(table.shape[0],)](
-            table, bucket, scale, DST_DTYPE=mod.TL_DTYPES[dtype], ACCUMULATE=accumulate,
-            CHUNK=_CHUNK, BLOCK=_BLOCK, enable_fp_fusion=False)  # no FMA: same bits as torch
+        with device_guard(bucket.device):
+            mod.multi_tensor_unpack_kernel[(table.shape[0],)](
+                table, bucket, scale, DST_DTYPE=mod.TL_DTYPES[dtype], ACCUMULATE=accumulate,
+                CHUNK=_CHUNK, BLOCK=_BLOCK, enable_fp_fusion=False)  # no FMA: same bits as torch
     for i in strided:
         t = tensors[i]
         src = bucket[offsets[i]:offsets[i] + t.numel()].view(t.shape)

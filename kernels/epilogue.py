@@ -49,10 +49,12 @@ def add_epilogue(
 
 def _add_epilogue_torch(x: torch.Tensor, bias: torch.Tensor | None, residual: torch.Tensor | None,
                         out: torch.Tensor) -> None:
+    # Operands are converted (exactly) before adding: on CPU a mixed-dtype add takes torch's
+    # slow scalar casting path.
     compute = torch.promote_types(x.dtype, torch.float32)  # float64 stays float64
     acc = x.to(compute)  # an alias when x is already float32: never written below
     if bias is not None:
-        acc = acc + bias  # a new tensor in `compute` (bias is promoted, exactly)
+        acc = acc + bias.to(compute)  # a new tensor
     if residual is not None:
-        acc = acc + residual if acc is x else acc.add_(residual)
+        acc = acc + residual.to(compute) if acc is x else acc.add_(residual.to(compute))
     out.copy_(acc)

@@ -213,6 +213,7 @@ def peak_memory(
         for b in release_at[i] + rebuilt_at[i]:
             live -= size[b]
         live -= c.extra_saved_bytes
+        log.debug("memory: backward %s live %.0f", n.name, live)
     log.debug("memory: %.0f bytes left after backward (expected %.0f)", live, static + grads)
 
     step_temp = optimizer_step_temp_bytes(

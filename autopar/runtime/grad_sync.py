@@ -4,7 +4,8 @@
     loss.backward()            # buckets are all-reduced as their grads appear; waited at the end of backward
 
 Each parameter is registered with the group names of the mesh axes its gradient
-must be SUMMED over (never averaged: the loss the generated graph produces is
+must be SUMMED over (or with `ProcessMesh.flat_group_name(axes)`, one group
+spanning them all: one all-reduce instead of one per axis) (never averaged: the loss the generated graph produces is
 already the global loss, so each rank's grad is one term of the global grad).
 ZeRO-sharded parameters are not registered: `all_gather_rs` reduce-scatters their
 grads inside the graph.

@@ -86,10 +86,11 @@ def run_ranks(
 ) -> list[Any]:
     """Run `fn(rank, world_size, *args)` on `world_size` forked ranks and return their results by rank.
 
-    `fn` must be picklable-result-returning; it may be a closure (fork copies it).
-    The first rank to fail aborts the world: the others are killed and a
-    `RankError` carrying that rank's traceback is raised. After `timeout_s`
-    every rank still running is killed and a `RankError` names them.
+    `fn` may be a closure (fork copies it, nothing is pickled on the way in); its
+    result must be picklable (tensors come back by value). The first rank to fail
+    aborts the world: the others are killed and a `RankError` carrying that rank's
+    traceback is raised. After `timeout_s` every rank still running is killed and a
+    `RankError` names them.
     """
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")

@@ -65,6 +65,7 @@ class ProcessMesh:
             raise MeshError(f"rank {dist.get_rank()} is not part of the mesh {self.shape}")
         self.coordinate: tuple[int, ...] = tuple(coord)
         self._groups = tuple(self.device_mesh.get_group(i) for i in range(len(self.shape)))
+        self._flat: dict[tuple[int, ...], str] = {}
         if dist.get_rank() == 0:
             logger.info("runtime: mesh %s over %d ranks, groups %s", dict(zip(self.axis_names, self.shape)), dist.get_world_size(), self.group_names)
 
@@ -83,6 +84,23 @@ class ProcessMesh:
     def group_name(self, axis: Axis) -> str:
         """The c10d name of the axis' group: what generated code passes to the collectives."""
         return self.group(axis).group_name
+
+    def flat_group_name(self, axes: Sequence[Axis]) -> str:
+        """The c10d name of one group spanning several axes (this rank's sub-mesh over them).
+
+        One all-reduce over it sums over all those axes (gradient sync over dp x sp, say)
+        instead of one per axis. The first call for a set of axes creates the group: every
+        rank must make it, in the same order (as for any group creation).
+        """
+        idx = sorted({self.axis_index(a) for a in axes})
+        if len(idx) == 1:
+            return self.group_name(idx[0])
+        key = tuple(idx)
+        if key not in self._flat:
+            names = tuple(self.axis_names[i] for i in idx)
+            # torch's DeviceMesh flattening (private API, pinned torch) builds and caches the group.
+            self._flat[key] = self.device_mesh[names]._flatten().get_group().group_name
+        return self._flat[key]
 
     @property
     def group_names(self) -> tuple[str, ...]:

@@ -2,6 +2,7 @@
 
     full = full_state_dict(local, specs, mesh)             # gather: every rank gets full tensors
     local = shard_state_dict(full, specs, mesh)            # slice: this rank's shards
+    batch = shard_pytree(global_batch, input_specs, mesh)  # this rank's slice of every input
     load_full_state_dict(local, full, specs, mesh)         # slice and copy into existing shards
     save_sharded(local, specs, mesh, path)                 # torch.distributed.checkpoint, one file per rank
     load_sharded(local, specs, mesh, path)                 # reshards when the specs/mesh differ from the save
@@ -17,13 +18,14 @@ from __future__ import annotations
 
 import logging
 import os
-from typing import Mapping
+from typing import Any, Mapping, Sequence
 
 import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor import Replicate as DReplicate
 from torch.distributed.tensor import Shard as DShard
+from torch.utils import _pytree as pytree
 
 from autopar.errors import AutoparError
 from autopar.runtime.collectives import all_gather, local_slice
@@ -102,6 +104,16 @@ def shard_state_dict(full: Mapping[str, torch.Tensor], specs: Mapping[str, Spec]
             raise StateDictError(f"{name}: full shape {tuple(t.shape)} cannot be sharded as {spec} on mesh {mesh.shape}: {e}") from e
         out[name] = local_shard(t, spec, mesh)
     return out
+
+
+def shard_pytree(tree: Any, specs: Sequence[Spec], mesh: ProcessMesh) -> Any:
+    """This rank's slice of every tensor leaf of `tree` (e.g. a global batch), the i-th tensor leaf cut per `specs[i]`."""
+    flat, treespec = pytree.tree_flatten(tree)
+    n_tensors = sum(isinstance(t, torch.Tensor) for t in flat)
+    if n_tensors != len(specs):
+        raise StateDictError(f"{n_tensors} tensors in the batch but {len(specs)} input specs; feed the inputs the model was parallelized with")
+    it = iter(specs)
+    return pytree.tree_unflatten([local_shard(t, next(it), mesh) if isinstance(t, torch.Tensor) else t for t in flat], treespec)
 
 
 @torch.no_grad()

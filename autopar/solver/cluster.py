@@ -51,9 +51,18 @@ def _kind(p: object) -> type:
     return Shard if isinstance(p, Shard) else Partial if isinstance(p, Partial) else Replicate
 
 
-def _follow(strategies: tuple[Strategy, ...], spec) -> int | None:
+def _by_input(strategies: tuple[Strategy, ...]) -> dict:
+    """Single-input strategies indexed by their input spec (indices in order)."""
+    out: dict = {}
+    for k, s in enumerate(strategies):
+        if len(s.input_specs) == 1:
+            out.setdefault(s.input_specs[0], []).append(k)
+    return out
+
+
+def _follow(strategies: tuple[Strategy, ...], by_input: dict, spec) -> int | None:
     """Index of the strategy taking `spec` unchanged; prefer one that keeps each axis' placement kind."""
-    matching = [k for k, s in enumerate(strategies) if len(s.input_specs) == 1 and s.input_specs[0] == spec]
+    matching = by_input.get(spec, ())
     for k in matching:
         out = strategies[k].output_specs[0] if strategies[k].output_specs else None
         if out is not None and all(_kind(a) is _kind(b) for a, b in zip(out.placements, spec.placements)):
@@ -75,7 +84,8 @@ def merge_followers(traced: TracedGraph, strategies: Mapping[str, tuple[Strategy
             producer, out_idx = inputs[0]
             c = cluster_of[producer.name]
             prod_strats = strategies[producer.name]
-            picks = [_follow(own, prod_strats[k].output_specs[out_idx]) for k in member_choice[producer.name]]
+            by_input = _by_input(own)
+            picks = [_follow(own, by_input, prod_strats[k].output_specs[out_idx]) for k in member_choice[producer.name]]
             if all(p is not None for p in picks):
                 old = clusters[c]
                 clusters[c] = Cluster(old.members + (node.name,), tuple(ch + (p,) for ch, p in zip(old.choices, picks)))

@@ -178,22 +178,33 @@ class _Pricer:
         self.params = {p.node: p for p in profile.params.values()}
         self.storage: dict[tuple[str, int], Spec] = {}
         self._cache: dict[tuple, Option] = {}
+        self._nodes: dict[str, tuple] = {}
 
     def option(self, name: str, k: int) -> Option:
-        node, cost, strat = self.nodes[name], self.costs[name], self.strategies[name][k]
-        outs = tuple(None if v is None else _ints(v.shape) for v in output_vals(node))
-        ins = tuple(_tensor_bytes(output_vals(p)[i]) for p, i in strategy_inputs(node)) if node.op == "call_function" else ()
-        param = self.params.get(name)
-        role = "param" if param else "buffer" if name in self.traced.buffer_fqns else node.op
-        key = (role, cost.op, cost.fwd_flops, cost.bwd_flops, cost.output_bytes, cost.saved_outputs,
-               cost.extra_saved_bytes, cost.temp_bytes, strat, outs, ins,
-               param and (param.param_bytes, param.grad_bytes, param.optimizer_bytes))
+        role, cost, outs, ins, param, base = self._node(name)
+        strat = self.strategies[name][k]
+        key = (base, strat)
         hit = self._cache.get(key)
         if hit is None:
             hit = self._cache[key] = self._price(role, cost, strat, outs, ins, param)
         if hit.zero is not None:  # the storage spec is per parameter, the price is shared
             self.storage[name, k] = _zero(strat.output_specs[0], outs[0], hit.param_bytes, self.mesh)[0]
         return hit
+
+    def _node(self, name: str) -> tuple:
+        """What the price of `name` depends on besides its strategy (computed once per node)."""
+        info = self._nodes.get(name)
+        if info is None:
+            node, cost = self.nodes[name], self.costs[name]
+            outs = tuple(None if v is None else _ints(v.shape) for v in output_vals(node))
+            ins = tuple(_tensor_bytes(output_vals(p)[i]) for p, i in strategy_inputs(node)) if node.op == "call_function" else ()
+            param = self.params.get(name)
+            role = "param" if param else "buffer" if name in self.traced.buffer_fqns else node.op
+            base = (role, cost.op, cost.fwd_flops, cost.bwd_flops, cost.output_bytes, cost.saved_outputs,
+                    cost.extra_saved_bytes, cost.temp_bytes, outs, ins,
+                    param and (param.param_bytes, param.grad_bytes, param.optimizer_bytes))
+            info = self._nodes[name] = (role, cost, outs, ins, param, base)
+        return info
 
     def _price(self, role, cost, strat: Strategy, outs, ins, param) -> Option:
         mesh = self.mesh

@@ -36,7 +36,7 @@ from typing import Sequence
 from autopar.solver.cost import collective_time_s
 from autopar.solver.mesh import Mesh
 from autopar.solver.reshard_types import CollectiveStep
-from autopar.solver.spec import Partial, Placement, Replicate, Shard, Spec
+from autopar.solver.spec import Partial, Replicate, Shard, Spec
 
 __all__ = ["reshard_steps", "reshard_cost", "step_bytes", "step_time_s", "apply_step"]
 
@@ -55,21 +55,42 @@ def apply_step(spec: Spec, step: CollectiveStep) -> Spec:
     return Spec(tuple(pls))
 
 
-def _neighbours(spec: Spec, ndim: int) -> list[CollectiveStep]:
-    pls = spec.placements
-    out: list[CollectiveStep] = []
-    for a, p in enumerate(pls):
-        if isinstance(p, Replicate):
-            out += [CollectiveStep("slice", a, dst_dim=d) for d in range(ndim) if _innermost_ok(pls, a, d)]
-            out.append(CollectiveStep("partial", a))
-        elif isinstance(p, Partial):
-            out.append(CollectiveStep("all_reduce", a))
-            out += [CollectiveStep("reduce_scatter", a, dst_dim=d) for d in range(ndim) if _innermost_ok(pls, a, d)]
-        elif _innermost_ok(pls, a, p.dim):
-            out.append(CollectiveStep("all_gather", a, src_dim=p.dim))
-            out += [CollectiveStep("all_to_all", a, src_dim=p.dim, dst_dim=d)
-                    for d in range(ndim) if d != p.dim and _innermost_ok(pls, a, d)]
-    return out
+# Inside the search a spec is a tuple of ints, one per mesh axis (hashing our frozen
+# dataclasses dominated the search): Shard(d) -> d, Replicate -> _R, Partial -> _P.
+_R, _P = -1, -2
+State = tuple[int, ...]
+
+
+def _encode(spec: Spec) -> State:
+    return tuple(p.dim if isinstance(p, Shard) else _P if isinstance(p, Partial) else _R for p in spec.placements)
+
+
+def _decode(state: State) -> Spec:
+    return Spec(tuple(Shard(c) if c >= 0 else Partial() if c == _P else Replicate() for c in state))
+
+
+@functools.lru_cache(maxsize=None)
+def _neighbours(state: State, ndim: int) -> tuple[tuple[CollectiveStep, State], ...]:
+    """Every single step out of `state`, with the state it leads to (a fixed order: it decides ties)."""
+    def ok(a: int, d: int) -> bool:  # no axis after `a` shards dim d
+        return d not in state[a + 1:]
+
+    def to(a: int, c: int) -> State:
+        return state[:a] + (c,) + state[a + 1:]
+
+    out: list[tuple[CollectiveStep, State]] = []
+    for a, c in enumerate(state):
+        if c == _R:
+            out += [(CollectiveStep("slice", a, dst_dim=d), to(a, d)) for d in range(ndim) if ok(a, d)]
+            out.append((CollectiveStep("partial", a), to(a, _P)))
+        elif c == _P:
+            out.append((CollectiveStep("all_reduce", a), to(a, _R)))
+            out += [(CollectiveStep("reduce_scatter", a, dst_dim=d), to(a, d)) for d in range(ndim) if ok(a, d)]
+        elif ok(a, c):
+            out.append((CollectiveStep("all_gather", a, src_dim=c), to(a, _R)))
+            out += [(CollectiveStep("all_to_all", a, src_dim=c, dst_dim=d), to(a, d))
+                    for d in range(ndim) if d != c and ok(a, d)]
+    return tuple(out)
 
 
 def step_bytes(step: CollectiveStep, spec_before: Spec, shape: Sequence[int], itemsize: int, mesh: Mesh) -> float:
@@ -103,25 +124,27 @@ def _step_time(step: CollectiveStep, local_bytes: float, mesh: Mesh) -> float:
 ShapeClass = tuple[int, int, tuple[tuple[bool, ...], ...]]
 
 
+@functools.lru_cache(maxsize=None)
 def _axis_products(mesh_shape: tuple[int, ...]) -> tuple[int, ...]:
     """Product of the mesh sizes of every non-empty subset of axes (bit i of the index + 1: axis i)."""
     return tuple(math.prod(n for a, n in enumerate(mesh_shape) if mask >> a & 1) for mask in range(1, 1 << len(mesh_shape)))
 
 
-def shape_class(shape: Sequence[int], itemsize: int, mesh_shape: tuple[int, ...]) -> ShapeClass:
+@functools.lru_cache(maxsize=65536)
+def shape_class(shape: tuple[int, ...], itemsize: int, mesh_shape: tuple[int, ...]) -> ShapeClass:
     products = _axis_products(mesh_shape)
     divisible = tuple(tuple(size % f == 0 for f in products) for size in shape)
     return len(shape), math.prod(shape) * itemsize, divisible
 
 
-def _even_in_class(spec: Spec, cls: ShapeClass, mesh_shape: tuple[int, ...]) -> bool:
+def _even_in_class(state: State, cls: ShapeClass) -> bool:
     ndim, _, divisible = cls
     masks = [0] * ndim
-    for a, p in enumerate(spec.placements):
-        if isinstance(p, Shard):
-            if p.dim >= ndim:
+    for a, c in enumerate(state):
+        if c >= 0:
+            if c >= ndim:
                 return False
-            masks[p.dim] |= 1 << a
+            masks[c] |= 1 << a
     return all(m == 0 or divisible[d][m - 1] for d, m in enumerate(masks))
 
 
@@ -131,41 +154,42 @@ def reshard_steps(src: Spec, dst: Spec, shape: tuple[int, ...], mesh: Mesh, item
 
 
 def _search(src: Spec, dst: Spec, shape: tuple[int, ...], mesh: Mesh, itemsize: int) -> tuple[float, tuple[CollectiveStep, ...]]:
-    if len(src.placements) != len(mesh.shape) or len(dst.placements) != len(mesh.shape):
+    mesh_shape = mesh.shape
+    if len(src.placements) != len(mesh_shape) or len(dst.placements) != len(mesh_shape):
         raise ValueError(f"specs {src} and {dst} need one placement per axis of mesh {mesh}")
-    cls = shape_class(shape, itemsize, mesh.shape)
-    for s in (src, dst):
-        if not _even_in_class(s, cls, mesh.shape):
-            raise ValueError(f"spec {s} does not divide shape {shape} evenly over mesh {mesh.shape}")
-    if src == dst:
+    cls = shape_class(shape, itemsize, mesh_shape)
+    s, d = _encode(src), _encode(dst)
+    for spec, state in ((src, s), (dst, d)):
+        if not _even_in_class(state, cls):
+            raise ValueError(f"spec {spec} does not divide shape {shape} evenly over mesh {mesh_shape}")
+    if s == d:
         return 0.0, ()
-    found = _paths_from(src, cls, mesh).get(dst)
+    found = _paths_from(s, cls, mesh).get(d)
     if found is None:  # unreachable: gathering everything, then slicing / zeroing, always works for even specs
         raise AssertionError(f"no resharding path from {src} to {dst} for shape {shape}")
     return found
 
 
 @functools.lru_cache(maxsize=16384)
-def _paths_from(src: Spec, cls: ShapeClass, mesh: Mesh) -> dict[Spec, tuple[float, tuple[CollectiveStep, ...]]]:
-    """Dijkstra from `src` to every even spec of the shape class: {spec: (cost with tie penalties, steps)}.
+def _paths_from(src: State, cls: ShapeClass, mesh: Mesh) -> dict[State, tuple[float, tuple[CollectiveStep, ...]]]:
+    """Dijkstra from `src` to every even spec of the shape class: {state: (cost with tie penalties, steps)}.
 
     One search serves every destination; the path kept for a spec is the one the
     single-destination search would return (same push order, strict improvements only)."""
-    mesh_shape = mesh.shape
+    sizes = mesh.shape
     ndim, nbytes, _ = cls
     best = {src: 0.0}
-    done: dict[Spec, tuple[float, tuple[CollectiveStep, ...]]] = {}
-    heap: list[tuple[float, int, Spec, tuple[CollectiveStep, ...]]] = [(0.0, 0, src, ())]
+    done: dict[State, tuple[float, tuple[CollectiveStep, ...]]] = {}
+    heap: list[tuple[float, int, State, tuple[CollectiveStep, ...]]] = [(0.0, 0, src, ())]
     tie = 0
     while heap:
-        cost, _, spec, path = heapq.heappop(heap)
-        if spec in done or cost > best.get(spec, math.inf):
+        cost, _, state, path = heapq.heappop(heap)
+        if state in done or cost > best.get(state, math.inf):
             continue
-        done[spec] = (cost, path)
-        local_bytes = float(nbytes // spec.shard_factor(mesh_shape))
-        for step in _neighbours(spec, ndim):
-            nxt = apply_step(spec, step)
-            if nxt in done or not _even_in_class(nxt, cls, mesh_shape):
+        done[state] = (cost, path)
+        local_bytes = float(nbytes // math.prod(n for c, n in zip(state, sizes) if c >= 0))
+        for step, nxt in _neighbours(state, ndim):
+            if nxt in done or not _even_in_class(nxt, cls):
                 continue
             c = cost + _step_time(step, local_bytes, mesh) + _STEP_PENALTY_S
             if c < best.get(nxt, math.inf):

@@ -25,11 +25,13 @@ def _loss(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     return (model(x) - y).square().sum() / GLOBAL_BATCH
 
 
-def _sync_matches_reference(rank: int, world_size: int, mesh_shape: tuple[int, ...], bucket_bytes: int) -> tuple[int, int, list[int]]:
+def _sync_matches_reference(rank: int, world_size: int, mesh_shape: tuple[int, ...], bucket_bytes: int, flat: bool = False) -> tuple[int, int, list[int]]:
     mesh = ProcessMesh(mesh_shape)
     model, ref = _model(), _model()
     named = list(model.named_parameters())
-    sync = GradSync([(n, p, mesh.group_names) for n, p in named], bucket_bytes=bucket_bytes)
+    # Summed over every axis: one group per axis in turn, or one flattened group over all of them.
+    groups = (mesh.flat_group_name(range(len(mesh_shape))),) if flat else mesh.group_names
+    sync = GradSync([(n, p, groups) for n, p in named], bucket_bytes=bucket_bytes)
     gen = torch.Generator().manual_seed(1)
     xs = [torch.randn(GLOBAL_BATCH, 8, generator=gen) for _ in range(3)]
     ys = [torch.randn(GLOBAL_BATCH, 4, generator=gen) for _ in range(3)]
@@ -57,10 +59,10 @@ def _sync_matches_reference(rank: int, world_size: int, mesh_shape: tuple[int, .
     return sync.num_buckets, sync.launched, launched_before_end
 
 
-@pytest.mark.parametrize("mesh_shape", [(2,), (4,), (2, 2)])
-def test_bucket_per_param_overlaps_backward(spmd, mesh_shape):
+@pytest.mark.parametrize("mesh_shape, flat", [((2,), False), ((4,), False), ((2, 2), False), ((2, 2), True)])
+def test_bucket_per_param_overlaps_backward(spmd, mesh_shape, flat):
     world = math.prod(mesh_shape)
-    results = spmd(_sync_matches_reference, world, mesh_shape, 1)  # 1 byte: every parameter its own bucket
+    results = spmd(_sync_matches_reference, world, mesh_shape, 1, flat)  # 1 byte: every parameter its own bucket
     for num_buckets, launched, before_end in results:
         assert num_buckets == 6 and launched == 6
         # Both weights and biases of the last two layers were launched before the input's grad existed.

@@ -7,7 +7,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from autopar.runtime.launch import RankError, run_ranks
+from autopar.errors import AutoparError
+from autopar.runtime.launch import RankError, init_from_env, run_ranks
 
 
 def _sum_ranks(rank: int, world_size: int, scale: float) -> tuple[int, torch.Tensor, int]:
@@ -48,3 +49,10 @@ def test_timeout_kills_ranks():
     with pytest.raises(RankError, match=r"ranks \[0\] of 2 did not finish within timeout_s=2"):
         run_ranks(_sleep_on_rank_0, 2, timeout_s=2)
     assert time.monotonic() - start < 10
+
+
+def test_init_from_env_names_the_launcher(monkeypatch):
+    for var in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(var, raising=False)
+    with pytest.raises(AutoparError, match=r"RANK is not set; launch with `torchrun --nproc_per_node N script.py`"):
+        init_from_env()

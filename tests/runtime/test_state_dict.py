@@ -12,6 +12,7 @@ from autopar.runtime.state_dict import (
     load_full_state_dict,
     load_sharded,
     save_sharded,
+    shard_pytree,
     shard_state_dict,
 )
 from autopar.solver.spec import Spec
@@ -53,6 +54,14 @@ def _roundtrip(rank: int, world_size: int, mesh_shape: tuple[int, ...], specs: d
         assert_close(zeros[name], local[name], rtol=0, atol=0)
     with pytest.raises(StateDictError, match=r"missing \['ln.weight'\]"):
         load_full_state_dict(zeros, {k: v for k, v in full.items() if k != "ln.weight"}, specs, mesh)
+    # A batch: tensor leaves cut by position, other leaves passed through.
+    x, y = full["wte.weight"], full["fc.weight"]
+    batch = shard_pytree({"x": x, "flag": True, "y": y}, (specs["wte.weight"], specs["fc.weight"]), mesh)
+    assert batch["flag"] is True
+    assert_close(batch["x"], local["wte.weight"], rtol=0, atol=0)
+    assert_close(batch["y"], local["fc.weight"], rtol=0, atol=0)
+    with pytest.raises(StateDictError, match="2 tensors in the batch but 1 input specs"):
+        shard_pytree((x, y), (specs["wte.weight"],), mesh)
 
 
 @pytest.mark.parametrize("mesh_shape, specs", [((2,), SPECS_1D), ((2, 2), SPECS_2D)])

@@ -184,12 +184,22 @@ def _op_strategy_rules(op: Any, args: tuple, kwargs: dict, mesh_shape: tuple[int
             return TupleStrategy([to_strategy(e) for e in x])
         return x
 
-    schema = OpSchema(op, tuple(to_strategy(a) for a in args), {k: to_strategy(v) for k, v in kwargs.items()})
-    result = _PROP.op_strategy_funcs[op](schema)
-    if not isinstance(result, OpStrategy):  # TupleStrategy (foreach ops): not in training graphs
-        return []
+    func = _PROP.op_strategy_funcs[op]
+    in_args = tuple(to_strategy(a) for a in args)
+    in_kwargs = {k: to_strategy(v) for k, v in kwargs.items()}
+    if _per_candidate(func) and isinstance(in_args[0], OpStrategy):
+        # A view rule maps each input candidate on its own, but prices a redistribution from
+        # every candidate to each target (quadratic; ~90% of cold strategy time on GPT-2).
+        # Asking once per candidate gives the same strategies, in the same order, in linear time.
+        results = [func(OpSchema(op, (OpStrategy([c]),) + in_args[1:], in_kwargs)) for c in in_args[0].strategies]
+        specs = [s for r in results for s in r.strategies]
+    else:
+        result = func(OpSchema(op, in_args, in_kwargs))
+        if not isinstance(result, OpStrategy):  # TupleStrategy (foreach ops): not in training graphs
+            return []
+        specs = result.strategies
     rules: list[Rule] = []
-    for s in result.strategies:
+    for s in specs:
         outs = s.output_specs if isinstance(s.output_specs, (tuple, list)) else (s.output_specs,)
         ins = s.input_specs if s.input_specs is not None else (s.output_spec,) * len(schema.args_spec)
         converted = []
@@ -210,3 +220,8 @@ def _op_strategy_rules(op: Any, args: tuple, kwargs: dict, mesh_shape: tuple[int
         if len(converted) == 2:
             rules.append((converted[0], converted[1]))
     return rules
+
+
+def _per_candidate(func: Any) -> bool:
+    """DTensor's view/reshape rule (`_view_ops.register_op_strategy_map`): one output per input candidate."""
+    return func.__name__ == "reshape_strategy" and func.__module__.endswith("_ops._view_ops")

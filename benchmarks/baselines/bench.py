@@ -1,0 +1,167 @@
+"""One model on the live world: calibrate, plan on rank 0, then measure every baseline and autopar's plans.
+
+    results = run_ranks(run_model, 4, Case("gpt2", "tiny", 8, 128), timeout_s=900)
+    results[0]          # ModelResult on rank 0 (None elsewhere)
+
+Order matters for the numbers: calibration runs first on an idle world; rank 0
+then traces, profiles and solves every plan (baselines' prices, autopar per budget)
+while the others wait; measurements come last so no solve competes with them.
+"""
+from __future__ import annotations
+
+import copy
+import json
+import logging
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.utils import _pytree as pytree
+
+from autopar.api import parallelize
+from autopar.codegen.shapes import local_block
+from autopar.profiler.measure import block_paths, make_optimizer
+from autopar.runtime.calibrate import calibrate
+from autopar.solver.plan import Plan
+from autopar.solver.plan_io import plan_from_json, plan_to_json
+from autopar.tracer import split_sample_input
+
+from benchmarks._common import load_example
+from benchmarks.baselines.measure import measure_training
+from benchmarks.baselines.predict import Predictor
+from benchmarks.baselines.systems import SYSTEMS, build_system
+
+log = logging.getLogger(__name__)
+
+BUDGET_MERGE = 0.03  # baselines whose predicted memory is within 3% share one budget
+
+
+@dataclass(frozen=True)
+class Case:
+    model: str  # zoo file name: gpt2, llama, bert
+    size: str = "tiny"
+    batch: int = 8  # global batch
+    seq: int = 128
+    tp: int = 2  # tensor-parallel degree of the Megatron baseline (inner mesh axis)
+    steps: int = 10  # timed steps per system (after 2 warm-up steps)
+    optimizer: str = "adamw"
+    max_budgets: int = 0  # keep only the largest N budgets (0: all); the smoke test uses 1
+
+
+@dataclass(frozen=True)
+class SystemResult:
+    name: str  # "ddp", "fsdp+ac", "autopar@<budget MB>"...
+    mesh: tuple[int, ...]
+    predicted_s: float
+    predicted_bytes: float
+    step_s: float  # measured: median over steps of the slowest rank
+    peak_bytes: int  # measured: max over ranks of the peak live-tensor bytes
+    steps_s: tuple[float, ...] = ()
+
+
+@dataclass(frozen=True)
+class BudgetResult:
+    budget_bytes: float
+    autopar: str | None  # key into ModelResult.autopar_plans, None when no plan fits
+    solver_note: str = ""
+
+
+@dataclass(frozen=True)
+class ModelResult:
+    case: Case
+    meshes: dict[str, str]  # "1d"/"2d" -> str(calibrated Mesh)
+    baselines: tuple[SystemResult, ...]
+    autopar_plans: dict[str, SystemResult]  # distinct plans, keyed by "autopar#k"
+    budgets: tuple[BudgetResult, ...] = field(default=())
+
+
+def _plan_key(plan: Plan) -> str:
+    """Identity of a plan's decisions (the budget and predictions aside): equal keys run the same code."""
+    return json.dumps([plan.mesh.shape, [(d.node, str(d.strategy), d.recompute) for d in plan.nodes],
+                       [(p.fqn, str(p.use), str(p.storage)) for p in plan.params]])
+
+
+def _budgets(predicted: list[float], max_budgets: int) -> list[float]:
+    """Distinct predicted baseline memories, largest first: from 'all fit' to 'only the most sharded fits'."""
+    out: list[float] = []
+    for b in sorted(predicted, reverse=True):
+        if not out or b < out[-1] * (1 - BUDGET_MERGE):
+            out.append(b)
+    return out[:max_budgets] if max_budgets else out
+
+
+def _plan_all(case: Case, model, sample, meshes) -> dict[str, Any]:
+    """Rank 0: every prediction, as plain data to broadcast."""
+    pred = Predictor(model, sample, meshes, block_paths(model), case.model, case.optimizer)
+    baselines = {}
+    for system in SYSTEMS:
+        for ac in (False, True):
+            plan = pred.baseline(system, ac)
+            baselines[f"{system}+ac" if ac else system] = (plan.time.total_s, plan.memory.total_bytes, plan.mesh.shape)
+    budgets, plans = [], {}
+    keys: dict[str, str] = {}
+    for budget in _budgets([b for _, b, _ in baselines.values()], case.max_budgets):
+        plan = pred.autopar(budget)
+        if plan is None:
+            budgets.append((budget, None, "no plan fits"))
+            continue
+        key = keys.setdefault(_plan_key(plan), f"autopar#{len(keys)}")
+        plans.setdefault(key, plan_to_json(plan))
+        budgets.append((budget, key, ""))
+    return {"baselines": baselines, "budgets": budgets, "plans": plans}
+
+
+def _local_inputs(pm, sample) -> tuple[tuple, dict]:
+    """This rank's part of the global batch, as the lowered graph expects it to be fed."""
+    args, kwargs = split_sample_input(sample)
+    leaves, spec = pytree.tree_flatten((args, kwargs))
+    specs = iter(pm.info.input_specs)
+    local = [local_block(t, next(specs), pm.mesh.shape, pm.mesh.coordinate).clone() if isinstance(t, torch.Tensor) else t
+             for t in leaves]
+    return pytree.tree_unflatten(local, spec)
+
+
+def _measure_autopar(case: Case, model, sample, plan: Plan):
+    pm = parallelize(copy.deepcopy(model), sample, tuple(plan.mesh.shape), plan=plan, optimizer=case.optimizer)
+    args, kwargs = _local_inputs(pm, sample)
+    opt = make_optimizer(pm, case.optimizer)
+
+    def step() -> None:
+        pm(*args, **kwargs).backward()
+
+    def live() -> list[torch.Tensor]:
+        return [*pm.parameters(), *pm.buffers(), *(t for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor))]
+
+    return measure_training(step, opt, live, steps=case.steps)
+
+
+def run_model(rank: int, world: int, case: Case) -> ModelResult | None:
+    if rank != 0:
+        logging.disable(logging.INFO)  # one log, from rank 0 (autopar's stages log on every rank)
+    if world % case.tp:
+        raise ValueError(f"tp={case.tp} does not divide the world size {world}")
+    meshes = {"1d": calibrate(mesh_shape=(world,)), "2d": calibrate(mesh_shape=(world // case.tp, case.tp))}
+    model, sample = load_example(case.model).build(case.batch, case.seq, size=case.size, device="cpu")
+    payload = [_plan_all(case, model, sample, meshes) if rank == 0 else None]
+    dist.broadcast_object_list(payload, src=0)
+    pred = payload[0]
+    baselines = []
+    for system in SYSTEMS:
+        for ac in (False, True):
+            sysm = build_system(system, case.model, model, sample, ac=ac, tp=case.tp, optimizer=case.optimizer)
+            m = measure_training(sysm.step, sysm.optimizer, sysm.live, steps=case.steps)
+            p_s, p_bytes, shape = pred["baselines"][sysm.name]
+            baselines.append(SystemResult(sysm.name, tuple(shape), p_s, p_bytes, m.step_s, m.peak_bytes, m.steps_s))
+            log.info("%s %s: %.1f ms, %.2f MB", case.model, sysm.name, m.step_s * 1e3, m.peak_bytes / 1e6)
+    autopar = {}
+    for key, text in pred["plans"].items():
+        plan = plan_from_json(text)
+        m = _measure_autopar(case, model, sample, plan)
+        autopar[key] = SystemResult(key, tuple(plan.mesh.shape), plan.time.total_s, plan.memory.total_bytes,
+                                    m.step_s, m.peak_bytes, m.steps_s)
+        log.info("%s %s: %.1f ms, %.2f MB", case.model, key, m.step_s * 1e3, m.peak_bytes / 1e6)
+    if rank != 0:
+        return None
+    budgets = tuple(BudgetResult(b, key, note) for b, key, note in pred["budgets"])
+    return ModelResult(case, {k: str(m) for k, m in meshes.items()}, tuple(baselines), autopar, budgets)

@@ -1,0 +1,132 @@
+"""Tables, rank correlation, JSON and plot of `vs_baselines` results (plain data in, text/files out)."""
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from pathlib import Path
+from typing import Sequence
+
+from benchmarks.baselines.bench import ModelResult, SystemResult
+
+MB = 1e6
+
+
+def _ranks(xs: Sequence[float]) -> list[float]:
+    """Ranks 1..n, ties sharing their average rank (as Spearman's rho needs)."""
+    order = sorted(range(len(xs)), key=lambda i: xs[i])
+    ranks = [0.0] * len(xs)
+    i = 0
+    while i < len(order):
+        j = i
+        while j + 1 < len(order) and xs[order[j + 1]] == xs[order[i]]:
+            j += 1
+        for k in range(i, j + 1):
+            ranks[order[k]] = (i + j) / 2 + 1
+        i = j + 1
+    return ranks
+
+
+def spearman(xs: Sequence[float], ys: Sequence[float]) -> float:
+    """Spearman's rank correlation: Pearson's r of the ranks (nan for fewer than 3 points or constant ranks)."""
+    if len(xs) != len(ys):
+        raise ValueError(f"spearman needs equal lengths, got {len(xs)} and {len(ys)}")
+    if len(xs) < 3:
+        return math.nan
+    rx, ry = _ranks(xs), _ranks(ys)
+    mx, my = sum(rx) / len(rx), sum(ry) / len(ry)
+    cov = sum((a - mx) * (b - my) for a, b in zip(rx, ry))
+    sx = math.sqrt(sum((a - mx) ** 2 for a in rx))
+    sy = math.sqrt(sum((b - my) ** 2 for b in ry))
+    return cov / (sx * sy) if sx and sy else math.nan
+
+
+def candidates(r: ModelResult) -> list[SystemResult]:
+    return [*r.baselines, *r.autopar_plans.values()]
+
+
+def fits(s: SystemResult, budget_bytes: float) -> bool:
+    return s.peak_bytes <= budget_bytes
+
+
+def budget_rows(r: ModelResult) -> list[dict]:
+    """Per budget: which baselines fit (measured peak <= budget), the fastest of them, autopar and the ratio."""
+    rows = []
+    for b in r.budgets:
+        fitting = [s for s in r.baselines if fits(s, b.budget_bytes)]
+        best = min(fitting, key=lambda s: s.step_s) if fitting else None
+        ap = r.autopar_plans.get(b.autopar) if b.autopar else None
+        ratio = ap.step_s / best.step_s if ap and best else None
+        rows.append({"budget_bytes": b.budget_bytes, "fitting": [s.name for s in fitting],
+                     "best_baseline": best.name if best else None, "best_baseline_s": best.step_s if best else None,
+                     "autopar": b.autopar, "autopar_s": ap.step_s if ap else None,
+                     "autopar_fits": fits(ap, b.budget_bytes) if ap else None, "ratio": ratio,
+                     "note": b.solver_note})
+    return rows
+
+
+def format_model(r: ModelResult) -> str:
+    c = r.case
+    lines = [f"== {c.model}-{c.size} batch {c.batch} x seq {c.seq}, {c.optimizer}; meshes: "
+             + "; ".join(f"{k}: {v}" for k, v in r.meshes.items())]
+    lines.append(f"{'system':<12} {'mesh':>5} {'pred ms':>8} {'meas ms':>8} {'pred MB':>8} {'peak MB':>8}")
+    for s in candidates(r):
+        lines.append(f"{s.name:<12} {'x'.join(map(str, s.mesh)):>5} {s.predicted_s * 1e3:8.2f} {s.step_s * 1e3:8.2f} "
+                     f"{s.predicted_bytes / MB:8.2f} {s.peak_bytes / MB:8.2f}")
+    names = [s.name for s in r.baselines]
+    lines.append("")
+    lines.append(f"{'budget MB':>9} " + " ".join(f"{n:>8}" for n in names)
+                 + f" {'autopar':>14} {'best fit':>16} {'ratio':>6}")
+    for b, row in zip(r.budgets, budget_rows(r)):
+        cells = [f"{s.step_s * 1e3:8.2f}" if fits(s, b.budget_bytes) else f"{'over':>8}" for s in r.baselines]
+        if row["autopar"]:
+            ap = r.autopar_plans[row["autopar"]]
+            mark = "" if row["autopar_fits"] else "!"  # measured peak above the budget
+            ap_cell = f"{ap.step_s * 1e3:.2f}{mark} ({row['autopar'].split('#')[1]})"
+        else:
+            ap_cell = "no plan"
+        best = f"{row['best_baseline']} {row['best_baseline_s'] * 1e3:.2f}" if row["best_baseline"] else "none fits"
+        ratio = f"{row['ratio']:.2f}" if row["ratio"] is not None else "-"
+        lines.append(f"{b.budget_bytes / MB:9.2f} " + " ".join(cells) + f" {ap_cell:>14} {best:>16} {ratio:>6}")
+    pts = candidates(r)
+    lines.append(f"spearman(predicted, measured step time) over {len(pts)} candidates: "
+                 f"{spearman([s.predicted_s for s in pts], [s.step_s for s in pts]):.3f}")
+    return "\n".join(lines)
+
+
+def to_json(results: Sequence[ModelResult]) -> dict:
+    pts = [s for r in results for s in candidates(r)]
+    return {
+        "models": [{**dataclasses.asdict(r), "budget_rows": budget_rows(r),
+                    "spearman": spearman([s.predicted_s for s in candidates(r)], [s.step_s for s in candidates(r)])}
+                   for r in results],
+        "spearman_all": spearman([s.predicted_s for s in pts], [s.step_s for s in pts]),
+    }
+
+
+def write_json(results: Sequence[ModelResult], path: Path) -> None:
+    path.write_text(json.dumps(to_json(results), indent=1, default=str))
+
+
+def plot(results: Sequence[ModelResult], path: Path) -> str:
+    """Step time vs memory budget, one line per system (a point only where it fits). Returns what was done."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return "matplotlib is not installed: no plot (pip install matplotlib)"
+    fig, axes = plt.subplots(1, len(results), figsize=(5 * len(results), 4), squeeze=False)
+    for ax, r in zip(axes[0], results):
+        budgets = [b.budget_bytes / MB for b in r.budgets]
+        for s in r.baselines:
+            ys = [s.step_s * 1e3 if fits(s, b.budget_bytes) else math.nan for b in r.budgets]
+            ax.plot(budgets, ys, marker="o", label=s.name)
+        ys = [r.autopar_plans[b.autopar].step_s * 1e3 if b.autopar else math.nan for b in r.budgets]
+        ax.plot(budgets, ys, marker="s", linewidth=2.5, color="black", label="autopar")
+        ax.set(title=f"{r.case.model}-{r.case.size}", xlabel="memory budget per rank (MB)", ylabel="step time (ms)")
+        ax.invert_xaxis()
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    return f"plot: {path}"
