@@ -11,6 +11,7 @@ Unlike a plan file, a model file is Python and is executed: it is the user's cod
 """
 from __future__ import annotations
 
+import hashlib
 import importlib.util
 import inspect
 import logging
@@ -28,9 +29,14 @@ log = logging.getLogger(__name__)
 HF_PRESETS = ("gpt2", "llama")
 
 
-def _import_file(path: Path) -> Any:
-    # A unique module name per path, so two model files with the same stem do not collide in sys.modules.
-    name = f"autopar_model_{abs(hash(str(path.resolve())))}"
+def import_model_file(path: str | Path) -> Any:
+    """Import a model file by path (it need not be in a package); imported once per process."""
+    path = Path(path)
+    # A unique, stable module name per path: two files with the same stem do not collide in
+    # sys.modules, and the name is the same in every process (pickling looks modules up by name).
+    name = "autopar_model_" + hashlib.sha1(str(path.resolve()).encode()).hexdigest()[:12]
+    if name in sys.modules:
+        return sys.modules[name]
     spec = importlib.util.spec_from_file_location(name, path)
     if spec is None or spec.loader is None:
         raise ModelFileError(f"{path} is not a Python file\n  fix: pass a .py file that defines `model` and `sample_input` or `build(batch_size, seq_len)`")
@@ -79,7 +85,7 @@ def load_model_file(
     p = Path(path)
     if not p.is_file():
         raise ModelFileError(f"model file {str(p)!r} does not exist\n  fix: pass the path of a .py file, e.g. `autopar plan examples/gpt2.py --gpus 8`")
-    module = _import_file(p)
+    module = import_model_file(p)
     build = getattr(module, "build", None)
     if callable(build):
         return _call_build(build, p, batch_size, seq_len, device, build_kwargs)

@@ -1,7 +1,6 @@
 """Shared bits of the benchmark scripts: loading zoo files and the provenance JSON line."""
 from __future__ import annotations
 
-import importlib.util
 import json
 import platform
 import subprocess
@@ -10,16 +9,14 @@ from pathlib import Path
 
 import torch
 
+from autopar.model_file import import_model_file
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
 def load_example(name: str):
-    """Import examples/<name>.py by path (registered in sys.modules so its dataclasses resolve)."""
-    spec = importlib.util.spec_from_file_location(f"zoo_{name}", ROOT / "examples" / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
+    """examples/<name>.py as a module, imported by path the way the CLI does."""
+    return import_model_file(ROOT / "examples" / f"{name}.py")
 
 
 def git_sha() -> str:

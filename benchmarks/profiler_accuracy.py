@@ -27,7 +27,7 @@ from autopar.profiler.measure import block_paths, checkpoint_modules, measure_fl
 from autopar.tracer import trace  # noqa: E402
 from tests.profiler.zoo import DYNAMIC, load_example  # noqa: E402
 
-DYNAMIC = {**DYNAMIC, "llama": {"batch": 0}, "hf_gpt2": {"batch": 0, "seq": 1}}
+DYNAMIC = {**DYNAMIC, "llama": {"batch": 0}, "hf_gpt2": {"batch": 0, "seq": 1}, "hf_llama": {"batch": 0}}
 BATCHES = {"mlp": (64, 512), "vit": (4, 16)}
 
 

@@ -1,7 +1,7 @@
 """Fused data movement around the runtime's collectives: Triton kernels with torch fallbacks.
 
     python -m pytest tests/kernels         # torch fallback + Triton interpreter tests (CPU)
-    python benchmarks/kernels.py           # fused vs unfused bucket packing
+    python benchmarks/kernel_fusion.py           # fused vs unfused bucket packing
 
 Public functions (all take `impl="auto" | "triton" | "torch"`, see `_dispatch` for the rule:
 Triton on CUDA tensors, or on CPU tensors under TRITON_INTERPRET=1, else torch):

@@ -10,17 +10,14 @@ from __future__ import annotations
 
 import math
 import random
-import sys
-from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).parent / "codegen"))
-from harness import reference, run_plans, trace_model  # noqa: E402
-from plans import cpu_mesh, load_zoo, random_plan  # noqa: E402
+from tests.codegen.harness import reference, run_plans, trace_model
+from tests.codegen.plans import cpu_mesh, load_zoo, random_plan
 
-from autopar.runtime.launch import run_ranks  # noqa: E402
-from autopar.solver.strategies import enumerate_strategies  # noqa: E402
+from autopar.runtime.launch import run_ranks
+from autopar.solver.strategies import enumerate_strategies
 
 ZOO = ("mlp", "gpt2", "llama", "bert", "vit", "hf_gpt2")
 # plans per model for each mesh: 6 * (24 + 5 + 5) = 204 random plans

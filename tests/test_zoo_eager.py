@@ -2,37 +2,13 @@
 
 from __future__ import annotations
 
-import importlib.util
-import sys
 import time
-from pathlib import Path
 from types import ModuleType
 
 import pytest
 import torch
 
-EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
-ZOO = ["mlp", "gpt2", "llama", "bert", "vit", "hf_gpt2", "hf_llama"]
-
-
-def load_model_file(path: str | Path) -> ModuleType:
-    """Import a model file by path (no package needed), as the CLI does."""
-    path = Path(path)
-    name = f"autopar_model_{path.stem}"
-    spec = importlib.util.spec_from_file_location(name, path)
-    if spec is None or spec.loader is None:
-        raise ImportError(f"cannot import {path}")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module  # dataclasses and pickling look their module up here
-    try:
-        spec.loader.exec_module(module)
-    except BaseException:
-        del sys.modules[name]
-        raise
-    for attr in ("CONFIGS", "build"):
-        if not hasattr(module, attr):
-            raise AttributeError(f"{path} defines no `{attr}`")
-    return module
+from tests.zoo import ZOO, load_zoo
 
 
 def run(model: torch.nn.Module, sample) -> torch.Tensor:
@@ -54,7 +30,7 @@ def tiny_step(module: ModuleType, seed: int = 0) -> tuple[torch.nn.Module, torch
 
 @pytest.fixture(scope="module", params=ZOO)
 def zoo(request) -> ModuleType:
-    return load_model_file(EXAMPLES / f"{request.param}.py")
+    return load_zoo(request.param)
 
 
 def test_tiny_trains_on_cpu(zoo):
@@ -97,5 +73,5 @@ def test_default_size_builds_on_meta_quickly(zoo):
     ],
 )
 def test_param_count(name, size, n_params):
-    model, _ = load_model_file(EXAMPLES / f"{name}.py").build(size=size)
+    model, _ = load_zoo(name).build(size=size)
     assert sum(p.numel() for p in model.parameters()) == n_params

@@ -140,6 +140,29 @@ class _Lowerer:
     def owner(self, fqn: str) -> str:
         return self.tied.get(fqn, fqn)
 
+    def partial_grad_axes(self, e: Edge, uses: Mapping[str, list[Edge]]) -> tuple[set[int], list[tuple[tuple[str, int], set[int]]]]:
+        """Axes on which the grad reaching `e.producer` through `e` is a per-rank term, and where those all-reduces sit.
+
+        Besides the edge's own grad all-reduces, a consumer with one tensor input that is not
+        sharded on axis k (a permute/view/cast of a weight) passes partial grads on k upstream
+        unchanged: its backward is linear in the grad and identical on every rank of k, so the
+        all-reduce may move above it. This is what lets a weight's DP all-reduce leave the graph
+        for the bucketed grad sync although `permute(weight)` is what the matmul consumes.
+        """
+        axes = set(self.edges[(e.consumer, e.index)].grad_reduce_axes)
+        strips = [((e.consumer, e.index), set(axes))]
+        c = self.nodes[e.consumer]
+        downs = uses.get(c.name, [])
+        single = c.target is not operator.getitem and len(self.tensor_args(c)) == 1 and is_float(c)
+        if single and downs and all(u.op != "output" for u in c.users):
+            free = set(range(len(self.mesh.shape))) - sharded_axes(self.in_specs(c) + self.out_specs(c))
+            below = [self.partial_grad_axes(d, uses) for d in downs]
+            sub = free.intersection(*(a for a, _ in below))
+            if sub:
+                axes |= sub
+                strips += [(key, a & sub) for _, deeper in below for key, a in deeper]
+        return axes, strips
+
     def plan_params(self) -> tuple[dict, dict]:
         """Per used parameter: (placeholder -> storage->use steps, owner FQN -> axes left to the bucketed grad sync)."""
         zero_steps, sync_axes = {}, {}
@@ -154,9 +177,11 @@ class _Lowerer:
             if not edges:
                 continue
             # axes on which every use holds a partial grad: reduced once, on the parameter, not per use
-            common = set.intersection(*(set(e.grad_reduce_axes) for e in edges))
-            for e in edges:
-                self.edges[(e.consumer, e.index)] = _without_axes(e, common)
+            lifted = [self.partial_grad_axes(e, uses) for e in edges]
+            common = set.intersection(*(axes for axes, _ in lifted))
+            for _, strips in lifted:
+                for key, axes in strips:
+                    self.edges[key] = _without_axes(self.edges[key], axes & common)
             shape = tuple(self.nodes[ph].meta["val"].shape)
             # ZeRO: the storage->use all-gather over k takes over k's reduction (its backward reduce-scatters)
             steps, left = plan_steps(d.storage, d.use, shape, self.plan.mesh, common) if d.zero else ((), common)

@@ -29,6 +29,7 @@ from typing import Callable, Collection
 import torch
 from torch import fx
 
+from autopar.profiler.eager import fused_activations
 from autopar.profiler.graph import Ref, analyze
 from autopar.profiler.profile import optimizer_key
 from autopar.profiler.types import ConcreteProfile
@@ -84,6 +85,7 @@ def peak_memory(
         n.name for n in nodes if n.target is torch.ops.aten.clone.default and not any(cost[n.name].output_bytes)
     )
     facts = analyze(traced, elided)
+    _, fused = fused_activations(traced.graph)
     pos = {n.name: i for i, n in enumerate(nodes)}
     recompute = set(recompute)
 
@@ -108,12 +110,13 @@ def peak_memory(
             b = facts.base[r]
             if b in size:
                 last_use[b] = max(last_use[b], pos[n.name])
-    for n in traced.graph.nodes:
-        if n.op == "output":
-            for a in n.all_input_nodes:
-                b = facts.base.get((a.name, 0))
-                if b in size:
-                    last_use[b] = len(nodes)  # the loss lives until backward
+    # A training step keeps only the loss of what forward returns (the caller drops the rest, e.g. logits).
+    loss = traced.output_names[traced.loss_index] if traced.loss_index is not None else None
+    outputs = {a.name for n in traced.graph.nodes if n.op == "output" for a in n.all_input_nodes}
+    for name in outputs if loss is None else (loss,):
+        b = facts.base.get((name, 0))
+        if b in size:
+            last_use[b] = len(nodes)  # lives until backward
 
     # Regions of recomputed nodes, and where each kept tensor is released in backward.
     region: dict[str, str] = {n.name: region_of(n) for n in nodes if n.name in recompute}
@@ -128,6 +131,8 @@ def peak_memory(
 
     rebuilt: dict[str, list[Ref]] = defaultdict(list)  # region -> saved tensors rebuilt when backward enters it
     rebuilt_release: dict[Ref, int] = {}
+    if loss is not None and facts.base.get((loss, 0)) in size:
+        keep(facts.base[(loss, 0)], pos[loss])  # freed once backward has started from it
     for n in nodes:
         c = cost[n.name]
         if n.name not in recompute:
@@ -185,10 +190,11 @@ def peak_memory(
             entered.add(key)
             live += sum(size[b] for b in dict.fromkeys(rebuilt[key]) if b not in release)
             live += sum(cost[m].extra_saved_bytes for m in members[key])
-        if c.requires_grad and not all(facts.aliases.get(n.name, (False,))):  # views pass gradients through
+        # Views pass gradients through; a fused node's gradient flows inside its consumer's eager op.
+        if c.requires_grad and not all(facts.aliases.get(n.name, (False,))) and n.name not in fused:
             transient = c.temp_bytes
             for a, r in zip(tensor_args(n), facts.arg_refs[n.name]):
-                if a.op == "placeholder" and a.name not in traced.param_fqns:
+                if a.op == "placeholder" and a.name not in traced.param_fqns or a.name in fused:
                     continue
                 if not cost.get(a.name) or not cost[a.name].requires_grad:
                     continue

@@ -27,6 +27,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from autopar.profiler.eager import EagerCall
 from autopar.profiler.flops import op_flops, register_cpu_sdpa
 
 
@@ -71,13 +72,20 @@ def _leaf_key(leaf: Any, rg: Mapping[str, bool]) -> Hashable:
         return repr(leaf)
 
 
-def probe(node: fx.Node, rg: Mapping[str, bool], used_outputs: tuple[bool, ...]) -> OpProbe:
-    """Cost and saved tensors of `node` (a call_function on tensors), cached by signature."""
-    flat, spec = pytree.tree_flatten((node.args, node.kwargs))
-    key = (node.target, tuple(_leaf_key(leaf, rg) for leaf in flat), used_outputs)
+def probe(
+    node: fx.Node, rg: Mapping[str, bool], used_outputs: tuple[bool, ...], call: EagerCall | None = None
+) -> OpProbe:
+    """Cost and saved tensors of `node` (a call_function on tensors), cached by signature.
+
+    With `call`, the op eager runs in the node's place is probed instead (see
+    `eager.py`); `saved_args` then index the tensor arguments of `call`.
+    """
+    target, args, kwargs = (node.target, node.args, node.kwargs) if call is None else (call.target, call.args, call.kwargs)
+    flat, spec = pytree.tree_flatten((tuple(args), dict(kwargs)))
+    key = (target, tuple(_leaf_key(leaf, rg) for leaf in flat), used_outputs)
     hit = _CACHE.get(key)
     if hit is None:
-        hit = _CACHE[key] = _run(node, flat, spec, rg, used_outputs)
+        hit = _CACHE[key] = _run(target, flat, spec, rg, used_outputs)
     return hit
 
 
@@ -109,7 +117,7 @@ def _fake_mode(flat: list) -> Any:
     return detect_fake_mode([v for v in vals if isinstance(v, torch.Tensor)]) or FakeTensorMode()
 
 
-def _run(node: fx.Node, flat: list, spec, rg: Mapping[str, bool], used_outputs: tuple[bool, ...]) -> OpProbe:
+def _run(target: Any, flat: list, spec, rg: Mapping[str, bool], used_outputs: tuple[bool, ...]) -> OpProbe:
     register_cpu_sdpa()
     fake_mode = _fake_mode(flat)
     with fake_mode:
@@ -137,7 +145,7 @@ def _run(node: fx.Node, flat: list, spec, rg: Mapping[str, bool], used_outputs: 
 
         fwd = _Watch()
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), fwd:
-            out = node.target(*args, **kwargs)
+            out = target(*args, **kwargs)
         outs = [t for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor)]
 
         def sid(t: torch.Tensor) -> StorageWeakRef:

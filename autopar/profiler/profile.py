@@ -5,6 +5,8 @@ real autograd on fake tensors, cached by signature); output bytes are
 numel * itemsize of the fake outputs (0 for views); saved tensors are
 attributed to the producer of the storage they live in (see `graph.py`).
 Values are sympy expressions in the trace's symbols (`traced.symbols`).
+Nodes are priced as eager runs them where that differs from the graph
+(`eager.py`: fused activations, causal masks eager never builds).
 """
 from __future__ import annotations
 
@@ -14,13 +16,16 @@ import time
 
 import sympy
 import torch
+from torch.utils import _pytree as pytree
 
 from autopar.errors import AutoparError
+from autopar.profiler.eager import EagerCall, EagerGraph, eager_graph
 from autopar.profiler.flops import op_flops
 from autopar.profiler.graph import GraphFacts, Ref, analyze, tensor_bytes
 from autopar.profiler.probe import OpProbe, probe, to_expr
 from autopar.profiler.types import GraphProfile, NodeProfile, ParamProfile
 from autopar.tracer import TracedGraph, output_vals
+from autopar.tracer.nodes import is_tensor_node
 
 log = logging.getLogger(__name__)
 
@@ -56,19 +61,20 @@ def profile(traced: TracedGraph, optimizer: str = "adamw") -> GraphProfile:
     opt = optimizer_key(optimizer)
     start = time.perf_counter()
     facts = analyze(traced)
+    eager = eager_graph(traced.graph)
     probes: dict[str, OpProbe] = {}
+    probe_args: dict[str, tuple[Ref, ...]] = {}  # what each probe's saved_args index
     for node in traced.graph.nodes:
-        p = _probe_node(node, facts)
+        p = _probe_node(node, facts, eager)
         if p is not None:
             probes[node.name] = p
+            call = eager.calls.get(node.name)
+            probe_args[node.name] = facts.arg_refs[node.name] if call is None else _call_refs(call)
     elided = elided_copies(traced, probes)
     if elided:
         facts = analyze(traced, elided)
-    saved: set[Ref] = set()
-    for name, p in probes.items():
-        refs = facts.arg_refs[name]
-        saved.update(facts.base[refs[i]] for i in p.saved_args)
-        saved.update(facts.base[(name, j)] for j in p.saved_own)
+    saved_refs = {name: _saved_refs(name, p, probe_args[name], facts) for name, p in probes.items()}
+    saved: set[Ref] = {r for refs in saved_refs.values() for r in refs}
 
     nodes: dict[str, NodeProfile] = {}
     for node in traced.graph.nodes:
@@ -76,20 +82,22 @@ def profile(traced: TracedGraph, optimizer: str = "adamw") -> GraphProfile:
             continue
         vals = output_vals(node)
         alias = facts.aliases.get(node.name, (False,) * len(vals))
+        # Eager never materialises a fused or skipped node's output (see eager.py).
+        absent = node.name in eager.fused or node.name in eager.skipped
         p = probes.get(node.name)
         out_bytes = tuple(
-            _ZERO if v is None or alias[i] else to_expr(tensor_bytes(v)) for i, v in enumerate(vals)
+            _ZERO if v is None or alias[i] or absent else to_expr(tensor_bytes(v)) for i, v in enumerate(vals)
         )
         nodes[node.name] = NodeProfile(
             name=node.name,
             op="placeholder" if node.op == "placeholder" else str(node.target),
-            fwd_flops=p.fwd_flops if p else _fwd_flops_no_grad(node),
+            fwd_flops=p.fwd_flops if p else _ZERO if node.name in eager.skipped else _fwd_flops_no_grad(node),
             bwd_flops=p.bwd_flops if p else _ZERO,
             output_bytes=out_bytes,
             saved_outputs=tuple((node.name, i) in saved for i in range(len(vals))),
             extra_saved_bytes=p.extra_saved_bytes if p else _ZERO,
             temp_bytes=p.temp_bytes if p else _ZERO,
-            saved_refs=_saved_refs(node.name, p, facts),
+            saved_refs=saved_refs.get(node.name, ()),
             requires_grad=facts.requires_grad.get(node.name, False),
             value_bytes=tuple(_ZERO if v is None else to_expr(tensor_bytes(v)) for v in vals),
         )
@@ -97,6 +105,12 @@ def profile(traced: TracedGraph, optimizer: str = "adamw") -> GraphProfile:
     log.info("profiler: %d nodes (%d probed op signatures) in %.2f s", len(nodes), len(set(map(id, probes.values()))),
              time.perf_counter() - start)
     return GraphProfile(nodes=nodes, params=params, symbols=dict(traced.symbols), optimizer=opt)
+
+
+def _call_refs(call: EagerCall) -> tuple[Ref, ...]:
+    """References of the tensor arguments of an eager call, in the order the probe numbers them."""
+    flat, _ = pytree.tree_flatten((tuple(call.args), dict(call.kwargs)))
+    return tuple((a.name, 0) for a in flat if is_tensor_node(a))
 
 
 def elided_copies(traced: TracedGraph, probes: dict[str, OpProbe]) -> frozenset[str]:
@@ -121,10 +135,17 @@ def elided_copies(traced: TracedGraph, probes: dict[str, OpProbe]) -> frozenset[
     return frozenset(out)
 
 
+# Views that, when they keep the shape, keep the strides too (HF writes `.view(B, -1, T, D)` on attention output).
+_STRIDE_KEEPING = (torch.ops.aten.view.default, torch.ops.aten._unsafe_view.default, torch.ops.aten.alias.default)
+
+
 def _real_contiguous(node, probes: dict[str, OpProbe]) -> bool:
     perms = []
-    while node.target is torch.ops.aten.permute.default:
-        perms.append(node.args[1])
+    while node.target in _STRIDE_KEEPING or node.target is torch.ops.aten.permute.default:
+        if node.target is torch.ops.aten.permute.default:
+            perms.append(node.args[1])
+        elif node.meta["val"].shape != node.args[0].meta["val"].shape:
+            return False
         node = node.args[0]
     p = probes.get(node.name)
     val = node.meta.get("val")
@@ -143,13 +164,14 @@ def _real_contiguous(node, probes: dict[str, OpProbe]) -> bool:
     return True
 
 
-def _probe_node(node, facts: GraphFacts) -> OpProbe | None:
-    """Probe ops that take part in autograd; views save nothing and cost no FLOPs, so they are skipped."""
+def _probe_node(node, facts: GraphFacts, eager: EagerGraph) -> OpProbe | None:
+    """Probe ops that take part in autograd; views save nothing and cost no FLOPs, so they are skipped,
+    and so are nodes eager runs inside another op or not at all."""
     if node.op != "call_function" or node.target is operator.getitem or not facts.requires_grad.get(node.name):
         return None
-    if all(facts.aliases.get(node.name, (False,))):
+    if all(facts.aliases.get(node.name, (False,))) or node.name in eager.fused or node.name in eager.skipped:
         return None
-    return probe(node, facts.requires_grad, facts.used_outputs[node.name])
+    return probe(node, facts.requires_grad, facts.used_outputs[node.name], eager.calls.get(node.name))
 
 
 def _fwd_flops_no_grad(node) -> sympy.Expr:
@@ -163,11 +185,9 @@ def _fwd_flops_no_grad(node) -> sympy.Expr:
     return to_expr(op_flops(node.target, args, kwargs, node.meta.get("val")))
 
 
-def _saved_refs(name: str, p: OpProbe | None, facts: GraphFacts) -> tuple[Ref, ...]:
-    if p is None:
-        return ()
-    refs = facts.arg_refs[name]
-    out = [facts.base[refs[i]] for i in p.saved_args] + [facts.base[(name, j)] for j in p.saved_own]
+def _saved_refs(name: str, p: OpProbe, arg_refs: tuple[Ref, ...], facts: GraphFacts) -> tuple[Ref, ...]:
+    """The storages a probed node's backward keeps, each once."""
+    out = [facts.base[arg_refs[i]] for i in p.saved_args] + [facts.base[(name, j)] for j in p.saved_own]
     return tuple(dict.fromkeys(out))
 
 

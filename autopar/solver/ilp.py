@@ -36,6 +36,7 @@ from typing import Literal, Mapping
 import pulp
 
 from autopar.errors import AutoparError, InfeasibleError
+from autopar.solver.gc_pause import gc_paused
 from autopar.solver.plan import MemoryBreakdown, SolverReport, TimeBreakdown
 from autopar.solver.problem import Assignment, Problem
 
@@ -240,6 +241,7 @@ def _run(model: _Model, backend: Backend, time_limit_s: float) -> tuple[str, str
     )
 
 
+@gc_paused
 def solve_problem(
     problem: Problem,
     time_limit_s: float = 30.0,
@@ -262,6 +264,7 @@ def solve_problem(
     return Solution(a, memory, step, report)
 
 
+@gc_paused
 def min_memory(
     problem: Problem, time_limit_s: float = 30.0, backend: Backend = "highs", restrictions: Restrictions = Restrictions()
 ) -> Solution:

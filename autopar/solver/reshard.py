@@ -43,11 +43,6 @@ __all__ = ["reshard_steps", "reshard_cost", "step_bytes", "step_time_s", "apply_
 _STEP_PENALTY_S = 1e-9  # breaks ties towards fewer steps
 
 
-def _innermost_ok(pls: Sequence[Placement], axis: int, dim: int) -> bool:
-    """No mesh axis after `axis` shards tensor dim `dim`."""
-    return not any(isinstance(p, Shard) and p.dim == dim for p in pls[axis + 1:])
-
-
 def apply_step(spec: Spec, step: CollectiveStep) -> Spec:
     new = {"all_gather": Replicate(), "all_reduce": Replicate(), "partial": Partial()}.get(step.kind)
     pls = list(spec.placements)

@@ -28,7 +28,7 @@ from autopar.solver.plan_io import plan_from_json, plan_to_json
 from autopar.tracer import split_sample_input
 
 from benchmarks._common import load_example
-from benchmarks.baselines.measure import measure_training
+from benchmarks.baselines.measure import Trainable, measure_interleaved
 from benchmarks.baselines.predict import Predictor
 from benchmarks.baselines.systems import SYSTEMS, build_system
 
@@ -122,7 +122,7 @@ def _local_inputs(pm, sample) -> tuple[tuple, dict]:
     return pytree.tree_unflatten(local, spec)
 
 
-def _measure_autopar(case: Case, model, sample, plan: Plan):
+def _autopar_system(name: str, case: Case, model, sample, plan: Plan) -> Trainable:
     pm = parallelize(copy.deepcopy(model), sample, tuple(plan.mesh.shape), plan=plan, optimizer=case.optimizer)
     args, kwargs = _local_inputs(pm, sample)
     opt = make_optimizer(pm, case.optimizer)
@@ -133,7 +133,7 @@ def _measure_autopar(case: Case, model, sample, plan: Plan):
     def live() -> list[torch.Tensor]:
         return [*pm.parameters(), *pm.buffers(), *(t for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor))]
 
-    return measure_training(step, opt, live, steps=case.steps)
+    return Trainable(name, step, opt, live)
 
 
 def run_model(rank: int, world: int, case: Case) -> ModelResult | None:
@@ -146,21 +146,21 @@ def run_model(rank: int, world: int, case: Case) -> ModelResult | None:
     payload = [_plan_all(case, model, sample, meshes) if rank == 0 else None]
     dist.broadcast_object_list(payload, src=0)
     pred = payload[0]
-    baselines = []
-    for system in SYSTEMS:
-        for ac in (False, True):
-            sysm = build_system(system, case.model, model, sample, ac=ac, tp=case.tp, optimizer=case.optimizer)
-            m = measure_training(sysm.step, sysm.optimizer, sysm.live, steps=case.steps)
-            p_s, p_bytes, shape = pred["baselines"][sysm.name]
-            baselines.append(SystemResult(sysm.name, tuple(shape), p_s, p_bytes, m.step_s, m.peak_bytes, m.steps_s))
-            log.info("%s %s: %.1f ms, %.2f MB", case.model, sysm.name, m.step_s * 1e3, m.peak_bytes / 1e6)
-    autopar = {}
-    for key, text in pred["plans"].items():
-        plan = plan_from_json(text)
-        m = _measure_autopar(case, model, sample, plan)
-        autopar[key] = SystemResult(key, tuple(plan.mesh.shape), plan.time.total_s, plan.memory.total_bytes,
-                                    m.step_s, m.peak_bytes, m.steps_s)
-        log.info("%s %s: %.1f ms, %.2f MB", case.model, key, m.step_s * 1e3, m.peak_bytes / 1e6)
+    systems = [build_system(system, case.model, model, sample, ac=ac, tp=case.tp, optimizer=case.optimizer)
+               for system in SYSTEMS for ac in (False, True)]
+    plans = {key: plan_from_json(text) for key, text in pred["plans"].items()}
+    systems += [_autopar_system(key, case, model, sample, plan) for key, plan in plans.items()]
+    measured = measure_interleaved(systems, steps=case.steps)
+    baselines, autopar = [], {}
+    for system, m in zip(systems, measured):
+        if system.name in plans:
+            plan = plans[system.name]
+            autopar[system.name] = SystemResult(system.name, tuple(plan.mesh.shape), plan.time.total_s,
+                                                plan.memory.total_bytes, m.step_s, m.peak_bytes, m.steps_s)
+        else:
+            p_s, p_bytes, shape = pred["baselines"][system.name]
+            baselines.append(SystemResult(system.name, tuple(shape), p_s, p_bytes, m.step_s, m.peak_bytes, m.steps_s))
+        log.info("%s %s: %.1f ms, %.2f MB", case.model, system.name, m.step_s * 1e3, m.peak_bytes / 1e6)
     if rank != 0:
         return None
     budgets = tuple(BudgetResult(b, key, note) for b, key, note in pred["budgets"])

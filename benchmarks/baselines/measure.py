@@ -1,23 +1,23 @@
 """Step time and peak live-tensor memory of one rank's training step, for any wrapped model.
 
-    m = measure_training(step, live=[*params, *batch], optimizer=opt, steps=10)
+    ms = measure_interleaved([Trainable("ddp", step, opt, live), ...], steps=10)
 
-`step()` runs forward + backward (+ any gradient sync the system needs); this
-module adds `optimizer.step()` and `zero_grad(set_to_none=True)`. Time: warm-up
-steps (they also create the optimizer state), then every rank times each step
-between barriers and the step's time is the slowest rank's (a synchronous step
-goes at the pace of the slowest rank); the median over steps is reported. Memory:
-one more step under `PeakTracker`, which is autopar's `LiveStorageTracker` (the
-same reference the profiler is checked against) taught to look through tensor
-subclasses, so DTensor/FSDP2 local shards and the temporaries of their
-collectives are counted as the plain tensors they are.
+A step is `step()` (forward + backward + any gradient sync the system needs), then
+`optimizer.step()` and `zero_grad(set_to_none=True)`. Time: warm-up steps (they also
+create the optimizer state), then every rank times each step between barriers and
+the step's time is the slowest rank's (a synchronous step goes at the pace of the
+slowest rank); the median over steps is reported. Memory: one more step under
+`PeakTracker`, which is autopar's `LiveStorageTracker` (the same reference the
+profiler is checked against) taught to look through tensor subclasses, so
+DTensor/FSDP2 local shards and the temporaries of their collectives are counted
+as the plain tensors they are.
 """
 from __future__ import annotations
 
 import statistics
 import time
 from dataclasses import dataclass
-from typing import Callable, Iterable
+from typing import Callable, Iterable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -57,9 +57,24 @@ class PeakTracker(LiveStorageTracker):
 
 
 @dataclass(frozen=True)
+class Trainable:
+    """A system ready to train on this rank."""
+
+    name: str
+    step: Callable[[], None]  # forward + backward (+ any gradient sync the system needs) on this rank's batch slice
+    optimizer: torch.optim.Optimizer
+    live: Callable[[], Iterable[torch.Tensor]]  # owned and alive between steps: params, buffers, the local batch
+
+    def train_step(self) -> None:
+        self.step()
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+
+
+@dataclass(frozen=True)
 class Measurement:
     step_s: float  # median over the timed steps of the slowest rank's step time
-    peak_bytes: int  # this rank's peak live-tensor bytes over one step (max over ranks when reduced)
+    peak_bytes: int  # max over ranks of the peak live-tensor bytes of one step
     steps_s: tuple[float, ...]  # every timed step (slowest rank), for the JSON
 
 
@@ -69,36 +84,42 @@ def _max_over_ranks(values: list[float]) -> list[float]:
     return t.tolist()
 
 
-def measure_training(
-    step: Callable[[], None],
-    optimizer: torch.optim.Optimizer,
-    live: Callable[[], Iterable[torch.Tensor]],
-    steps: int = 10,
-    warmup: int = 2,
-) -> Measurement:
-    """Time `steps` training steps after `warmup` ones, then track one step's peak memory.
-
-    `live()` lists what is alive between steps and owned by the system (parameters,
-    persistent buffers, the local batch); the optimizer state is added here.
-    Every rank of the default group must call this together.
-    """
-    def full_step() -> None:
-        step()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-
-    for _ in range(warmup):
-        full_step()
-    times = []
-    for _ in range(steps):
-        dist.barrier()
-        start = time.perf_counter()
-        full_step()
-        times.append(time.perf_counter() - start)
-    times = _max_over_ranks(times)
-    state = [t for s in optimizer.state.values() for t in s.values() if isinstance(t, torch.Tensor)]
+def peak_bytes(system: Trainable) -> int:
+    """Peak live-tensor bytes of one step of `system`, which has stepped before (its optimizer state exists)."""
+    state = [t for s in system.optimizer.state.values() for t in s.values() if isinstance(t, torch.Tensor)]
     dist.barrier()
-    with PeakTracker([*live(), *state]) as tracker:
-        full_step()
-    peak = int(_max_over_ranks([float(tracker.peak_bytes)])[0])
-    return Measurement(statistics.median(times), peak, tuple(times))
+    with PeakTracker([*system.live(), *state]) as tracker:
+        system.train_step()
+    return int(_max_over_ranks([float(tracker.peak_bytes)])[0])
+
+
+def measure_interleaved(systems: Sequence[Trainable], steps: int = 10, warmup: int = 2) -> list[Measurement]:
+    """Time `steps` steps of every system, round-robin, then track one step's peak memory of each.
+
+    Round-robin (one step of each system per round) rather than one system after the
+    other: on a shared machine the load drifts over minutes, and interleaving spreads
+    that drift evenly over the systems being compared. Every rank of the default group
+    must call this with the same systems in the same order.
+    """
+    for system in systems:
+        for _ in range(warmup):  # also creates the optimizer state
+            system.train_step()
+    times: list[list[float]] = [[] for _ in systems]
+    for _ in range(steps):
+        for i, system in enumerate(systems):
+            dist.barrier()
+            start = time.perf_counter()
+            system.train_step()
+            times[i].append(time.perf_counter() - start)
+    flat = _max_over_ranks([t for ts in times for t in ts])
+    out = []
+    for i, system in enumerate(systems):
+        ts = tuple(flat[i * steps:(i + 1) * steps])
+        out.append(Measurement(statistics.median(ts), peak_bytes(system), ts))
+    return out
+
+
+def measure_training(step: Callable[[], None], optimizer: torch.optim.Optimizer,
+                     live: Callable[[], Iterable[torch.Tensor]], steps: int = 10, warmup: int = 2) -> Measurement:
+    """One system alone (benchmarks/step_time.py uses this form)."""
+    return measure_interleaved([Trainable("system", step, optimizer, live)], steps, warmup)[0]

@@ -4,14 +4,17 @@
     pred.baseline("fsdp", ac=True)           # Plan: ZeRO-3 with every block recomputed, priced
     pred.autopar(budget_bytes)               # fastest plan over the meshes, or None if nothing fits
 
-Baselines map onto `autopar.solver.baseline_plan` (ddp -> data_parallel, fsdp ->
-zero3 on the 1-D mesh), solved with no memory pressure. Its "megatron" baseline
-only ALLOWS tensor parallel weights (without memory pressure the ILP keeps them
-replicated), so tp is priced here with every parameter's use spec pinned to what
-`tensor_parallel.PLANS` runs (column-parallel weight Shard(0), row-parallel
-Shard(1) on the tp axis, everything else replicated) and the rest left to the
-same ILP. The "+ac" variants re-price a plan with `fixed_plan` and every node
-inside a transformer block recomputed (what checkpointing each block does).
+Each baseline is priced as the same ILP with what the baseline fixes pinned:
+every parameter's use spec, the batch inputs' spec (Shard(0) over the data-parallel
+axis) and ZeRO (always for fsdp, never otherwise); the ILP picks the rest. Pinning
+the inputs matters: `autopar.solver.baseline_plan("data_parallel")` only restricts
+parameters, and on a calibrated CPU mesh its cheapest "data parallel" plan computes
+the whole batch on every rank (no gradient all-reduce), which is not what DDP runs.
+Its "megatron" likewise only allows tensor-parallel weights. tp pins what
+`tensor_parallel.PLANS` runs: column-parallel weight Shard(0), row-parallel Shard(1)
+on the tp axis, everything else replicated. The "+ac" variants re-price a plan with
+`fixed_plan` and every node inside a transformer block recomputed (what
+checkpointing each block does).
 """
 from __future__ import annotations
 
@@ -23,7 +26,7 @@ from torch import nn
 from autopar.api import meta_copy, meta_sample
 from autopar.errors import AutoparError, InfeasibleError
 from autopar.profiler import profile
-from autopar.solver import baseline_plan, fixed_plan, solve
+from autopar.solver import fixed_plan, solve
 from autopar.solver.ilp import Restrictions, solve_problem
 from autopar.solver.mesh import Mesh
 from autopar.solver.plan import Plan
@@ -37,8 +40,8 @@ from benchmarks.baselines.tensor_parallel import COL, PLANS
 
 log = logging.getLogger(__name__)
 
-# system -> (autopar baseline name, which mesh); tp is priced by `tensor_parallel_plan`
-BASELINE_OF = {"ddp": ("data_parallel", "1d"), "fsdp": ("zero3", "1d")}
+# system -> (which mesh, ZeRO rule)
+BASELINE_OF = {"ddp": ("1d", "never"), "fsdp": ("1d", "always"), "tp": ("2d", "never")}
 
 
 class Predictor:
@@ -56,38 +59,40 @@ class Predictor:
 
     def baseline(self, system: str, ac: bool = False) -> Plan:
         """The cost model's plan (and price) for a hand-written baseline."""
-        if system == "tp" and system not in self._baselines:
-            self._baselines[system] = self.tensor_parallel_plan(self.meshes["2d"])
         if system not in self._baselines:
-            name, mesh = BASELINE_OF[system]
-            self._baselines[system] = baseline_plan(self.traced, self.profile, self.meshes[mesh], name,
-                                                    time_limit_s=self.time_limit_s)
+            mesh, zero = BASELINE_OF[system]
+            self._baselines[system] = self.pinned_plan(self.meshes[mesh], tp_params=system == "tp", zero=zero)
         plan = self._baselines[system]
         if not ac:
             return plan
         choices = {d.node: d.strategy for d in plan.nodes if d.op != "output"}
-        zero = frozenset(p.fqn for p in plan.params if p.zero)
-        return fixed_plan(self.traced, self.profile, plan.mesh, choices, recompute=self._recompute, zero_params=zero)
+        zero_fqns = frozenset(p.fqn for p in plan.params if p.zero)
+        return fixed_plan(self.traced, self.profile, plan.mesh, choices, recompute=self._recompute, zero_params=zero_fqns)
 
-    def tensor_parallel_plan(self, mesh: Mesh) -> Plan:
-        """The fastest plan whose parameters are used exactly as the Megatron baseline shards them."""
+    def pinned_plan(self, mesh: Mesh, tp_params: bool, zero: str) -> Plan:
+        """The fastest plan with batch inputs Shard(0) over the outer axis and parameters used replicated,
+        or (tp_params) as the Megatron baseline shards them over the last axis."""
         ndim = len(mesh.shape)
         strategies = enumerate_strategies(self.traced, mesh)
         built = build_problem(self.traced, self.profile, mesh, strategies, mesh.memory_bytes)
+        inputs = set(self.traced.input_names)
         allowed = {}
         for v, node in enumerate(built.problem.nodes):
             leader = built.grouping.clusters[built.grouping.classes[v][0]].leader
-            fqn = self.traced.param_fqns.get(leader)
-            if fqn is None:
-                continue
             placements = [Replicate()] * ndim
-            placements[-1] = self._tp_specs.get(fqn, Replicate())
+            if leader in inputs:
+                placements[0] = Shard(0)
+            elif leader in self.traced.param_fqns:
+                if tp_params:
+                    placements[-1] = self._tp_specs.get(self.traced.param_fqns[leader], Replicate())
+            else:
+                continue
             want = Spec(tuple(placements))
             allowed[v] = frozenset(i for i in range(len(node.options))
                                    if built.strategies[leader][built.member_strategy(leader, i)].output_specs[0] == want)
             if not allowed[v]:
-                raise AutoparError(f"the solver has no strategy using parameter {fqn} as {want}; cannot price the tp baseline")
-        sol = solve_problem(built.problem, self.time_limit_s, restrictions=Restrictions(allowed, zero="never", recompute="never"))
+                raise AutoparError(f"the solver has no strategy giving {leader} the spec {want}; cannot price this baseline")
+        sol = solve_problem(built.problem, self.time_limit_s, restrictions=Restrictions(allowed, zero=zero, recompute="never"))
         return to_plan(self.traced, mesh, built, sol)
 
     def autopar(self, budget_bytes: float) -> Plan | None:

@@ -1,7 +1,6 @@
 """The hand-written baselines a user would reach for, each measured on the live process group.
 
-    sys = build_system("fsdp", "gpt2", model, batch, ac=True)   # inside every rank
-    m = measure_training(sys.step, sys.optimizer, sys.live)
+    fsdp_ac = build_system("fsdp", "gpt2", model, batch, ac=True)   # a Trainable, inside every rank
 
 - ddp:  `DistributedDataParallel` over all ranks.
 - fsdp: FSDP2 `fully_shard` per block and at the root on a 1-D mesh (ZeRO-3: parameters
@@ -15,8 +14,7 @@ checkpointing, as torchtitan applies it: before sharding).
 from __future__ import annotations
 
 import copy
-from dataclasses import dataclass
-from typing import Any, Callable, Iterable
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -30,18 +28,10 @@ from autopar.errors import AutoparError
 from autopar.profiler.measure import block_paths, checkpoint_modules, make_optimizer
 from autopar.tracer import split_sample_input
 
-from benchmarks.baselines.measure import plain_tensors
+from benchmarks.baselines.measure import Trainable, plain_tensors
 from benchmarks.baselines.tensor_parallel import apply_tensor_parallel
 
 SYSTEMS = ("ddp", "fsdp", "tp")
-
-
-@dataclass
-class System:
-    name: str
-    step: Callable[[], None]  # forward + backward + gradient sync on this rank's batch slice
-    optimizer: torch.optim.Optimizer
-    live: Callable[[], Iterable[torch.Tensor]]  # what stays alive between steps (params, batch)
 
 
 def slice_batch(batch: Any, index: int, parts: int) -> Any:
@@ -73,7 +63,7 @@ def _allreduce_grads(params: list[nn.Parameter], group: dist.ProcessGroup, size:
 
 
 def build_system(name: str, family: str, model: nn.Module, batch: Any, ac: bool = False, tp: int = 2,
-                 optimizer: str = "adamw") -> System:
+                 optimizer: str = "adamw") -> Trainable:
     """Wrap a private copy of `model` as system `name` on the default process group."""
     model = copy.deepcopy(model)
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -113,4 +103,4 @@ def build_system(name: str, family: str, model: nn.Module, batch: Any, ac: bool 
     def live() -> list[torch.Tensor]:
         return [*module.parameters(), *module.buffers(), *(t for t in tree_leaves(local) if isinstance(t, torch.Tensor))]
 
-    return System(f"{name}+ac" if ac else name, step, opt, live)
+    return Trainable(f"{name}+ac" if ac else name, step, opt, live)

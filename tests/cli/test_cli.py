@@ -13,7 +13,7 @@ from autopar.report.explain import diff
 from autopar.solver.plan import PlanSource
 from autopar.solver.plan_io import save_plan
 from autopar.solver.spec import Spec, Strategy
-from plans import EXAMPLES, hand_plan, traced_zoo, two_axis_mesh
+from tests.cli.plans import EXAMPLES, hand_plan, traced_zoo, two_axis_mesh
 
 GPT2 = str(EXAMPLES / "gpt2.py")
 TINY = ["--size", "tiny", "--batch-size", "2", "--seq-len", "16"]

@@ -6,7 +6,7 @@ import torch
 
 from autopar.errors import ModelFileError
 from autopar.model_file import load_hf_preset, load_model_file
-from plans import EXAMPLES
+from tests.cli.plans import EXAMPLES
 
 
 def test_build_gets_only_the_given_sizes():

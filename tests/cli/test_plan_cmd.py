@@ -7,7 +7,7 @@ import pytest
 
 from autopar.cli import main
 from autopar.solver.plan_io import load_plan
-from plans import EXAMPLES
+from tests.cli.plans import EXAMPLES
 
 GPT2 = str(EXAMPLES / "gpt2.py")
 MLP = str(EXAMPLES / "mlp.py")

@@ -5,11 +5,7 @@
 """
 from __future__ import annotations
 
-import importlib.util
 import random
-import sys
-from pathlib import Path
-from types import ModuleType
 from typing import Callable, Mapping
 
 from autopar.solver.mesh import Mesh, MeshAxis, default_axis_names
@@ -17,20 +13,8 @@ from autopar.solver.plan import Fingerprint, MemoryBreakdown, NodeDecision, Para
 from autopar.solver.spec import Partial, Replicate, Shard, Spec, Strategy
 from autopar.solver.strategies import enumerate_strategies, strategy_inputs
 from autopar.tracer import TracedGraph
+from tests.zoo import load_zoo  # noqa: F401  (re-exported for the codegen tests)
 
-EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
-
-
-def load_zoo(name: str) -> ModuleType:
-    path = EXAMPLES / f"{name}.py"
-    mod_name = f"autopar_zoo_{name}"
-    if mod_name in sys.modules:
-        return sys.modules[mod_name]
-    spec = importlib.util.spec_from_file_location(mod_name, path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[mod_name] = module
-    spec.loader.exec_module(module)
-    return module
 
 
 def cpu_mesh(shape: tuple[int, ...]) -> Mesh:

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from autopar.tracer import trace
-from tests.profiler.zoo import DYNAMIC, load_example
+from tests.profiler.zoo import DYNAMIC, SEQ, load_example
 
 _TRACES: dict[str, object] = {}
 
@@ -16,7 +16,8 @@ def traced_zoo():
 
     def get(name: str):
         if name not in _TRACES:
-            model, sample = load_example(name).build(2, 16, size="tiny", device="meta")
+            seq = 16 if "seq" in DYNAMIC[name] else SEQ  # a static sequence length is the one the tests run
+            model, sample = load_example(name).build(2, seq, size="tiny", device="meta")
             _TRACES[name] = trace(model, sample, dynamic_dims=DYNAMIC[name])
         return _TRACES[name]
 

@@ -6,14 +6,17 @@ import torch
 
 from autopar.profiler import block_of, peak_memory, profile
 from autopar.profiler.measure import block_paths, checkpoint_modules, measure_flops, measure_step
-from tests.profiler.zoo import load_example
+from tests.profiler.zoo import DYNAMIC, SEQ, load_example
 
-CASES = [("gpt2", 4), ("gpt2", 8), ("bert", 4), ("bert", 8), ("vit", 4), ("vit", 16), ("mlp", 64), ("mlp", 512)]
-SEQ = 64
+# Every zoo model at two batch sizes.
+CASES = [
+    ("gpt2", 4), ("gpt2", 8), ("bert", 4), ("bert", 8), ("vit", 4), ("vit", 16), ("mlp", 64), ("mlp", 512),
+    ("llama", 4), ("llama", 8), ("hf_gpt2", 4), ("hf_gpt2", 8), ("hf_llama", 4), ("hf_llama", 8),
+]
 
 
 def _sizes(name: str, batch: int) -> dict[str, int]:
-    return {"batch": batch, "seq": SEQ} if name in ("gpt2", "bert") else {"batch": batch}
+    return {"batch": batch, "seq": SEQ} if "seq" in DYNAMIC[name] else {"batch": batch}
 
 
 @pytest.mark.parametrize("name,batch", CASES)

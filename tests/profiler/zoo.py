@@ -1,21 +1,18 @@
 """Zoo models loaded by path (examples/ is not a package)."""
 from __future__ import annotations
 
-import importlib.util
-import pathlib
-import sys
+from tests.zoo import load_zoo as load_example  # noqa: F401  (the profiler tests import it from here)
 
-ROOT = pathlib.Path(__file__).resolve().parents[2]
+# model -> dynamic dims its forward allows (mlp has no sequence dim; llama's rotary tables fix the
+# sequence length at trace time, and hf_llama is traced with a static one too: half the trace time)
+DYNAMIC = {
+    "gpt2": {"batch": 0, "seq": 1},
+    "bert": {"batch": 0, "seq": 1},
+    "vit": {"batch": 0},
+    "mlp": {"batch": 0},
+    "llama": {"batch": 0},
+    "hf_gpt2": {"batch": 0, "seq": 1},
+    "hf_llama": {"batch": 0},
+}
+SEQ = 64  # sequence length of the accuracy tests (and of the trace when it is static)
 
-# model -> dynamic dims its forward allows (mlp has no sequence dim)
-DYNAMIC = {"gpt2": {"batch": 0, "seq": 1}, "bert": {"batch": 0, "seq": 1}, "vit": {"batch": 0}, "mlp": {"batch": 0}}
-
-
-def load_example(name: str):
-    mod_name = f"autopar_example_{name}"
-    if mod_name not in sys.modules:
-        spec = importlib.util.spec_from_file_location(mod_name, ROOT / "examples" / f"{name}.py")
-        mod = importlib.util.module_from_spec(spec)
-        sys.modules[mod_name] = mod  # dataclasses need the module registered while it executes
-        spec.loader.exec_module(mod)
-    return sys.modules[mod_name]

@@ -1,7 +1,6 @@
 """GradSync: bucketed, overlapped all-reduce gives the single-process gradients of the global loss."""
 from __future__ import annotations
 
-import copy
 import math
 
 import pytest

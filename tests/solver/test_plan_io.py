@@ -2,9 +2,7 @@
 from __future__ import annotations
 
 import json
-import sys
 from dataclasses import replace
-from pathlib import Path
 
 import pytest
 import torch
@@ -16,8 +14,7 @@ from autopar.solver.plan_io import check_plan, fingerprint, load_mesh, load_plan
 from autopar.solver.spec import Replicate, Shard, Spec, Strategy
 from autopar.tracer import trace
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "cli"))
-from plans import hand_plan, two_axis_mesh  # noqa: E402
+from tests.cli.plans import hand_plan, two_axis_mesh
 
 
 class TwoLinear(nn.Module):

@@ -2,8 +2,6 @@
 from __future__ import annotations
 
 import collections
-import importlib.util
-import sys
 from pathlib import Path
 
 import pytest
@@ -15,16 +13,7 @@ from torch.utils import _pytree as pytree
 from autopar.errors import TraceError
 from autopar.tracer import trace, with_device
 
-EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
-ZOO = ["mlp", "gpt2", "llama", "bert", "vit", "hf_gpt2", "hf_llama"]
-
-
-def load_example(name: str):
-    spec = importlib.util.spec_from_file_location(f"zoo_{name}", EXAMPLES / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses in the file look their module up here
-    spec.loader.exec_module(module)
-    return module
+from tests.zoo import ZOO, load_zoo
 
 
 class CountCalls(TorchFunctionMode):
@@ -83,7 +72,7 @@ def loss_of(output):
 
 @pytest.mark.parametrize("name", ZOO)
 def test_zoo_traces_on_meta_like_eager(name):
-    zoo = load_example(name)
+    zoo = load_zoo(name)
     meta_model, meta_input = zoo.build(batch_size=2, seq_len=16, size="tiny", device="meta")
     traced = trace(meta_model, meta_input)
 
@@ -118,7 +107,7 @@ def test_zoo_traces_on_meta_like_eager(name):
 
 
 def test_dynamic_dims_become_symbols():
-    zoo = load_example("gpt2")
+    zoo = load_zoo("gpt2")
     model, sample = zoo.build(batch_size=2, seq_len=16, size="tiny", device="meta")
     traced = trace(model, sample, dynamic_dims={"batch": 0, "seq": 1})
     assert set(traced.symbols) == {"batch", "seq"}

@@ -27,6 +27,7 @@ import torch
 from torch import fx
 from torch.utils import _pytree as pytree
 
+from autopar.solver.gc_pause import gc_paused
 from autopar.solver.mesh import Mesh
 from autopar.solver.spec import Spec, Strategy
 from autopar.solver.strategies import rules_attention, rules_reduction
@@ -44,6 +45,7 @@ _CACHE: dict[tuple, tuple[Strategy, ...]] = {}
 _WARNED: set[str] = set()
 
 
+@gc_paused
 def enumerate_strategies(traced: TracedGraph, mesh: Mesh) -> dict[str, tuple[Strategy, ...]]:
     start = time.perf_counter()
     out: dict[str, tuple[Strategy, ...]] = {}
@@ -105,18 +107,26 @@ def _int(s: Any) -> int:
 
 
 def _cache_key(node: fx.Node, mesh_shape: tuple[int, ...]) -> tuple:
-    def leaf_key(x: Any) -> Any:
-        if isinstance(x, fx.Node):
-            x = x.meta.get("val")
-        if isinstance(x, torch.Tensor):
-            return ("T", tuple(_int(s) for s in x.shape), tuple(_int(s) for s in x.stride()), x.dtype)
-        if isinstance(x, torch.SymInt):
-            return _int(x)
-        return x if isinstance(x, (int, float, bool, str, type(None), torch.dtype)) else repr(x)
+    """Everything the strategies depend on: op, argument structure, shapes/strides/dtypes, constants, mesh.
 
-    leaves, spec = pytree.tree_flatten((node.args, node.kwargs))
+    A hand-rolled walk over (args, kwargs) rather than pytree: this runs for every node,
+    and on repeated layers it is all the work there is."""
     outs = tuple(None if v is None else (tuple(_int(s) for s in v.shape), v.dtype) for v in output_vals(node))
-    return (node.op, str(node.target), tuple(leaf_key(x) for x in leaves), str(spec), outs, mesh_shape)
+    return (node.op, str(node.target), _arg_key(node.args), _arg_key(node.kwargs), outs, mesh_shape)
+
+
+def _arg_key(x: Any) -> Any:
+    if isinstance(x, fx.Node):
+        x = x.meta.get("val")
+    if isinstance(x, torch.Tensor):
+        return ("T", tuple(_int(s) for s in x.shape), tuple(_int(s) for s in x.stride()), x.dtype)
+    if isinstance(x, (tuple, list)):
+        return (type(x).__name__,) + tuple(_arg_key(e) for e in x)
+    if isinstance(x, dict):
+        return ("dict",) + tuple((k, _arg_key(v)) for k, v in x.items())
+    if isinstance(x, torch.SymInt):
+        return _int(x)
+    return x if isinstance(x, (int, float, bool, str, type(None), torch.dtype)) else repr(x)
 
 
 def _compute(node: fx.Node, mesh_shape: tuple[int, ...]) -> tuple[Strategy, ...]:

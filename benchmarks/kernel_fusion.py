@@ -1,7 +1,7 @@
 """Fused vs unfused gradient-bucket packing (kernels.pack / kernels.unpack).
 
-    python benchmarks/kernels.py                          # 200 bf16 grads -> fp32 bucket, CPU (+ CUDA if present)
-    python benchmarks/kernels.py --tensors 400 --grad-dtype float32 --bucket-dtype bfloat16
+    python benchmarks/kernel_fusion.py                          # 200 bf16 grads -> fp32 bucket, CPU (+ CUDA if present)
+    python benchmarks/kernel_fusion.py --tensors 400 --grad-dtype float32 --bucket-dtype bfloat16
 
 Unfused is what a naive runtime writes: per gradient `bucket[o:o+n].copy_(g.view(-1) * scale)`
 to pack and `g.add_(bucket[o:o+n].view_as(g) * scale)` to unpack (two kernels and a temporary

@@ -1,0 +1,173 @@
+"""Where eager execution of the model differs from the traced core-ATen graph.
+
+The profile prices what a real training step runs, and the traced graph is not
+quite that program: `run_decompositions()` splits some ops, and export takes
+code paths that eager skips. Each difference found here is one that moves the
+measured peak of live tensor storage by whole activations:
+
+- Fused activations: `silu(x)` is decomposed to `x * sigmoid(x)`, whose
+  autograd keeps `sigmoid(x)` as well as `x`; eager's `aten.silu` keeps only
+  `x` and never materialises the sigmoid. Such a `mul` is priced as the op
+  eager runs (`EagerCall`) and its `sigmoid` is *fused* into it.
+- Causal masks: Hugging Face's `create_causal_mask` materialises a boolean
+  (B, 1, T, T) mask under export, while in eager it returns None for a plain
+  causal mask and attention runs with `is_causal=True`
+  (`transformers.masking_utils._ignore_causal_mask_sdpa`). Passing the mask also
+  makes the CPU kernel convert it to a float (B, 1, T, T) tensor that its
+  backward keeps, per layer. A boolean mask that depends on no input data (only
+  on shapes) and evaluates to the causal pattern is dropped: the attention is
+  priced as `is_causal=True` and the nodes that only build the mask are *skipped*.
+
+Copies that eager does not make (`clone` after dropout with p=0 or after a
+kernel that already returns contiguous memory) need the probes' strides and are
+found in `profile.elided_copies`.
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Any, Mapping
+
+import torch
+from torch import fx
+from torch.fx.node import map_arg
+
+log = logging.getLogger(__name__)
+aten = torch.ops.aten
+
+_SDPA = aten.scaled_dot_product_attention.default
+_MASK_POS = 3  # attn_mask in sdpa(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
+
+
+@dataclass(frozen=True)
+class EagerCall:
+    """The op eager runs for a node: its target and arguments (fx.Node leaves are graph values)."""
+
+    target: Any
+    args: tuple
+    kwargs: Mapping[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class EagerGraph:
+    calls: Mapping[str, EagerCall]  # node name -> the op eager runs in its place
+    fused: Mapping[str, str]  # node eager computes inside another node's op -> that node
+    skipped: frozenset[str]  # nodes eager never runs
+
+
+def fused_activations(graph: fx.Graph) -> tuple[dict[str, EagerCall], dict[str, str]]:
+    """`mul(x, sigmoid(x))` (either order) whose sigmoid has no other user -> `silu(x)`."""
+    calls: dict[str, EagerCall] = {}
+    fused: dict[str, str] = {}
+    for node in graph.nodes:
+        if node.target is not aten.mul.Tensor or len(node.args) != 2:
+            continue
+        a, b = node.args
+        for x, sig in ((a, b), (b, a)):
+            if (
+                isinstance(sig, fx.Node)
+                and sig.target is aten.sigmoid.default
+                and sig.args[0] is x
+                and len(sig.users) == 1
+            ):
+                calls[node.name] = EagerCall(aten.silu.default, (x,))
+                fused[sig.name] = node.name
+                break
+    return calls, fused
+
+
+def eager_graph(graph: fx.Graph) -> EagerGraph:
+    """Every difference above, found on `graph` (a traced core-ATen graph)."""
+    calls, fused = fused_activations(graph)
+    masks: dict[fx.Node, bool] = {}  # mask node -> it is a data-free causal mask
+    for node in graph.nodes:
+        if node.target is not _SDPA:
+            continue
+        mask = node.args[_MASK_POS] if len(node.args) > _MASK_POS else node.kwargs.get("attn_mask")
+        if not isinstance(mask, fx.Node):
+            continue
+        if mask not in masks:
+            masks[mask] = _is_data_free_causal(mask)
+        if masks[mask] and not node.kwargs.get("is_causal", False) and len(node.args) <= _MASK_POS + 1:
+            kwargs = {k: v for k, v in node.kwargs.items() if k != "attn_mask"}
+            calls[node.name] = EagerCall(_SDPA, tuple(node.args[:_MASK_POS]), {**kwargs, "is_causal": True})
+    return EagerGraph(calls, fused, _mask_only_nodes(graph, calls))
+
+
+def _mask_only_nodes(graph: fx.Graph, calls: Mapping[str, EagerCall]) -> frozenset[str]:
+    """Tensor nodes whose every use is by a dropped mask slot or by another such node (reverse graph order)."""
+    skipped: set[str] = set()
+    for node in reversed(graph.nodes):
+        if node.op != "call_function" or not isinstance(node.meta.get("val"), torch.Tensor) or not node.users:
+            continue
+        if all(_drops(user, node, calls) or user.name in skipped or _metadata_only(user) for user in node.users):
+            skipped.add(node.name)
+    return frozenset(skipped)
+
+
+def _drops(user: fx.Node, node: fx.Node, calls: Mapping[str, EagerCall]) -> bool:
+    """`user` is an attention whose eager call no longer takes `node`."""
+    call = calls.get(user.name)
+    if call is None or user.target is not _SDPA:
+        return False
+    return node not in call.args and node not in call.kwargs.values()
+
+
+def _metadata_only(user: fx.Node) -> bool:
+    """A node that reads no tensor data and makes no tensor (`_assert_tensor_metadata`, `sym_size`)."""
+    val = user.meta.get("val")
+    return user.op == "call_function" and (val is None or isinstance(val, (torch.SymInt, int)))
+
+
+def _is_data_free_causal(mask: fx.Node) -> bool:
+    """A boolean mask built from shapes alone (no input's data) that is lower-triangular-true."""
+    val = mask.meta.get("val")
+    if not isinstance(val, torch.Tensor) or val.dtype != torch.bool or val.dim() < 2:
+        return False
+    order: list[fx.Node] = []
+    seen: set[fx.Node] = set()
+    stack = [mask]
+    while stack:
+        node = stack.pop()
+        if node in seen:
+            continue
+        seen.add(node)
+        if node.op != "call_function":
+            return False  # reads a placeholder's data (input, parameter, buffer)
+        order.append(node)
+        if node.target is not aten.sym_size.int:  # sym_size reads only the shape
+            stack.extend(node.all_input_nodes)
+    try:
+        value = _evaluate(sorted(order, key=_position(mask.graph)), mask)
+    except Exception as err:  # a construct we cannot replay: keep the mask (the conservative price)
+        log.debug("profiler: cannot evaluate mask %s (%s); it is priced as built", mask.name, err)
+        return False
+    if not isinstance(value, torch.Tensor) or value.shape[-1] != value.shape[-2]:
+        return False
+    t = value.shape[-1]
+    return torch.equal(value, torch.ones(t, t, dtype=torch.bool).tril().expand_as(value))
+
+
+def _position(graph: fx.Graph):
+    index = {n: i for i, n in enumerate(graph.nodes)}
+    return index.__getitem__
+
+
+def _evaluate(nodes: list[fx.Node], out: fx.Node) -> Any:
+    """Replay shape-only nodes on CPU at the sizes the graph was traced with (the symbols' hints)."""
+    env: dict[fx.Node, Any] = {}
+    for node in nodes:
+        if node.target is aten.sym_size.int:
+            env[node] = _hint(node.args[0].meta["val"].shape[node.args[1]])
+            continue
+        args = map_arg(node.args, env.__getitem__)
+        kwargs = map_arg(node.kwargs, env.__getitem__)
+        if "device" in kwargs:
+            kwargs = {**kwargs, "device": "cpu"}  # the trace is on meta; replay for real
+        env[node] = node.target(*args, **kwargs)
+    return env[out]
+
+
+def _hint(size: Any) -> int:
+    return int(size.node.hint) if isinstance(size, torch.SymInt) else int(size)
+

@@ -1,0 +1,74 @@
+"""The generated code reads like Megatron: one all-reduce per MLP block, none for pure DP, local shapes."""
+from __future__ import annotations
+
+
+import pytest
+import torch
+
+from tests.codegen.harness import reference, run_plans, trace_model
+from tests.codegen.plans import cpu_mesh, greedy_plan, load_zoo
+
+from autopar.codegen import lower
+from autopar.runtime import collectives as C
+from autopar.runtime.launch import run_ranks
+from autopar.runtime.mesh import ProcessMesh
+
+MEGATRON = {"fc1.weight": "S(0)", "fc1.bias": "S(0)", "fc2.weight": "S(1)", "fc2.bias": "R"}
+
+
+def _mlp():
+    model, sample = load_zoo("mlp").build(batch_size=8, size="tiny", device="cpu")
+    return model, sample, trace_model(model, sample)
+
+
+def _megatron_plan(traced):
+    pins = {ph: MEGATRON[fqn.split(".", 2)[2]] for ph, fqn in traced.param_fqns.items()}
+    return greedy_plan(traced, cpu_mesh((2,)), pins)
+
+
+def _dp_plan(traced):
+    pins = {name: "S(0)" for name in traced.input_names}
+    return greedy_plan(traced, cpu_mesh((2,)), pins)
+
+
+def _forward_collectives(rank, world, traced, plan):
+    gm = lower(traced, plan, ProcessMesh((2,)))
+    names = {f: name for name, f in C.COLLECTIVES.items()}
+    return [names[n.target] for n in gm.graph.nodes if n.op == "call_function" and n.target in names], gm.code
+
+
+@pytest.mark.timeout(120)
+def test_megatron_mlp_has_one_all_reduce_per_block_and_trains_exactly():
+    model, sample, traced = _mlp()
+    plan = _megatron_plan(traced)
+    (kinds, code), _ = run_ranks(_forward_collectives, 2, traced, plan, timeout_s=60)
+    n_layers = model.config.n_layers
+    assert kinds.count("all_reduce") == n_layers, code  # Megatron's "g": after each row-parallel fc2
+    assert kinds.count("grad_all_reduce") == n_layers, code  # Megatron's "f": before each column-parallel fc1
+    assert "all_gather" not in kinds, code
+    # local shapes: fc1.weight (64, 32) is split by rows, so this rank holds (32, 32)
+    results = run_ranks(run_plans, 2, (2,), [("megatron", model, sample, traced, plan, reference(model, sample, 3), 3)], timeout_s=60)
+    assert all(r[0][1]["loss"] < 1e-5 for r in results)
+
+
+@pytest.mark.timeout(120)
+def test_pure_dp_plan_communicates_only_the_loss_in_forward():
+    model, sample, traced = _mlp()
+    plan = _dp_plan(traced)
+    (kinds, code), _ = run_ranks(_forward_collectives, 2, traced, plan, timeout_s=60)
+    # forward: one collective on the loss path (an all_gather before the MSE's mean: the strategies have no
+    # Partial rule for mean over a sharded dim yet; with it this becomes the loss all-reduce);
+    # parameter gradients are synced by the bucketed grad sync outside the graph, so no grad_all_reduce
+    assert len(kinds) == 1 and kinds[0] in ("all_reduce", "all_gather"), code
+    assert "grad_all_reduce" not in code
+
+
+@pytest.mark.timeout(120)
+def test_generated_code_shows_local_shapes():
+    model, sample = load_zoo("gpt2").build(batch_size=4, seq_len=8, size="tiny", device="cpu")
+    traced = trace_model(model, sample)
+    plan = _dp_plan(traced)
+    _, code = run_ranks(_forward_collectives, 2, traced, plan, timeout_s=60)[0]
+    # global (B*T, C) = (32, 64); each of 2 data-parallel ranks holds 16 rows
+    assert "[16, 64]" in code and "[32, 64]" not in code, code
+    assert torch.Size([4, 8]) == sample["input_ids"].shape
