@@ -26,7 +26,6 @@ from torch.utils._pytree import tree_leaves
 from autopar.api import parallelize
 from autopar.profiler.measure import make_optimizer
 from autopar.runtime.launch import run_ranks
-from autopar.runtime.state_dict import shard_pytree
 from autopar.solver.spec import Shard
 from autopar.tracer import split_sample_input
 
@@ -37,7 +36,7 @@ from benchmarks.baselines.systems import build_system
 
 def _autopar_system(model, batch, mesh_shape: tuple[int, ...]):
     pm = parallelize(model, batch, mesh_shape)
-    local = shard_pytree(batch, pm.info.input_specs, pm.mesh)
+    local = pm.local_batch(batch)  # this rank's rows of the global batch (the plan-independent convention)
     args, kwargs = split_sample_input(local)
     tp_axis = len(mesh_shape) - 1
     summary = {

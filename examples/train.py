@@ -26,7 +26,7 @@ from torch.utils import _pytree as pytree
 
 import autopar
 from autopar.runtime.launch import init_from_env
-from autopar.runtime.state_dict import shard_pytree
+from autopar.runtime.batch import batch_slice
 
 EXAMPLES = Path(__file__).resolve().parent
 
@@ -104,7 +104,7 @@ def train(args: argparse.Namespace) -> list[float]:
     for step in range(args.steps):
         batch = sample if args.fixed_batch else random_like(sample, gen)
         if args.input_layout == "shard":
-            batch = shard_pytree(batch, pm.info.input_specs, pm.mesh)  # each input cut per the layout the module expects
+            batch = batch_slice(batch, rank, world_size)  # this rank's rows of the global batch, whatever the plan
         batch = pytree.tree_map(lambda t: t.to(device) if isinstance(t, torch.Tensor) else t, batch)
         start = time.perf_counter()
         optimizer.zero_grad(set_to_none=True)

@@ -17,7 +17,9 @@ their original FQNs; ZeRO parameters hold the storage shard and are gathered to
 their use spec in the graph (gradients reduce-scattered on the way back).
 The loss is all-reduced to Replicate (every rank returns the global loss, so no
 gradient needs a 1/N); other outputs come back in the input convention.
-Finally runs of recomputed nodes become checkpointed regions (`recompute.py`).
+Finally each ZeRO parameter's gather moves next to each of its consumers, to be
+re-gathered in backward rather than kept (`zero.py`), and runs of recomputed
+nodes become checkpointed regions (`recompute.py`).
 """
 from __future__ import annotations
 
@@ -35,7 +37,9 @@ from autopar.codegen import random as random_ops
 from autopar.codegen.edges import Edge, Step, edge_for, is_float, plan_steps, sharded_axes
 from autopar.codegen.recompute import outline_recompute_regions
 from autopar.codegen.shapes import LoweringError, local_block, localize_call
+from autopar.codegen.zero import regather_zero_params
 from autopar.runtime import collectives as C
+from autopar.runtime.batch import batch_size_of, check_divisible, fed_spec
 from autopar.runtime.mesh import ProcessMesh
 from autopar.solver.plan import Plan
 from autopar.solver.spec import Replicate, Shard, Spec
@@ -55,9 +59,10 @@ class LoweringInfo:
     param_storage: Mapping[str, Spec]  # FQN -> storage spec of the local tensor
     grad_sync_axes: Mapping[str, tuple[int, ...]]  # FQN -> mesh axes its grad is all-reduced over after backward
     buffer_specs: Mapping[str, Spec]
-    input_specs: tuple[Spec, ...]  # per user input: the layout each rank feeds
-    data_parallel_axes: tuple[int, ...]
+    input_specs: tuple[Spec, ...]  # per user input: the layout each rank feeds (plan-independent: `runtime.batch`)
+    data_parallel_axes: tuple[int, ...]  # mesh axes on which the PLAN shards the batch (reports; not the feeding layout)
     aliases: Mapping[str, str] = field(default_factory=dict)  # tied FQN -> the FQN that holds the tensor
+    input_layout: str = "shard"  # how ranks feed inputs and get outputs back: their batch slice, or everything
 
 
 def lower(
@@ -244,9 +249,11 @@ class _Lowerer:
         self.analyse_edges()
         zero_steps, sync_axes = self.plan_params()
         dp_axes = self.data_parallel_axes()
+        self.batch = self.global_batch()
         fed_specs = []
         storage, buffer_specs = {}, {}
         held: dict[str, fx.Node] = {}  # tensor owner FQN -> its get_attr node (tied params share one)
+        zero_nodes: list[fx.Node] = []  # get_attr nodes of parameters stored as ZeRO shards
         for node in self.traced.graph.nodes:
             if node.op == "placeholder":
                 if node.name in self.traced.param_fqns:
@@ -259,6 +266,8 @@ class _Lowerer:
                         raise LoweringError(f"tied parameters {owner!r} and {fqn!r} are used through two placeholders; not supported")
                     storage[owner] = d.storage
                     held[owner] = self.get_attr(owner, self.local_tensor(fqn, node, d.storage, self.full_params), True)
+                    if zero_steps[node.name]:
+                        zero_nodes.append(held[owner])
                     self.env[node.name] = self.emit_steps(held[owner], zero_steps[node.name], ())
                 elif node.name in self.traced.buffer_fqns:
                     fqn = self.traced.buffer_fqns[node.name]
@@ -266,7 +275,7 @@ class _Lowerer:
                     buffer_specs[fqn] = spec
                     self.env[node.name] = self.get_attr(fqn, self.local_tensor(fqn, node, spec, self.full_buffers), False)
                 else:
-                    fed = self.fed_spec(node, dp_axes)
+                    fed = self.fed_spec(node)
                     fed_specs.append(fed)
                     ph = self.graph.placeholder(node.name)
                     self.env[node.name] = self.reshard(ph, node, fed, self.src_spec(node))
@@ -275,15 +284,17 @@ class _Lowerer:
             elif node.op == "call_function":
                 self.env[node.name] = self.emit_call(node)
             elif node.op == "output":
-                self.emit_output(dp_axes)
+                self.emit_output()
             else:
                 raise LoweringError(f"unexpected {node.op} node in a traced graph: {node.format_node()}")
         aliases = {fqn: owner for fqn, owner in self.tied.items() if fqn != owner and owner in held}
         for fqn, owner in aliases.items():
             _set_nested(self.root, fqn, _get_nested(self.root, owner), True)
-        outline_recompute_regions(self.graph, self.root, {d.node for d in self.plan.nodes if d.recompute}, self.origin)
+        recompute = {d.node for d in self.plan.nodes if d.recompute}
+        regather_zero_params(self.graph, self.root, zero_nodes, recompute, self.origin)
+        outline_recompute_regions(self.graph, self.root, recompute, self.origin)
         gm = fx.GraphModule(self.root, self.graph, class_name="ParallelGraph")
-        gm.meta["autopar"] = LoweringInfo(storage, sync_axes, buffer_specs, tuple(fed_specs), dp_axes, aliases)
+        gm.meta["autopar"] = LoweringInfo(storage, sync_axes, buffer_specs, tuple(fed_specs), dp_axes, aliases, self.input_layout)
         log.info("codegen: %d nodes, %d collectives", len(gm.graph.nodes), _count_collectives(gm))
         return gm
 
@@ -320,14 +331,12 @@ class _Lowerer:
             new = new.next
         return out
 
-    def fed_spec(self, node: fx.Node, dp_axes: tuple[int, ...]) -> Spec:
+    def fed_spec(self, node: fx.Node) -> Spec:
+        """The layout a rank feeds (and gets back): its batch slice, whatever the plan (`autopar.runtime.batch`)."""
         val = node.meta.get("val")
-        placements = [Replicate()] * len(self.mesh.shape)
-        if self.input_layout == "shard" and isinstance(val, torch.Tensor) and val.dim() >= 1:
-            if val.shape[0] % math.prod(self.mesh.shape[k] for k in dp_axes) == 0:
-                for k in dp_axes:
-                    placements[k] = Shard(0)
-        return Spec(tuple(placements))
+        if self.input_layout == "replicate" or not isinstance(val, torch.Tensor):
+            return Spec.replicate(len(self.mesh.shape))
+        return fed_spec(tuple(val.shape), self.batch, len(self.mesh.shape))
 
     def data_parallel_axes(self) -> tuple[int, ...]:
         """Mesh axes on which the plan shards the first user input's dim 0 (the DDP convention's axes)."""
@@ -336,7 +345,15 @@ class _Lowerer:
         spec = self.src_spec(self.nodes[self.traced.input_names[0]])
         return tuple(k for k, p in enumerate(spec.placements) if p == Shard(0))
 
-    def emit_output(self, dp_axes: tuple[int, ...]) -> None:
+    def global_batch(self) -> int | None:
+        """The global batch size (dim 0 of the first tensor input), checked to split over the world with layout 'shard'."""
+        vals = [self.nodes[n].meta.get("val") for n in self.traced.input_names]
+        batch = batch_size_of([tuple(v.shape) for v in vals if isinstance(v, torch.Tensor)])
+        if batch is not None and self.input_layout == "shard":
+            check_divisible(batch, math.prod(self.mesh.shape))
+        return batch
+
+    def emit_output(self) -> None:
         if self.traced.buffer_mutations:
             raise LoweringError(f"the model updates buffers in forward ({sorted(self.traced.buffer_mutations.values())}); not supported by codegen yet")
         outs = []
@@ -344,7 +361,7 @@ class _Lowerer:
             if name is None:
                 raise LoweringError(f"user output {i} is a constant, not a graph value; return tensors only")
             node = self.nodes[name]
-            dst = Spec.replicate(len(self.mesh.shape)) if i == self.traced.loss_index else self.fed_spec(node, dp_axes)
+            dst = Spec.replicate(len(self.mesh.shape)) if i == self.traced.loss_index else self.fed_spec(node)
             outs.append(self.reshard(self.env[name], node, self.src_spec(node), dst))
         self.graph.output(tuple(outs))
 

@@ -13,6 +13,7 @@ graph's own submodules, shared, so `named_parameters()` reads
 from __future__ import annotations
 
 import logging
+import math
 from typing import Any, Mapping
 
 import torch
@@ -20,8 +21,11 @@ from torch import fx, nn
 from torch.utils import _pytree as pytree
 
 from autopar.codegen.lower import LoweringInfo
-from autopar.codegen.shapes import LoweringError, local_block
+from autopar.codegen.shapes import LoweringError
+from autopar.runtime.batch import batch_slice
+from autopar.runtime.grad_sync import GradSync
 from autopar.runtime.mesh import ProcessMesh
+from autopar.runtime.state_dict import full_state_dict, load_full_state_dict
 from autopar.solver.plan import Plan
 from autopar.solver.spec import Spec
 from autopar.tracer import TracedGraph
@@ -45,6 +49,19 @@ class ParallelModule(nn.Module):
         self._in_spec, self._out_spec = traced.in_spec, traced.out_spec
         self._sync = _make_grad_sync(self, info, mesh)
 
+    def local_batch(self, batch: Any) -> Any:
+        """This rank's part of a GLOBAL batch, as the module's input layout wants it fed.
+
+        'shard': its contiguous slice of dim 0 (`autopar.runtime.batch.batch_slice`), ranks in
+        row-major mesh order; 'replicate': the whole batch.
+        """
+        if self.info.input_layout == "replicate":
+            return batch
+        index = 0
+        for c, n in zip(self.mesh.coordinate, self.mesh.shape):
+            index = index * n + c
+        return batch_slice(batch, index, math.prod(self.mesh.shape))
+
     @property
     def code(self) -> str:
         return self.graph_module.code
@@ -63,13 +80,10 @@ class ParallelModule(nn.Module):
         return specs
 
     def state_dict(self, *args: Any, **kwargs: Any) -> dict[str, torch.Tensor]:  # type: ignore[override]
-        """Full (gathered) tensors by FQN, tied names included, on every rank."""
+        """Full (gathered) tensors by FQN, tied names included, on every rank (a collective)."""
         specs = self._specs()
-        out = {}
-        for fqn, t in self.sharded_state_dict().items():
-            owner = self.info.aliases.get(fqn, fqn)
-            out[fqn] = gather_full(t.detach(), specs[owner], self.mesh)
-        return out
+        local = self.sharded_state_dict()
+        return full_state_dict(local, {fqn: specs[self.info.aliases.get(fqn, fqn)] for fqn in local}, self.mesh)
 
     def sharded_state_dict(self) -> dict[str, torch.Tensor]:
         """This rank's local shards by FQN (what `torch.distributed.checkpoint` saves with the plan's specs)."""
@@ -79,44 +93,18 @@ class ParallelModule(nn.Module):
         """Load FULL tensors: each rank keeps its block per the plan's storage specs."""
         specs = self._specs()
         own = self.sharded_state_dict()
-        missing = [k for k in own if k not in state_dict]
-        unexpected = [k for k in state_dict if k not in own]
+        missing = sorted(set(own) - set(state_dict))
+        unexpected = sorted(set(state_dict) - set(own))
         if strict and (missing or unexpected):
-            raise LoweringError(f"load_state_dict: missing keys {missing}, unexpected keys {unexpected}")
-        with torch.no_grad():
-            for fqn, t in own.items():
-                if fqn in state_dict:
-                    spec = specs[self.info.aliases.get(fqn, fqn)]
-                    t.copy_(local_block(state_dict[fqn].to(t.device), spec, self.mesh.shape, self.mesh.coordinate))
+            raise LoweringError(f"load_state_dict: missing keys {missing}, unexpected keys {unexpected}; pass strict=False to load the intersection")
+        full = {k: v.to(own[k].device) for k, v in state_dict.items() if k in own}
+        load_full_state_dict(own, full, {fqn: specs[self.info.aliases.get(fqn, fqn)] for fqn in own}, self.mesh, strict=False)
         return nn.modules.module._IncompatibleKeys(missing, unexpected)
 
 
-def gather_full(t: torch.Tensor, spec: Spec, mesh: ProcessMesh) -> torch.Tensor:
-    """The full tensor from local shards: all-gather innermost axis first (the inverse of `local_block`)."""
-    from autopar.runtime.collectives import _gather  # plain (no autograd) gather of the runtime
-
-    for k in reversed(range(len(spec.placements))):
-        p = spec.placements[k]
-        if hasattr(p, "dim"):
-            t = _gather(t, p.dim, mesh.group_name(k))
-    return t
-
-
-def _make_grad_sync(module: nn.Module, info: LoweringInfo, mesh: ProcessMesh):
-    from autopar.runtime.collectives import _all_reduce
-
+def _make_grad_sync(module: nn.Module, info: LoweringInfo, mesh: ProcessMesh) -> GradSync:
+    """Bucketed sync of the grads the graph leaves partial: one group spanning all of a parameter's axes."""
     params = dict(module.named_parameters())
-    hooks = []
-    for fqn, axes in info.grad_sync_axes.items():
-        if not axes:
-            continue
-        groups = [mesh.group_name(k) for k in axes]
-
-        def hook(p: torch.Tensor, groups=groups) -> None:
-            for g in groups:
-                p.grad.copy_(_all_reduce(p.grad, g))
-
-        hooks.append(params[fqn].register_post_accumulate_grad_hook(hook))
-    return hooks
-
-
+    # every rank builds the flattened groups in the same (graph) order: group creation is collective
+    entries = [(fqn, params[fqn], (mesh.flat_group_name(axes),)) for fqn, axes in info.grad_sync_axes.items() if axes]
+    return GradSync(entries)

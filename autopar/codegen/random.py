@@ -4,7 +4,10 @@ Ranks that hold the same replicated activation must draw the same mask (else
 the replicas diverge); ranks that hold different data (data-parallel shards, or
 different shards of a sharded activation) must draw independent masks. The
 runtime's `rng` module owns the generator state; codegen only routes each random
-op through it, naming the mesh axes on which the op's output is not Replicate.
+op through it, naming (by c10d group name) the mesh axes on which the op's output
+is Shard. Partial axes are left out on purpose: a Partial activation is a sum of
+per-rank terms, and dropout commutes with that sum only if every term is dropped
+with the same mask.
 """
 from __future__ import annotations
 
@@ -13,7 +16,7 @@ from typing import Any, Sequence
 import torch
 
 from autopar.runtime.mesh import ProcessMesh
-from autopar.solver.spec import Replicate, Spec
+from autopar.solver.spec import Shard, Spec
 
 aten = torch.ops.aten
 
@@ -29,6 +32,5 @@ def wrap(target: Any, args: tuple, kwargs: dict, out_specs: Sequence[Spec], mesh
         return target, args, kwargs
     from autopar.runtime import rng  # the runtime's tracker: independent across differing shards, equal across replicas
 
-    spec = out_specs[0]
-    distinct_axes = tuple(k for k, p in enumerate(spec.placements) if not isinstance(p, Replicate))
-    return rng.random_op, (target, distinct_axes) + tuple(args), kwargs
+    groups = tuple(mesh.group_name(k) for k, p in enumerate(out_specs[0].placements) if isinstance(p, Shard))
+    return rng.random_op, (target, groups) + tuple(args), kwargs

@@ -37,35 +37,39 @@ def _runs(graph: fx.Graph, recompute: set[str], origin: Mapping[str, str]) -> li
     return runs
 
 
+def outline(graph: fx.Graph, root: nn.Module, run: list[fx.Node], name: str, runner) -> None:
+    """Move the nodes of `run` (graph order) into a sub-GraphModule `name` on `root`, called as `runner(region, *inputs)`."""
+    members = set(run)
+    inputs: dict[fx.Node, None] = {}
+    for node in run:
+        for a in node.all_input_nodes:
+            if a not in members:
+                inputs.setdefault(a, None)
+    outputs = [n for n in run if any(u not in members for u in n.users)]
+    sub = fx.Graph()
+    env: dict[fx.Node, fx.Node] = {}
+    for a in inputs:
+        env[a] = sub.placeholder(a.name)
+    for node in run:
+        env[node] = sub.node_copy(node, lambda n: env[n])
+    sub.output(tuple(env[n] for n in outputs))
+    root.add_module(name, fx.GraphModule(nn.Module(), sub, class_name="Region"))
+    with graph.inserting_before(run[0]):
+        region = graph.get_attr(name)
+        call = graph.call_function(runner, (region, *inputs))
+        results = [graph.call_function(operator.getitem, (call, i)) for i in range(len(outputs))]
+    for old, new in zip(outputs, results):
+        old.replace_all_uses_with(new, delete_user_cb=lambda user: user not in members)
+    for node in reversed(run):
+        graph.erase_node(node)
+
+
 def outline_recompute_regions(graph: fx.Graph, root: nn.Module, recompute: set[str], origin: Mapping[str, str]) -> int:
     """Rewrite `graph` in place (regions registered on `root`, before the GraphModule is built: one compile); returns the count."""
     count = 0
     for run in _runs(graph, recompute, origin):
-        members = set(run)
-        inputs: dict[fx.Node, None] = {}
-        for node in run:
-            for a in node.all_input_nodes:
-                if a not in members:
-                    inputs.setdefault(a, None)
-        outputs = [n for n in run if any(u not in members for u in n.users)]
-        if not outputs:
+        if not any(u not in set(run) for n in run for u in n.users):
             continue  # nothing leaves the region: dead code, fx's DCE removes it
-        sub = fx.Graph()
-        env: dict[fx.Node, fx.Node] = {}
-        for a in inputs:
-            env[a] = sub.placeholder(a.name)
-        for node in run:
-            env[node] = sub.node_copy(node, lambda n: env[n])
-        sub.output(tuple(env[n] for n in outputs))
-        name = f"recompute_{count}"
-        root.add_module(name, fx.GraphModule(nn.Module(), sub, class_name="RecomputeRegion"))
-        with graph.inserting_before(run[0]):
-            region = graph.get_attr(name)
-            call = graph.call_function(checkpointed, (region, *inputs))
-            results = [graph.call_function(operator.getitem, (call, i)) for i in range(len(outputs))]
-        for old, new in zip(outputs, results):
-            old.replace_all_uses_with(new, delete_user_cb=lambda user: user not in members)
-        for node in reversed(run):
-            graph.erase_node(node)
+        outline(graph, root, run, f"recompute_{count}", checkpointed)
         count += 1
     return count

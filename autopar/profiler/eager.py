@@ -17,6 +17,9 @@ measured peak of live tensor storage by whole activations:
   backward keeps, per layer. A boolean mask that depends on no input data (only
   on shapes) and evaluates to the causal pattern is dropped: the attention is
   priced as `is_causal=True` and the nodes that only build the mask are *skipped*.
+  Without a mask HF also hands attention the grouped k, v (`enable_gqa=True`,
+  `transformers.integrations.sdpa_attention.use_gqa_in_sdpa`), so its
+  `repeat_kv` copies are skipped too.
 
 Copies that eager does not make (`clone` after dropout with p=0 or after a
 kernel that already returns contiguous memory) need the probes' strides and are
@@ -25,12 +28,14 @@ found in `profile.elided_copies`.
 from __future__ import annotations
 
 import logging
+import sys
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
 import torch
 from torch import fx
 from torch.fx.node import map_arg
+from torch.utils import _pytree as pytree
 
 log = logging.getLogger(__name__)
 aten = torch.ops.aten
@@ -90,15 +95,38 @@ def eager_graph(graph: fx.Graph) -> EagerGraph:
             masks[mask] = _is_data_free_causal(mask)
         if masks[mask] and not node.kwargs.get("is_causal", False) and len(node.args) <= _MASK_POS + 1:
             kwargs = {k: v for k, v in node.kwargs.items() if k != "attn_mask"}
-            calls[node.name] = EagerCall(_SDPA, tuple(node.args[:_MASK_POS]), {**kwargs, "is_causal": True})
+            q, k, v = node.args[:_MASK_POS]
+            k0, v0 = _unrepeated_kv(k), _unrepeated_kv(v)
+            if k0 is not None and v0 is not None:  # without a mask HF passes grouped k, v (`use_gqa_in_sdpa`)
+                k, v, kwargs = k0, v0, {**kwargs, "enable_gqa": True}
+            calls[node.name] = EagerCall(_SDPA, (q, k, v), {**kwargs, "is_causal": True})
     return EagerGraph(calls, fused, _mask_only_nodes(graph, calls))
 
 
+def _unrepeated_kv(node: Any) -> fx.Node | None:
+    """x for HF's `repeat_kv(x)` = view(clone(expand(unsqueeze(x[:, :]))), (B, Hkv * n, T, D)), else None."""
+    chain = (aten.view.default, aten.clone.default, aten.expand.default, aten.unsqueeze.default)
+    for target in chain:
+        if not isinstance(node, fx.Node) or node.target is not target or len(node.users) != 1:
+            return None
+        node = node.args[0]
+    while isinstance(node, fx.Node) and node.target is aten.slice.Tensor and len(node.users) == 1:
+        if node.args[2:] not in ((), (0,), (0, sys.maxsize)):
+            return None  # a real slice, not `x[:, :]`
+        node = node.args[0]
+    val = node.meta.get("val") if isinstance(node, fx.Node) else None
+    return node if isinstance(val, torch.Tensor) and val.dim() == 4 else None
+
+
 def _mask_only_nodes(graph: fx.Graph, calls: Mapping[str, EagerCall]) -> frozenset[str]:
-    """Tensor nodes whose every use is by a dropped mask slot or by another such node (reverse graph order)."""
+    """Tensor nodes whose every use is by an attention whose eager call dropped them, or by another such node."""
     skipped: set[str] = set()
+    taken = {a.name for call in calls.values() for a in pytree.tree_leaves((call.args, dict(call.kwargs)))
+             if isinstance(a, fx.Node)}  # read by an eager call (an unrepeated k, v), whatever the graph says
     for node in reversed(graph.nodes):
         if node.op != "call_function" or not isinstance(node.meta.get("val"), torch.Tensor) or not node.users:
+            continue
+        if node.name in taken:
             continue
         if all(_drops(user, node, calls) or user.name in skipped or _metadata_only(user) for user in node.users):
             skipped.add(node.name)

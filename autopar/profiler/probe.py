@@ -18,7 +18,7 @@ probed once.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Hashable, Mapping
+from typing import Any, Collection, Hashable, Mapping
 
 import sympy
 import torch
@@ -38,7 +38,7 @@ class OpProbe:
     saved_args: tuple[int, ...]  # indices into tensor_args(node) that the op's backward keeps
     saved_own: tuple[int, ...]  # indices of the op's own outputs that its backward keeps
     extra_saved_bytes: sympy.Expr  # kept tensors that are neither inputs nor outputs (e.g. SDPA logsumexp)
-    temp_bytes: sympy.Expr  # tensors created and dropped inside the op's forward or backward
+    temp_bytes: sympy.Expr  # most scratch alive at once inside the op's forward or backward (created and dropped there)
     out_strides: tuple[tuple[sympy.Expr, ...], ...] = ()  # strides the real CPU kernel gives each output
 
 
@@ -90,12 +90,14 @@ def probe(
 
 
 class _Watch(TorchDispatchMode):
-    """Counts FLOPs and records every new storage an op call creates."""
+    """Counts FLOPs, records every new storage an op call creates and which of them are alive after each call."""
 
     def __init__(self) -> None:
         super().__init__()
         self.flops: Any = 0
         self.created: dict[StorageWeakRef, Any] = {}
+        self._alive: set[StorageWeakRef] = set()
+        self.snapshots: list[frozenset[StorageWeakRef]] = []  # storages alive after each call
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -105,8 +107,19 @@ class _Watch(TorchDispatchMode):
             return out  # aliases an existing storage (fake views may not report the shared storage)
         for t in pytree.tree_leaves(out):
             if isinstance(t, torch.Tensor):
-                self.created.setdefault(StorageWeakRef(t.untyped_storage()), t.untyped_storage().nbytes())
+                ref = StorageWeakRef(t.untyped_storage())
+                self.created.setdefault(ref, t.untyped_storage().nbytes())
+                self._alive.add(ref)
+        # A fake storage dies with its last tensor, as a real one would: what is dead now was scratch.
+        self._alive = {ref for ref in self._alive if not ref.expired()}
+        self.snapshots.append(frozenset(self._alive))
         return out
+
+    def peak_scratch(self, exclude: Collection[StorageWeakRef]) -> Any:
+        """Most bytes alive at once among created storages not in `exclude` (outputs, kept tensors)."""
+        totals = {to_expr(sum(self.created[r] for r in snap if r not in exclude)) for snap in self.snapshots}
+        totals.discard(sympy.Integer(0))
+        return sympy.Max(*totals) if totals else sympy.Integer(0)
 
 
 def _fake_mode(flat: list) -> Any:
@@ -165,7 +178,7 @@ def _run(target: Any, flat: list, spec, rg: Mapping[str, bool], used_outputs: tu
             else:
                 extra[s] = t.untyped_storage().nbytes()
 
-        fwd_temp = sum(b for s, b in fwd.created.items() if s not in out_ids and s not in extra)
+        fwd_temp = fwd.peak_scratch({*out_ids, *extra})
         bwd_flops, bwd_temp = _backward(outs, used_outputs, list(made.values()))
     return OpProbe(
         fwd_flops=to_expr(fwd.flops),
@@ -192,4 +205,4 @@ def _backward(outs: list[torch.Tensor], used_outputs: tuple[bool, ...], inputs: 
     with bwd:
         grads = torch.autograd.grad(grad_of, wanted, grad_outputs, allow_unused=True)
     kept = {StorageWeakRef(g.untyped_storage()) for g in grads if g is not None}
-    return bwd.flops, sum(b for s, b in bwd.created.items() if s not in kept)
+    return bwd.flops, bwd.peak_scratch(kept)

@@ -3,34 +3,55 @@
     torchrun --nproc-per-node 8 -m autopar.cli calibrate --gpus 8
     mesh = calibrate(mesh_shape=(2, 4))       # inside an initialised process group
 
-Per mesh axis: timed all-reduces of two sizes inside that axis' groups give
-latency and bandwidth from the ring formula t = 2(n-1) alpha + 2(n-1)/n * bytes / beta
-(two sizes, two unknowns). Per device: the matmul rate (a square fp32 mm) and
-the memory bandwidth (a large copy). Every rank returns the same Mesh: times
-are reduced with MAX and rates with MIN over the world (the slowest rank sets
-the pace of a synchronous step).
+Every number is measured with all ranks busy at once (a training step runs them
+concurrently: on a CPU host they share cores, and that contention is part of
+the rate a step sees), on the sizes a training step of a small model issues,
+not on one large op:
+- per mesh axis and per collective kind (all-reduce, all-gather, reduce-scatter,
+  all-to-all, each its own `LinkCost`: gloo's reduce-scatter is not half an
+  all-reduce), timed at two sizes inside that axis' groups: latency and
+  bandwidth from the kind's ring formula (`autopar.solver.cost`), two sizes,
+  two unknowns;
+- per device: the fixed cost of one op (`op_overhead_s`: a chain of tiny ops
+  run forward and backward, divided by the ops launched), the matmul rate over
+  a mix of layer-sized matmuls (net of that overhead) and the elementwise
+  "bandwidth" in the cost model's own accounting (output bytes per second of
+  elementwise ops, from the slope between two activation sizes).
+Every rank returns the same Mesh: times are reduced with MAX and rates with MIN
+over the world (the slowest rank sets the pace of a synchronous step).
 """
 from __future__ import annotations
 
 import logging
 import math
 import os
+import statistics
 import time
+from typing import Callable, Sequence
 
 import torch
 import torch.distributed as dist
 
 from autopar.errors import AutoparError
-from autopar.solver.mesh import Mesh, MeshAxis, default_axis_names
+from autopar.solver.mesh import COLLECTIVE_KINDS, LinkCost, Mesh, MeshAxis, default_axis_names
 
 log = logging.getLogger(__name__)
 
-_SMALL_BYTES = 4 * 1024  # latency-dominated
-_LARGE_BYTES = 4 * 1024 * 1024  # bandwidth-dominated (kept small: CPU/gloo runs in tests)
+# Message sizes per collective (one rank's local input): small is latency-dominated, large is bandwidth-dominated
+# (its bandwidth term must stand well above the latency noise of a shared CPU host: ~4 ms at 1 GB/s).
+_SMALL_BYTES = 16 * 1024
+_LARGE_BYTES = 4 * 1024 * 1024
+# Layer-sized matmuls (m, k, n) of tiny-to-small transformers: a rate from one large square matmul
+# overstates (GPU) or understates (contended CPU: preempted mid-op) what these reach.
+_MATMULS = ((256, 64, 256), (256, 256, 256), (512, 256, 512))
+_ELEMENTWISE_NUMEL = (64 * 1024, 1024 * 1024)  # 256 KB and 4 MB activations
+_CHAIN_OPS = 40  # tiny ops per overhead chain (each also runs a backward op)
+_MIN_BLOCK_S = 0.02  # time a block of repetitions at least this long (spans scheduler time slices)
 
 
 def calibrate(group: dist.ProcessGroup | None = None, mesh_shape: tuple[int, ...] | None = None,
               hardware_name: str = "calibrated", reps: int = 5) -> Mesh:
+    """`reps`: timed blocks per measurement (the median block is kept)."""
     if not dist.is_initialized():
         raise AutoparError("calibrate() needs an initialised process group: call torch.distributed.init_process_group first (torchrun does)")
     world = dist.get_world_size(group)
@@ -46,18 +67,15 @@ def calibrate(group: dist.ProcessGroup | None = None, mesh_shape: tuple[int, ...
         if n == 1:
             axes.append(MeshAxis(name, 1, 0.0, math.inf))
             continue
-        t_small = _time_all_reduce(_SMALL_BYTES, axis_group, device, reps, group)
-        t_large = _time_all_reduce(_LARGE_BYTES, axis_group, device, reps, group)
-        ring = 2 * (n - 1) / n
-        slope = max(t_large - t_small, 1e-12) / (_LARGE_BYTES - _SMALL_BYTES)
-        beta = ring / slope
-        alpha = max((t_small - ring * _SMALL_BYTES / beta) / (2 * (n - 1)), 1e-7)
-        axes.append(MeshAxis(name, n, alpha, beta))
-    flops = _reduce(_matmul_rate(device), dist.ReduceOp.MIN, device, group)
-    bandwidth = _reduce(_copy_bandwidth(device), dist.ReduceOp.MIN, device, group)
+        links = _fit_links(n, axis_group, device, reps, group)
+        ar = links[0]
+        axes.append(MeshAxis(name, n, ar.alpha_s, ar.beta_bytes_per_s, links))
+    overhead, flops, bandwidth = _device_numbers(device, reps, group)  # times already MAX over ranks
     memory = _reduce(_memory_bytes(device), dist.ReduceOp.MIN, device, group)
-    mesh = Mesh(tuple(axes), flops, bandwidth, memory, hardware_name)
-    log.info("calibrate: %s, %.1f GFLOP/s, %.1f GB/s memory", mesh, flops / 1e9, bandwidth / 1e9)
+    mesh = Mesh(tuple(axes), flops, bandwidth, memory, hardware_name, overhead)
+    log.info("calibrate: %s, %.1f GFLOP/s, %.1f GB/s memory, %.1f us per op; %s", mesh, flops / 1e9, bandwidth / 1e9,
+             overhead * 1e6, "; ".join(f"{a.name} {c.kind} {c.alpha_s * 1e6:.0f} us + {c.beta_bytes_per_s / 1e6:.0f} MB/s"
+                                       for a in axes for c in a.per_kind))
     return mesh
 
 
@@ -83,40 +101,117 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def _time_all_reduce(nbytes: int, axis_group, device: torch.device, reps: int, world_group) -> float:
-    x = torch.ones(nbytes // 4, dtype=torch.float32, device=device)
-    dist.all_reduce(x, group=axis_group)  # warm-up (connection setup)
-    dist.barrier(group=world_group)
-    _sync(device)
-    start = time.perf_counter()
+def time_ops(fns: Sequence[Callable[[], object]], device: torch.device, reps: int, group) -> list[float]:
+    """Seconds per call of each of `fns`, run on every rank at once: median over `reps` blocks, MAX over ranks.
+
+    A block repeats one fn until it lasts _MIN_BLOCK_S (the count is agreed by all ranks so
+    collectives inside stay matched). Blocks go round-robin over `fns`: on a shared machine
+    the load drifts, and interleaving spreads the drift over all of them, so the differences
+    calibrate() takes between two sizes stay meaningful."""
+    counts = []
+    for fn in fns:
+        fn()  # warm-up (allocations, connection setup)
+        _sync(device)
+        start = time.perf_counter()
+        fn()
+        _sync(device)
+        guess = max(time.perf_counter() - start, 1e-7)
+        counts.append(float(max(1, min(1000, math.ceil(_MIN_BLOCK_S / guess)))))
+    counts = _reduce_all(counts, dist.ReduceOp.MAX, device, group)
+    blocks: list[list[float]] = [[] for _ in fns]
     for _ in range(reps):
-        dist.all_reduce(x, group=axis_group)
-    _sync(device)
-    return _reduce((time.perf_counter() - start) / reps, dist.ReduceOp.MAX, device, world_group)
+        for fn, count, out in zip(fns, counts, blocks):
+            dist.barrier(group=group)
+            _sync(device)
+            start = time.perf_counter()
+            for _ in range(int(count)):
+                fn()
+            _sync(device)
+            out.append((time.perf_counter() - start) / count)
+    return _reduce_all([statistics.median(b) for b in blocks], dist.ReduceOp.MAX, device, group)
 
 
-def _matmul_rate(device: torch.device, n: int = 512, reps: int = 3) -> float:
-    a = torch.randn(n, n, device=device)
-    b = torch.randn(n, n, device=device)
-    a @ b
-    _sync(device)
-    start = time.perf_counter()
-    for _ in range(reps):
-        a @ b
-    _sync(device)
-    return 2 * n**3 * reps / (time.perf_counter() - start)
+def time_op(fn: Callable[[], object], device: torch.device, reps: int, group) -> float:
+    """`time_ops` of one fn."""
+    return time_ops([fn], device, reps, group)[0]
 
 
-def _copy_bandwidth(device: torch.device, nbytes: int = 32 * 1024 * 1024, reps: int = 3) -> float:
-    src = torch.empty(nbytes // 4, dtype=torch.float32, device=device).fill_(1.0)
-    dst = torch.empty_like(src)
-    dst.copy_(src)
-    _sync(device)
-    start = time.perf_counter()
-    for _ in range(reps):
-        dst.copy_(src)
-    _sync(device)
-    return 2 * nbytes * reps / (time.perf_counter() - start)  # read + write
+def collective_call(kind: str, local_bytes: int, n: int, axis_group, device: torch.device) -> Callable[[], object]:
+    """A call of collective `kind` whose cost-model byte count (see `autopar.solver.cost`) is `local_bytes`
+    for all_reduce / all_to_all and `local_bytes * n` (the full tensor) for all_gather / reduce_scatter."""
+    numel = max(n, local_bytes // 4 // n * n)  # divisible by n for the scatter/gather kinds
+    x = torch.ones(numel, dtype=torch.float32, device=device)
+    if kind == "all_reduce":
+        return lambda: dist.all_reduce(x, group=axis_group)
+    if kind == "all_gather":
+        full = torch.empty(numel * n, dtype=torch.float32, device=device)
+        return lambda: dist.all_gather_into_tensor(full, x, group=axis_group)
+    if kind == "reduce_scatter":
+        full = torch.ones(numel * n, dtype=torch.float32, device=device)
+        return lambda: dist.reduce_scatter_tensor(x, full, group=axis_group)
+    out = torch.empty_like(x)
+    return lambda: dist.all_to_all_single(out, x, group=axis_group)
+
+
+def model_bytes(kind: str, local_bytes: int, n: int) -> int:
+    """The byte count the ring formula of `kind` takes for `collective_call(kind, local_bytes, n, ...)`."""
+    numel = max(n, local_bytes // 4 // n * n)
+    return 4 * numel * (n if kind in ("all_gather", "reduce_scatter") else 1)
+
+
+def _fit_links(n: int, axis_group, device: torch.device, reps: int, world_group) -> tuple[LinkCost, ...]:
+    """Alpha and beta of every collective kind from two timed sizes and its ring formula
+    t = steps * alpha + frac * bytes / beta (two sizes, two unknowns); all timed interleaved."""
+    calls = [collective_call(kind, size, n, axis_group, device) for kind in COLLECTIVE_KINDS for size in (_SMALL_BYTES, _LARGE_BYTES)]
+    times = time_ops(calls, device, reps, world_group)
+    links = []
+    for i, kind in enumerate(COLLECTIVE_KINDS):
+        frac = (n - 1) / n * (2 if kind == "all_reduce" else 1)
+        steps = (n - 1) * (2 if kind == "all_reduce" else 1)
+        small, large = (model_bytes(kind, b, n) for b in (_SMALL_BYTES, _LARGE_BYTES))
+        t_small, t_large = times[2 * i], times[2 * i + 1]
+        if t_large > t_small:
+            beta = frac * (large - small) / (t_large - t_small)
+        else:  # noise swamped the difference: bound beta by putting all of the large time on the wire
+            beta = frac * large / t_large
+        alpha = max((t_small - frac * small / beta) / steps, 1e-7)
+        links.append(LinkCost(kind, alpha, beta))
+    return tuple(links)
+
+
+def _device_numbers(device: torch.device, reps: int, group) -> tuple[float, float, float]:
+    """(op_overhead_s, matmul flops/s, elementwise bytes/s), timed interleaved.
+
+    Overhead: a chain of tiny mul ops forward and backward, per op launched (one backward op each).
+    Matmuls: layer-sized ones, net of their launch. Elementwise: output bytes per second (the cost
+    model's roofline accounting, see `cost.py`) from the slope between two activation sizes, so the
+    launch cancels; a mix of a cheap (mul) and a transcendental (gelu) op, as activations and norms are."""
+    x = torch.ones(16, device=device, requires_grad=True)
+
+    def chain() -> None:
+        y = x
+        for _ in range(_CHAIN_OPS - 1):
+            y = y * 1.0001
+        y.sum().backward()  # sum is the last forward op
+
+    mats = [(torch.randn(m, k, device=device), torch.randn(k, n, device=device)) for m, k, n in _MATMULS]
+
+    def matmuls() -> None:
+        for a, b in mats:
+            a @ b
+
+    def elementwise(numel: int) -> Callable[[], object]:
+        a = torch.ones(numel, device=device)
+        b = torch.ones(numel, device=device)
+        return lambda: (a * b, torch.nn.functional.gelu(a))
+
+    small, large = _ELEMENTWISE_NUMEL
+    t_chain, t_mm, t_small, t_large = time_ops([chain, matmuls, elementwise(small), elementwise(large)], device, reps, group)
+    overhead = t_chain / (2 * _CHAIN_OPS)
+    flops = sum(2 * m * k * n for m, k, n in _MATMULS)
+    rate = flops / max(t_mm - len(mats) * overhead, flops / 1e15)
+    bandwidth = 2 * 4 * (large - small) / max(t_large - t_small, 1e-9)  # two ops per call
+    return overhead, rate, bandwidth
 
 
 def _memory_bytes(device: torch.device) -> float:
@@ -126,6 +221,10 @@ def _memory_bytes(device: torch.device) -> float:
 
 
 def _reduce(value: float, op, device: torch.device, group) -> float:
-    t = torch.tensor([value], dtype=torch.float64, device=device)
+    return _reduce_all([value], op, device, group)[0]
+
+
+def _reduce_all(values: list[float], op, device: torch.device, group) -> list[float]:
+    t = torch.tensor(values, dtype=torch.float64, device=device)
     dist.all_reduce(t, op=op, group=group)
-    return float(t.item())
+    return t.tolist()

@@ -19,11 +19,23 @@ of them when backward ends (or call `finish()`); a bucket some of whose grads we
 never produced is launched there with zeros for them, since the peers may have them.
 Packing into the flat bucket and back is `kernels.pack` / `kernels.unpack` (one
 fused pass each, optional cast for the wire).
+
+Gradient accumulation: a grad is SUMMED over ranks, so a backward may only reduce its
+own contribution (DDP averages, for which re-reducing an already-synced grad is
+harmless; a sum would count it once per rank). Before a parameter's grad is
+accumulated (a tensor hook, which autograd runs before AccumulateGrad), a grad that
+is exactly what the last sync wrote (same tensor, unchanged version counter) is set
+aside; backward then accumulates only this step's local term into a fresh `.grad`,
+which is reduced and added to the set-aside sum. A grad zeroed in place, or
+accumulated under `no_sync()`, is not "what the sync wrote" and is reduced whole,
+which is right for both. So several backward calls before `optimizer.step()` give
+the grads of the summed losses, with or without `no_sync()`.
 """
 from __future__ import annotations
 
 import contextlib
 import logging
+import weakref
 from dataclasses import dataclass, field
 from typing import Iterable, Iterator, Sequence
 
@@ -73,6 +85,8 @@ class GradSync:
         self._next = 0  # next bucket index to launch
         self._callback_queued = False
         self._handles = []
+        self._synced: dict[int, tuple[weakref.ref, int]] = {}  # id(param) -> (its grad as the last sync wrote it, version)
+        self._held: dict[int, torch.Tensor] = {}  # id(param) -> synced grad set aside during this backward
         self._build(list(params), reduce_dtype)
         if dist.is_initialized() and dist.get_rank() == 0:
             logger.info("runtime: grad sync of %d params in %d buckets (%.1f MB max)", len(self._where), len(self._buckets), bucket_bytes / 2**20)
@@ -102,6 +116,7 @@ class GradSync:
             b.names.append(name)
             b.params.append(p)
             sizes[b.index] += p.numel()
+            self._handles.append(p.register_hook(self._before_accumulate_hook(p)))
             self._handles.append(p.register_post_accumulate_grad_hook(self._on_grad))
         for b, n in zip(self._buckets, sizes):
             b.buffer = torch.empty(n, dtype=b.buffer.dtype, device=b.buffer.device)
@@ -116,12 +131,25 @@ class GradSync:
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
-        """Accumulate grads locally (gradient accumulation micro-steps); the next synced backward reduces the sum."""
+        """Skip communication: grads accumulate locally (micro-steps); the next synced backward reduces all of it.
+
+        Start the accumulation from zeroed grads, as with DDP: a synced grad that then gets local terms
+        added under `no_sync()` is reduced whole by the next synced backward, counting it once per rank.
+        """
         self.enabled = False
         try:
             yield
         finally:
             self.enabled = True
+
+    def _before_accumulate_hook(self, p: torch.nn.Parameter):
+        def hook(grad: torch.Tensor) -> None:
+            held = p.grad
+            mark = self._synced.get(id(p))
+            if self.enabled and held is not None and mark is not None and mark[0]() is held and held._version == mark[1]:
+                self._held[id(p)] = held  # already summed over ranks: keep it out of this backward's reduction
+                p.grad = None
+        return hook
 
     def _on_grad(self, p: torch.nn.Parameter) -> None:
         if not self.enabled:
@@ -165,6 +193,11 @@ class GradSync:
                 if p.grad is None:
                     p.grad = torch.empty_like(p)
             unpack(b.buffer, [p.grad for p in b.params])
+            for p in b.params:
+                held = self._held.pop(id(p), None)
+                if held is not None:
+                    p.grad = held.add_(p.grad)  # the earlier synced sum + this backward's synced term
+                self._synced[id(p)] = (weakref.ref(p.grad), p.grad._version)
             b.work = None
             b.ready.clear()
         self._next = 0

@@ -1,16 +1,25 @@
-"""Cost model: roofline compute time per strategy and alpha-beta ring collectives.
+"""Cost model: roofline compute plus per-op overhead per strategy, and alpha-beta ring collectives.
 
 Compute (per training step, forward + backward) of a node under a strategy:
   local FLOPs = global FLOPs / prod(size of every mesh axis on which the
                 strategy is not all-Replicate)  (the work is split there;
                 on an all-Replicate axis every rank redoes it)
   time = max(FLOPs / mesh.flops_per_s, bytes / mesh.mem_bandwidth_bytes_per_s)
-  with bytes = the node's local output bytes (forward) and twice that
-  (backward reads the output gradient and writes the input gradient).
+         + launches * mesh.op_overhead_s
+  with bytes = the node's local output bytes (forward) and twice that in
+  backward (it reads the output gradient and writes the input gradient),
+  charged for every node that has a backward (requires_grad), not only for
+  those with backward FLOPs: an elementwise op's backward moves bytes too.
+  Launches: one forward op per node and one backward op per node with a
+  backward; Python-level nodes (`operator.getitem` on a tuple) launch nothing.
 Communication inside a strategy: an input that is Replicate on an axis where
 the op is split gets a Partial gradient, which needs an all-reduce over that
-axis in backward (Megatron's "f" operator).
-Ring formulas, with n ranks on the axis, alpha its latency, beta its bandwidth:
+axis in backward (Megatron's "f" operator). When the input is a parameter the
+runtime does that all-reduce in buckets (`autopar.runtime.grad_sync`), so it
+pays the bandwidth term in full and only `latency_share` of the latency term
+(its part of the bucket it travels in, see `bucket_latency_share`).
+Ring formulas, with n ranks on the axis, (alpha, beta) the axis' numbers for
+that collective kind (`MeshAxis.link`):
   all_reduce      2(n-1)/n * bytes / beta + 2(n-1) alpha   (bytes = local size)
   all_gather      (n-1)/n * bytes / beta + (n-1) alpha     (bytes = gathered size)
   reduce_scatter  (n-1)/n * bytes / beta + (n-1) alpha     (bytes = unreduced full size)
@@ -22,22 +31,40 @@ import math
 from typing import Sequence
 
 from autopar.profiler.types import NodeCost
-from autopar.solver.mesh import Mesh, MeshAxis
+from autopar.solver.mesh import COLLECTIVE_KINDS, Mesh, MeshAxis
 from autopar.solver.spec import Replicate, Strategy
 
-__all__ = ["collective_time_s", "split_factor", "strategy_cost", "compute_time_s"]
+__all__ = ["bucket_latency_share", "collective_time_s", "compute_time_s", "forward_time_s", "launches",
+           "split_factor", "strategy_cost"]
 
 
-def collective_time_s(kind: str, nbytes: float, axis: MeshAxis) -> float:
-    n = axis.size
-    if n == 1 or nbytes == 0:
-        return 0.0
+def _ring(kind: str, n: int) -> tuple[float, int]:
+    """(bandwidth fraction, latency steps) of the ring algorithm for `kind` on n ranks."""
+    if kind not in COLLECTIVE_KINDS:
+        raise ValueError(f"unknown collective {kind!r}; expected one of {', '.join(COLLECTIVE_KINDS)}")
     frac = (n - 1) / n
-    if kind == "all_reduce":
-        return 2 * frac * nbytes / axis.beta_bytes_per_s + 2 * (n - 1) * axis.alpha_s
-    if kind in ("all_gather", "reduce_scatter", "all_to_all"):
-        return frac * nbytes / axis.beta_bytes_per_s + (n - 1) * axis.alpha_s
-    raise ValueError(f"unknown collective {kind!r}; expected all_reduce, all_gather, reduce_scatter or all_to_all")
+    return (2 * frac, 2 * (n - 1)) if kind == "all_reduce" else (frac, n - 1)
+
+
+def collective_time_s(kind: str, nbytes: float, axis: MeshAxis, latency_share: float = 1.0) -> float:
+    """Ring time of one collective; `latency_share` < 1 when it rides in a bucket with others."""
+    frac, steps = _ring(kind, axis.size)
+    if axis.size == 1 or nbytes == 0:
+        return 0.0
+    alpha, beta = axis.link(kind)
+    return frac * nbytes / beta + latency_share * steps * alpha
+
+
+def bucket_latency_share(nbytes: float, total_bytes: float, bucket_bytes: float) -> float:
+    """Part of one bucketed all-reduce's latency a gradient of `nbytes` pays.
+
+    The runtime packs the gradients of `total_bytes` into ceil(total / bucket)
+    buckets; spread over the bytes, the shares of all gradients add up to the
+    number of buckets (exact when every parameter is synced, which is what data
+    parallel plans do; linear in between)."""
+    if nbytes <= 0 or total_bytes <= 0:
+        return 0.0
+    return nbytes / total_bytes * math.ceil(total_bytes / bucket_bytes)
 
 
 def split_axes(strategy: Strategy, mesh_ndim: int) -> tuple[int, ...]:
@@ -54,32 +81,62 @@ def compute_time_s(flops: float, nbytes: float, mesh: Mesh) -> float:
     return max(flops / mesh.flops_per_s, nbytes / mesh.mem_bandwidth_bytes_per_s)
 
 
+def launches(node_cost: NodeCost) -> tuple[int, int]:
+    """(forward, backward) ops the node launches: what `mesh.op_overhead_s` is charged for."""
+    if node_cost.op.startswith("<built-in"):  # operator.getitem and friends: Python, no dispatch
+        return 0, 0
+    return 1, int(_has_backward(node_cost))
+
+
+def _has_backward(node_cost: NodeCost) -> bool:
+    return node_cost.requires_grad or node_cost.bwd_flops > 0
+
+
+def _local_out_bytes(node_cost: NodeCost, strategy: Strategy, mesh: Mesh) -> float:
+    total = 0.0
+    for i, nbytes in enumerate(node_cost.output_bytes):
+        spec = strategy.output_specs[i] if i < len(strategy.output_specs) else None
+        total += nbytes / (spec.shard_factor(mesh.shape) if spec is not None else 1)
+    return total
+
+
+def forward_time_s(node_cost: NodeCost, strategy: Strategy, mesh: Mesh) -> float:
+    """Forward compute of the node under `strategy`: what recomputing it in backward costs again."""
+    fwd_launches, _ = launches(node_cost)
+    out_bytes = _local_out_bytes(node_cost, strategy, mesh)
+    return compute_time_s(node_cost.fwd_flops / split_factor(strategy, mesh), out_bytes, mesh) + fwd_launches * mesh.op_overhead_s
+
+
 def strategy_cost(
     node_cost: NodeCost,
     strategy: Strategy,
     out_shapes: Sequence[tuple[int, ...] | None],
     mesh: Mesh,
     in_bytes: Sequence[float] | None = None,
+    latency_share: Sequence[float] | None = None,
 ) -> tuple[float, float]:
     """(compute_s, comm_s) of one training step of the node under `strategy`.
 
-    out_shapes: global shape per output (for the local output bytes).
+    out_shapes: global shape per output (kept for callers; local bytes come from the specs).
     in_bytes: global bytes per input spec (for the backward all-reduce of
     Replicate inputs of a split op); without it that term is left out.
+    latency_share: per input, the part of a collective's latency its gradient
+    all-reduce pays (1.0: its own collective, an activation; less: a parameter
+    gradient in a bucket, see `bucket_latency_share`); default all 1.0.
     """
     factor = split_factor(strategy, mesh)
-    out_local_bytes = 0.0
-    for i, nbytes in enumerate(node_cost.output_bytes):
-        spec = strategy.output_specs[i] if i < len(strategy.output_specs) else None
-        out_local_bytes += nbytes / (spec.shard_factor(mesh.shape) if spec is not None else 1)
-    compute = compute_time_s(node_cost.fwd_flops / factor, out_local_bytes, mesh)
-    compute += compute_time_s(node_cost.bwd_flops / factor, 2 * out_local_bytes, mesh) if node_cost.bwd_flops else 0.0
+    out_local_bytes = _local_out_bytes(node_cost, strategy, mesh)
+    fwd_launches, bwd_launches = launches(node_cost)
+    compute = forward_time_s(node_cost, strategy, mesh)
+    if _has_backward(node_cost):
+        compute += compute_time_s(node_cost.bwd_flops / factor, 2 * out_local_bytes, mesh) + bwd_launches * mesh.op_overhead_s
     comm = 0.0
-    if in_bytes is not None and node_cost.bwd_flops:
+    if in_bytes is not None and _has_backward(node_cost):
         axes = split_axes(strategy, len(mesh.shape))
-        for spec, nbytes in zip(strategy.input_specs, in_bytes):
+        shares = latency_share if latency_share is not None else [1.0] * len(in_bytes)
+        for spec, nbytes, share in zip(strategy.input_specs, in_bytes, shares):
             local = nbytes / spec.shard_factor(mesh.shape)
             for a in axes:
                 if isinstance(spec.placements[a], Replicate):
-                    comm += collective_time_s("all_reduce", local, mesh.axes[a])
+                    comm += collective_time_s("all_reduce", local, mesh.axes[a], share)
     return compute, comm

@@ -212,7 +212,10 @@ class _Model:
 
 def _solver(backend: Backend, time_limit_s: float) -> tuple[pulp.LpSolver, str]:
     if backend == "highs":
-        highs = pulp.HiGHS(msg=False, timeLimit=time_limit_s, threads=1, random_seed=0)  # one thread: deterministic
+        # One thread: deterministic. Presolve off: on our models it removes <1% of rows yet took
+        # 60-70% of the solve (GPT-2 small on 2x2: 0.47 -> 0.16 s; GPT-3 175B shape on 8x8 with
+        # memory binding: 2.3 -> 2.2 s, unconstrained 1.3 -> 0.9 s; same optima).
+        highs = pulp.HiGHS(msg=False, timeLimit=time_limit_s, threads=1, random_seed=0, presolve="off")
         if highs.available():
             return highs, "highs"
         log.warning("solver: highspy is not importable; falling back to CBC (pip install highspy)")

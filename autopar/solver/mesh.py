@@ -1,8 +1,9 @@
 """The logical device mesh and the hardware numbers the cost model uses.
 
-A `Mesh` is plain data: axis names and sizes, per-axis alpha-beta link model,
-and per-device compute rate, memory bandwidth and memory capacity. It validates
-itself on construction. Presets for real hardware live in `PRESETS`;
+A `Mesh` is plain data: axis names and sizes, per-axis alpha-beta link model
+(optionally measured per collective kind: on gloo a reduce-scatter is not half
+an all-reduce), per-device compute rate, memory bandwidth, memory capacity and
+the fixed host cost of launching one op. It validates itself on construction. Presets for real hardware live in `PRESETS`;
 `autopar.runtime.calibrate` measures a mesh on a live process group.
 """
 from __future__ import annotations
@@ -11,12 +12,40 @@ import math
 from dataclasses import dataclass, replace
 
 
+COLLECTIVE_KINDS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all")
+
+
+@dataclass(frozen=True)
+class LinkCost:
+    """Alpha-beta numbers of one collective kind, measured on its own (see `MeshAxis.link`)."""
+
+    kind: str  # one of COLLECTIVE_KINDS
+    alpha_s: float  # latency of one ring step of this collective
+    beta_bytes_per_s: float  # bandwidth this collective reaches per link
+
+
 @dataclass(frozen=True)
 class MeshAxis:
     name: str
     size: int
     alpha_s: float  # latency of one collective step over this axis
     beta_bytes_per_s: float  # per-link bandwidth over this axis
+    # Kinds measured separately (calibrate() fills all four); a kind not listed uses alpha_s/beta above.
+    # Presets leave it empty: NCCL's ring collectives follow the one model closely.
+    per_kind: tuple[LinkCost, ...] = ()
+
+    def __post_init__(self) -> None:
+        kinds = [c.kind for c in self.per_kind]
+        bad = [k for k in kinds if k not in COLLECTIVE_KINDS]
+        if bad or len(set(kinds)) != len(kinds):
+            raise ValueError(f"mesh axis {self.name!r}: per_kind kinds {kinds} must be distinct, from {COLLECTIVE_KINDS}")
+
+    def link(self, kind: str) -> tuple[float, float]:
+        """(alpha_s, beta_bytes_per_s) for collective `kind` on this axis."""
+        for c in self.per_kind:
+            if c.kind == kind:
+                return c.alpha_s, c.beta_bytes_per_s
+        return self.alpha_s, self.beta_bytes_per_s
 
 
 @dataclass(frozen=True)
@@ -26,6 +55,11 @@ class Mesh:
     mem_bandwidth_bytes_per_s: float  # device memory bandwidth (roofline for memory-bound ops)
     memory_bytes: float  # memory capacity of one device
     hardware: str = "custom"
+    # Fixed host cost of one op (dispatch, autograd bookkeeping, kernel launch), charged per forward op and
+    # per backward op on top of the roofline: it dominates small ops on CPU (tens of us per op under
+    # contention, see benchmarks/calibration_accuracy.py). 0 in the GPU presets: launches there are
+    # asynchronous and hide behind the kernels of any model worth sharding.
+    op_overhead_s: float = 0.0
 
     def __post_init__(self) -> None:
         if not self.axes:
@@ -36,6 +70,8 @@ class Mesh:
         for a in self.axes:
             if a.size < 1:
                 raise ValueError(f"mesh axis {a.name!r} has size {a.size}; sizes must be >= 1")
+        if self.op_overhead_s < 0:
+            raise ValueError(f"op_overhead_s must be >= 0 seconds, got {self.op_overhead_s}")
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -72,7 +108,7 @@ class Mesh:
         axes = []
         for i, (name, size) in enumerate(zip(names, shape)):
             src = self.axes[min(i, len(self.axes) - 1)]
-            axes.append(MeshAxis(name, size, src.alpha_s, src.beta_bytes_per_s))
+            axes.append(replace(src, name=name, size=size))
         return replace(self, axes=tuple(axes))
 
 
@@ -124,7 +160,7 @@ def make_mesh(num_devices: int, shape: tuple[int, ...] | None = None, hardware: 
     axes = []
     for i, (name, size) in enumerate(zip(names, shape)):
         src = preset.axes[-1] if i == len(shape) - 1 else preset.axes[0]
-        axes.append(MeshAxis(name, size, src.alpha_s, src.beta_bytes_per_s))
+        axes.append(replace(src, name=name, size=size))
     return replace(preset, axes=tuple(axes))
 
 
@@ -135,24 +171,33 @@ def candidate_shapes(n: int) -> list[tuple[int, ...]]:
     return [(n,)] + [(a, n // a) for a in range(2, n) if n % a == 0]
 
 
+def axis_to_json(a: MeshAxis) -> dict:
+    out = {"name": a.name, "size": a.size, "alpha_s": a.alpha_s, "beta_bytes_per_s": a.beta_bytes_per_s}
+    if a.per_kind:
+        out["per_kind"] = [{"kind": c.kind, "alpha_s": c.alpha_s, "beta_bytes_per_s": c.beta_bytes_per_s} for c in a.per_kind]
+    return out
+
+
 def mesh_to_json(mesh: Mesh) -> dict:
     return {
-        "axes": [{"name": a.name, "size": a.size, "alpha_s": a.alpha_s, "beta_bytes_per_s": a.beta_bytes_per_s}
-                 for a in mesh.axes],
+        "axes": [axis_to_json(a) for a in mesh.axes],
         "flops_per_s": mesh.flops_per_s,
         "mem_bandwidth_bytes_per_s": mesh.mem_bandwidth_bytes_per_s,
         "memory_bytes": mesh.memory_bytes,
         "hardware": mesh.hardware,
+        "op_overhead_s": mesh.op_overhead_s,
     }
 
 
 def mesh_from_json(data: dict) -> Mesh:
+    """Inverse of `mesh_to_json`; files written before `per_kind` / `op_overhead_s` existed load with their defaults."""
     try:
-        axes = tuple(MeshAxis(a["name"], int(a["size"]), float(a["alpha_s"]), float(a["beta_bytes_per_s"]))
+        axes = tuple(MeshAxis(a["name"], int(a["size"]), float(a["alpha_s"]), float(a["beta_bytes_per_s"]),
+                              tuple(LinkCost(str(c["kind"]), float(c["alpha_s"]), float(c["beta_bytes_per_s"]))
+                                    for c in a.get("per_kind", ())))
                      for a in data["axes"])
         return Mesh(axes, float(data["flops_per_s"]), float(data["mem_bandwidth_bytes_per_s"]),
-                    float(data["memory_bytes"]), str(data.get("hardware", "custom")))
+                    float(data["memory_bytes"]), str(data.get("hardware", "custom")),
+                    float(data.get("op_overhead_s", 0.0)))
     except (KeyError, TypeError) as err:
         raise ValueError(f"not a mesh description (missing or bad field {err}): {data!r}") from err
-
-

@@ -21,7 +21,7 @@ from typing import Any, Callable
 import torch
 
 from autopar.errors import PlanFormatError, PlanMismatchError
-from autopar.solver.mesh import Mesh, MeshAxis
+from autopar.solver.mesh import LinkCost, Mesh, MeshAxis
 from autopar.solver.plan import (
     SCHEMA_VERSION,
     BaselineResult,
@@ -42,13 +42,7 @@ _MAX_EXAMPLES = 3  # concrete differences named per category in a mismatch messa
 
 # ---------------------------------------------------------------- to JSON
 def _mesh_dict(mesh: Mesh) -> dict:
-    return {
-        "axes": [{"name": a.name, "size": a.size, "alpha_s": a.alpha_s, "beta_bytes_per_s": a.beta_bytes_per_s} for a in mesh.axes],
-        "flops_per_s": mesh.flops_per_s,
-        "mem_bandwidth_bytes_per_s": mesh.mem_bandwidth_bytes_per_s,
-        "memory_bytes": mesh.memory_bytes,
-        "hardware": mesh.hardware,
-    }
+    return mesh.to_json()  # one schema for plan files and calibrated mesh files
 
 
 def _memory_dict(m: MemoryBreakdown) -> dict:
@@ -162,9 +156,14 @@ class _Field:
 
 
 def _mesh_from(f: _Field) -> Mesh:
-    axes = tuple(MeshAxis(a["name"].of(str), int(a["size"].of(int)), a["alpha_s"].num(), a["beta_bytes_per_s"].num()) for a in f["axes"].items())
     try:
-        return Mesh(axes, f["flops_per_s"].num(), f["mem_bandwidth_bytes_per_s"].num(), f["memory_bytes"].num(), f["hardware"].of(str))
+        axes = tuple(MeshAxis(a["name"].of(str), int(a["size"].of(int)), a["alpha_s"].num(), a["beta_bytes_per_s"].num(),
+                              tuple(LinkCost(c["kind"].of(str), c["alpha_s"].num(), c["beta_bytes_per_s"].num())
+                                    for c in a.get("per_kind", []).items()))
+                     for a in f["axes"].items())
+        # op_overhead_s is optional: plan files written before it existed price ops without it
+        return Mesh(axes, f["flops_per_s"].num(), f["mem_bandwidth_bytes_per_s"].num(), f["memory_bytes"].num(),
+                    f["hardware"].of(str), f.get("op_overhead_s", 0.0).num())
     except ValueError as err:
         raise f.fail(f"field '{f.path}': {err}") from None
 

@@ -201,8 +201,9 @@ class _Pricer:
             ins = tuple(_tensor_bytes(output_vals(p)[i]) for p, i in strategy_inputs(node)) if node.op == "call_function" else ()
             param = self.params.get(name)
             role = "param" if param else "buffer" if name in self.traced.buffer_fqns else node.op
-            base = (role, cost.op, cost.fwd_flops, cost.bwd_flops, cost.output_bytes, cost.saved_outputs,
-                    cost.extra_saved_bytes, cost.temp_bytes, outs, ins,
+            # the whole NodeCost but its node names (so that repeated layers share prices): any
+            # field the cost model reads is in the key, including ones added later
+            base = (role, replace(cost, name="", saved_refs=()), outs, ins,
                     param and (param.param_bytes, param.grad_bytes, param.optimizer_bytes))
             info = self._nodes[name] = (role, cost, outs, ins, param, base)
         return info

@@ -20,7 +20,6 @@ import torch.distributed as dist
 from torch.utils import _pytree as pytree
 
 from autopar.api import parallelize
-from autopar.codegen.shapes import local_block
 from autopar.profiler.measure import block_paths, make_optimizer
 from autopar.runtime.calibrate import calibrate
 from autopar.solver.plan import Plan
@@ -113,13 +112,9 @@ def _plan_all(case: Case, model, sample, meshes) -> dict[str, Any]:
 
 
 def _local_inputs(pm, sample) -> tuple[tuple, dict]:
-    """This rank's part of the global batch, as the lowered graph expects it to be fed."""
-    args, kwargs = split_sample_input(sample)
-    leaves, spec = pytree.tree_flatten((args, kwargs))
-    specs = iter(pm.info.input_specs)
-    local = [local_block(t, next(specs), pm.mesh.shape, pm.mesh.coordinate).clone() if isinstance(t, torch.Tensor) else t
-             for t in leaves]
-    return pytree.tree_unflatten(local, spec)
+    """This rank's rows of the global batch (the plan-independent convention), copied so they own their storage."""
+    local = pm.local_batch(split_sample_input(sample))
+    return pytree.tree_map(lambda t: t.clone() if isinstance(t, torch.Tensor) else t, local)
 
 
 def _autopar_system(name: str, case: Case, model, sample, plan: Plan) -> Trainable:

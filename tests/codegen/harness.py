@@ -13,11 +13,11 @@ from dataclasses import dataclass
 from typing import Any, Sequence
 
 import torch
-from torch.utils import _pytree as pytree
 
 from autopar.api import meta_copy, meta_sample
 from autopar.codegen import ParallelModule, lower
 from autopar.codegen.shapes import local_block
+from autopar.runtime.batch import batch_slice
 from autopar.runtime.mesh import ProcessMesh
 from autopar.solver.plan import Plan
 from autopar.tracer import TracedGraph, split_sample_input, trace
@@ -65,10 +65,8 @@ def reference(model: torch.nn.Module, sample: Any, steps: int) -> Reference:
 
 
 def local_sample(sample: Any, pm: ParallelModule) -> Any:
-    flat, spec = pytree.tree_flatten(split_sample_input(sample))
-    specs = iter(pm.info.input_specs)
-    local = [local_block(t, next(specs), pm.mesh.shape, pm.mesh.coordinate) if isinstance(t, torch.Tensor) else t for t in flat]
-    return pytree.tree_unflatten(local, spec)
+    """(args, kwargs) this rank feeds: its contiguous slice of the global batch in rank order, whatever the plan."""
+    return batch_slice(split_sample_input(sample), torch.distributed.get_rank(), torch.distributed.get_world_size())
 
 
 def check_plan(model: torch.nn.Module, sample: Any, traced: TracedGraph, plan: Plan, ref: Reference, steps: int,

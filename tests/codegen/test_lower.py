@@ -31,8 +31,8 @@ def _dp_plan(traced):
     return greedy_plan(traced, cpu_mesh((2,)), pins)
 
 
-def _forward_collectives(rank, world, traced, plan):
-    gm = lower(traced, plan, ProcessMesh((2,)))
+def _forward_collectives(rank, world, traced, plan, input_layout="shard"):
+    gm = lower(traced, plan, ProcessMesh((2,)), input_layout=input_layout)
     names = {f: name for name, f in C.COLLECTIVES.items()}
     return [names[n.target] for n in gm.graph.nodes if n.op == "call_function" and n.target in names], gm.code
 
@@ -41,11 +41,14 @@ def _forward_collectives(rank, world, traced, plan):
 def test_megatron_mlp_has_one_all_reduce_per_block_and_trains_exactly():
     model, sample, traced = _mlp()
     plan = _megatron_plan(traced)
-    (kinds, code), _ = run_ranks(_forward_collectives, 2, traced, plan, timeout_s=60)
+    (kinds, code), _ = run_ranks(_forward_collectives, 2, traced, plan, "replicate", timeout_s=60)
     n_layers = model.config.n_layers
     assert kinds.count("all_reduce") == n_layers, code  # Megatron's "g": after each row-parallel fc2
     assert kinds.count("grad_all_reduce") == n_layers, code  # Megatron's "f": before each column-parallel fc1
     assert "all_gather" not in kinds, code
+    # fed as batch slices (the default), the replicated inputs x and y are first all-gathered, nothing else changes
+    (sharded, code), _ = run_ranks(_forward_collectives, 2, traced, plan, timeout_s=60)
+    assert sorted(sharded) == sorted(kinds + ["all_gather", "all_gather"]), code
     # local shapes: fc1.weight (64, 32) is split by rows, so this rank holds (32, 32)
     results = run_ranks(run_plans, 2, (2,), [("megatron", model, sample, traced, plan, reference(model, sample, 3), 3)], timeout_s=60)
     assert all(r[0][1]["loss"] < 1e-5 for r in results)

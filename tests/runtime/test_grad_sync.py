@@ -55,6 +55,16 @@ def _sync_matches_reference(rank: int, world_size: int, mesh_shape: tuple[int, .
     (_loss(ref, xs[1], ys[1]) + _loss(ref, xs[2], ys[2])).backward()
     for (n, p), q in zip(named, ref.parameters()):
         assert_close(p.grad, q.grad, msg=lambda m: f"step 2 grad of {n}: {m}")
+
+    # Step 3: accumulation over two SYNCED backwards: each must reduce only its own term (a sum,
+    # unlike DDP's mean, would otherwise count the first micro-step once per rank).
+    model.zero_grad()
+    ref.zero_grad()
+    _loss(model, shard(xs[1]), shard(ys[1])).backward()
+    _loss(model, shard(xs[2]), shard(ys[2])).backward()
+    (_loss(ref, xs[1], ys[1]) + _loss(ref, xs[2], ys[2])).backward()
+    for (n, p), q in zip(named, ref.parameters()):
+        assert_close(p.grad, q.grad, msg=lambda m: f"step 3 grad of {n}: {m}")
     return sync.num_buckets, sync.launched, launched_before_end
 
 

@@ -1,11 +1,15 @@
-"""Cost model against hand counts."""
+"""Cost model against hand counts: ring formulas (one link model and per-kind links), op overhead
+launches, elementwise backward bytes, bucketed gradient latency, recompute price."""
 from __future__ import annotations
+
+from dataclasses import replace
 
 import pytest
 
 from autopar.profiler.types import NodeCost
-from autopar.solver.cost import collective_time_s, strategy_cost
-from autopar.solver.mesh import MeshAxis, make_mesh
+from autopar.solver.cost import (bucket_latency_share, collective_time_s, forward_time_s, launches,
+                                 strategy_cost)
+from autopar.solver.mesh import LinkCost, MeshAxis, make_mesh
 from autopar.solver.spec import Spec, Strategy
 
 AX = MeshAxis("tp", 4, alpha_s=1e-5, beta_bytes_per_s=1e9)
@@ -20,11 +24,38 @@ def test_ring_formulas_by_hand():
         collective_time_s("broadcast", 1.0, AX)
 
 
+def test_per_kind_links_override_the_axis_numbers():
+    # gloo-like: reduce-scatter slower than half an all-reduce, all-to-all with little latency
+    ax = replace(AX, per_kind=(LinkCost("reduce_scatter", 2e-3, 1e8), LinkCost("all_to_all", 2e-4, 2e8)))
+    assert collective_time_s("reduce_scatter", 1e6, ax) == pytest.approx(0.75 * 1e6 / 1e8 + 3 * 2e-3)
+    assert collective_time_s("all_to_all", 1e6, ax) == pytest.approx(0.75 * 1e6 / 2e8 + 3 * 2e-4)
+    # kinds not listed fall back to the axis' own alpha/beta
+    assert collective_time_s("all_gather", 1e6, ax) == pytest.approx(0.75 * 1e6 / 1e9 + 3e-5)
+    # a bucketed gradient pays its bandwidth in full and a share of the latency
+    assert collective_time_s("all_reduce", 1e6, ax, latency_share=0.25) == pytest.approx(1.5 * 1e6 / 1e9 + 0.25 * 6e-5)
+    with pytest.raises(ValueError, match="per_kind kinds"):
+        MeshAxis("x", 2, 1e-5, 1e9, (LinkCost("broadcast", 1e-5, 1e9),))
+    with pytest.raises(ValueError, match="per_kind kinds"):
+        MeshAxis("x", 2, 1e-5, 1e9, (LinkCost("all_gather", 1e-5, 1e9),) * 2)
+
+
+def test_bucket_latency_share():
+    # 3 MB of grads in 25 MB buckets: one bucket; a 1 MB grad pays a third of its latency
+    assert bucket_latency_share(1e6, 3e6, 25e6) == pytest.approx(1 / 3)
+    # 60 MB in 25 MB buckets: 3 buckets; shares over all grads sum to 3
+    assert sum(bucket_latency_share(b, 60e6, 25e6) for b in (10e6, 20e6, 30e6)) == pytest.approx(3.0)
+    assert bucket_latency_share(0.0, 3e6, 25e6) == 0.0
+
+
+def _node(fwd: float, bwd: float, out_bytes: float, requires_grad: bool = True, op: str = "aten.mm.default") -> NodeCost:
+    return NodeCost("n", op, fwd, bwd, (out_bytes,), (True,), 0.0, 0.0, requires_grad=requires_grad)
+
+
 def test_strategy_cost_splits_flops_and_charges_replicated_input_grads():
     mesh = make_mesh(4, (2, 2), "h100")
     # mm (64x128) @ (128x256): 2*64*128*256 forward flops, twice that backward
     fwd = 2 * 64 * 128 * 256
-    node = NodeCost("mm", "aten.mm.default", fwd, 2 * fwd, (64 * 256 * 4,), (True,), 0.0, 0.0)
+    node = _node(fwd, 2 * fwd, 64 * 256 * 4)
     rep = Strategy((Spec.parse("RR"), Spec.parse("RR")), (Spec.parse("RR"),))
     col = Strategy((Spec.parse("S(0)R"), Spec.parse("RS(1)")), (Spec.parse("S(0)S(1)"),))
     c_rep, m_rep = strategy_cost(node, rep, [(64, 256)], mesh, in_bytes=[64 * 128 * 4, 128 * 256 * 4])
@@ -36,6 +67,35 @@ def test_strategy_cost_splits_flops_and_charges_replicated_input_grads():
     assert m_rep == 0.0
     # x is R on axis 1 (tp) where the op is split: its grad is Partial there -> all-reduce of local x (S(0) on dp)
     # w is R on axis 0 (dp): all-reduce of the local w shard (S(1) on tp) over dp
-    expect = collective_time_s("all_reduce", 64 * 128 * 4 / 2, mesh.axes[1]) + collective_time_s(
-        "all_reduce", 128 * 256 * 4 / 2, mesh.axes[0])
-    assert m_col == pytest.approx(expect)
+    x_ar = collective_time_s("all_reduce", 64 * 128 * 4 / 2, mesh.axes[1])
+    w_ar = collective_time_s("all_reduce", 128 * 256 * 4 / 2, mesh.axes[0])
+    assert m_col == pytest.approx(x_ar + w_ar)
+    # w a parameter whose grad rides in a bucket: a tenth of the all-reduce latency 2(n-1) alpha
+    _, m_bucket = strategy_cost(node, col, [(64, 256)], mesh, in_bytes=[64 * 128 * 4, 128 * 256 * 4],
+                                latency_share=[1.0, 0.1])
+    alpha = mesh.axes[0].alpha_s
+    assert m_bucket == pytest.approx(x_ar + w_ar - 0.9 * 2 * alpha)
+
+
+def test_op_overhead_and_elementwise_backward_bytes():
+    mesh = replace(make_mesh(2, (2,), "cpu"), op_overhead_s=2e-5)
+    bw = mesh.mem_bandwidth_bytes_per_s
+    rep = Strategy((Spec.parse("R"),), (Spec.parse("R"),))
+    split = Strategy((Spec.parse("S(0)"),), (Spec.parse("S(0)"),))
+    # gelu on 1 MB: no flops; forward writes 1 MB, backward reads the grad and writes the input grad (2 MB)
+    gelu = _node(0.0, 0.0, 1e6, op="aten.gelu.default")
+    assert launches(gelu) == (1, 1)
+    c, m = strategy_cost(gelu, rep, [(1000,)], mesh)
+    assert (c, m) == (pytest.approx(1e6 / bw + 2e6 / bw + 2 * 2e-5), 0.0)
+    # split over 2 ranks: bytes halve, the launches do not (each rank still launches every op)
+    c, _ = strategy_cost(gelu, split, [(1000,)], mesh)
+    assert c == pytest.approx(0.5e6 / bw + 1e6 / bw + 2 * 2e-5)
+    # no gradient (integer ops, masks): forward only
+    mask = _node(0.0, 0.0, 1e6, requires_grad=False, op="aten.ne.Scalar")
+    assert launches(mask) == (1, 0)
+    assert strategy_cost(mask, rep, [(1000,)], mesh)[0] == pytest.approx(1e6 / bw + 2e-5)
+    # getitem is Python: nothing launched, nothing moved
+    item = _node(0.0, 0.0, 0.0, op="<built-in function getitem>")
+    assert launches(item) == (0, 0) and strategy_cost(item, rep, [(1000,)], mesh)[0] == 0.0
+    # recompute pays the forward again: roofline + one launch
+    assert forward_time_s(gelu, split, mesh) == pytest.approx(0.5e6 / bw + 2e-5)

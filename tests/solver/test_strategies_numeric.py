@@ -141,3 +141,55 @@ def test_checker_catches_a_wrong_strategy():
     wrong_in = Strategy((Spec.parse("P"), Spec.parse("R")), (Spec.parse("S(0)"),))  # Partial input is not a shard
     with pytest.raises((AssertionError, RuntimeError)):
         check_node(node, wrong_in, values, (2,))
+
+
+@pytest.mark.parametrize("op, extra", [
+    (torch.ops.aten.mean.default, ()),                   # MSE loss: mean over every dim
+    (torch.ops.aten.mean.dim, ([1], False)),             # a middle dim dropped: dim 2 becomes dim 1
+    (torch.ops.aten.mean.dim, ([0, 2], True)),
+    (torch.ops.aten.mean.dim, ([-1], True)),             # RMSNorm's mean of squares
+])
+def test_mean_over_sharded_dims_is_a_partial_sum_of_local_terms(op, extra):
+    """mean over a sharded dim -> Partial: each rank's local mean / #shards (= local sum / GLOBAL count)."""
+    from autopar.solver.strategies import node_strategies
+
+    g = fx.Graph()
+    x = g.placeholder("x")
+    full = torch.randn(4, 8, 12, dtype=torch.float64)
+    x.meta["val"] = torch.empty(4, 8, 12, dtype=torch.float64, device="meta")
+    node = g.call_function(op, (x, *extra))
+    expected = op(full, *extra)
+    node.meta["val"] = torch.empty(expected.shape, dtype=torch.float64, device="meta")
+    values = {x: full, node: expected}
+    verified = 0
+    for mesh_shape in MESHES:
+        strategies = node_strategies(node, mesh_shape)
+        for strategy in strategies:
+            check_node(node, strategy, values, mesh_shape)
+            verified += 1
+        reduced = {d % 3 for d in extra[0]} if extra else {0, 1, 2}
+        partial_from_shard = [s for s in strategies if any(
+            str(p).startswith("S(") and int(str(p)[2]) in reduced and str(q) == "P"
+            for p, q in zip(s.input_specs[0].placements, s.output_specs[0].placements))]
+        assert partial_from_shard, f"{op} on {mesh_shape}: no Shard(reduced dim) -> Partial strategy"
+    # per axis: R, P and one Shard per input dim -> 5 rules on (2,), 25 on (2, 2) (all even here)
+    assert verified == 5 + 25
+
+
+def test_view_keeps_the_candidates_dtensor_does_not_reject():
+    """DTensor's view rule raises for an input spec it cannot unflatten evenly (dim 1 = 25 x 2 split over 2
+    ranks); only that candidate may drop out, not every strategy of the op (GPT-2-XL's 25 heads on 8 devices)."""
+    from autopar.solver.strategies import node_strategies
+
+    g = fx.Graph()
+    x = g.placeholder("x")
+    full = torch.randn(4, 50)
+    x.meta["val"] = torch.empty(4, 50, device="meta")
+    node = g.call_function(torch.ops.aten.view.default, (x, [4, 25, 2]))
+    node.meta["val"] = torch.empty(4, 25, 2, device="meta")
+    values = {x: full, node: full.view(4, 25, 2)}
+    strategies = node_strategies(node, (2,))
+    assert Strategy((Spec.parse("S(0)"),), (Spec.parse("S(0)"),)) in strategies
+    assert not any(s.input_specs[0] == Spec.parse("S(1)") for s in strategies)  # the rejected candidate
+    for strategy in strategies:
+        check_node(node, strategy, values, (2,))

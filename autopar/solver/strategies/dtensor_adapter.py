@@ -191,8 +191,14 @@ def _op_strategy_rules(op: Any, args: tuple, kwargs: dict, mesh_shape: tuple[int
         # A view rule maps each input candidate on its own, but prices a redistribution from
         # every candidate to each target (quadratic; ~90% of cold strategy time on GPT-2).
         # Asking once per candidate gives the same strategies, in the same order, in linear time.
-        results = [func(OpSchema(op, (OpStrategy([c]),) + in_args[1:], in_kwargs)) for c in in_args[0].strategies]
-        specs = [s for r in results for s in r.strategies]
+        # A candidate the rule rejects by raising (e.g. unflattening a dim sharded unevenly) drops
+        # only that candidate, not the whole op.
+        specs = []
+        for c in in_args[0].strategies:
+            try:
+                specs += func(OpSchema(op, (OpStrategy([c]),) + in_args[1:], in_kwargs)).strategies
+            except (RuntimeError, AssertionError, ValueError) as err:
+                log.debug("strategies: %s rejects input %s: %s", op, c.output_spec, err)
     else:
         result = func(OpSchema(op, in_args, in_kwargs))
         if not isinstance(result, OpStrategy):  # TupleStrategy (foreach ops): not in training graphs

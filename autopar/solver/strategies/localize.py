@@ -7,8 +7,12 @@ that holds block k of an arange builds exactly that block).
 
     target, args, kwargs = local_call(node, strategy, mesh_shape, coordinate)
 
-`target` differs from `node.target` only for arange (a sharded block needs
-`arange.start_step`). Tensor arguments are returned unchanged (fx.Nodes); the caller substitutes
+`target` differs from `node.target` only for
+- arange: a sharded block needs `arange.start_step`;
+- mean over a dim that the input shards: `mean_of_shards`, the local mean divided by
+  the number of shards, i.e. the local sum over the GLOBAL count (exact for even
+  shards), so the ranks' terms add up to the global mean (a Partial output).
+Tensor arguments are returned unchanged (fx.Nodes); the caller substitutes
 each rank's local tensor.
 """
 from __future__ import annotations
@@ -31,6 +35,24 @@ _SIZE_ARG = {
     aten.rand.default: 0, aten.randn.default: 0,
 }
 _ARANGE = (aten.arange.default, aten.arange.start, aten.arange.start_step)
+_MEAN = (aten.mean.default, aten.mean.dim)
+
+
+def reduced_dims(op: Any, args: Sequence, kwargs: dict, ndim: int) -> frozenset[int]:
+    """The dims a mean/sum reduces, normalised (None or [] over a mean.dim/sum.dim_IntList: all dims)."""
+    if op in (aten.mean.default, aten.sum.default):
+        return frozenset(range(ndim))
+    dims = args[1] if len(args) > 1 else kwargs.get("dim")
+    if dims is None or (isinstance(dims, (list, tuple)) and not dims):
+        return frozenset(range(ndim))
+    dims = dims if isinstance(dims, (list, tuple)) else [dims]
+    return frozenset(int(d) % max(ndim, 1) for d in dims)
+
+
+def mean_of_shards(x: torch.Tensor, dims: list[int], keepdim: bool, shards: int, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """One rank's term of a mean whose reduced dims are split into `shards` even blocks:
+    local mean / shards = local sum / global count; the terms sum to the global mean."""
+    return aten.div.Scalar(aten.mean.dim(x, dims, keepdim, dtype=dtype), shards)
 
 
 def block_index(spec: Spec, dim: int, mesh_shape: Sequence[int], coordinate: Sequence[int]) -> tuple[int, int]:
@@ -51,6 +73,8 @@ def local_call(node: fx.Node, strategy: Strategy, mesh_shape: Sequence[int], coo
     if not strategy.output_specs or not isinstance(val, torch.Tensor):
         return op, args, kwargs
     out_spec = strategy.output_specs[0]
+    if op in _MEAN:
+        return _local_mean(node, strategy, mesh_shape)
     if out_spec.shard_factor(mesh_shape) == 1:
         return op, args, kwargs
     if op in _SIZE_ARG:
@@ -74,3 +98,18 @@ def _local_arange(op: Any, args: tuple, spec: Spec, length: int, mesh_shape: Seq
     block = length // count
     lo = start + index * block * step
     return (lo, lo + block * step, step)
+
+
+def _local_mean(node: fx.Node, strategy: Strategy, mesh_shape: Sequence[int]) -> tuple[Any, tuple, dict]:
+    args, kwargs = tuple(node.args), dict(node.kwargs)
+    ndim = node.args[0].meta["val"].dim()
+    dims = reduced_dims(node.target, args, kwargs, ndim)
+    x_spec = strategy.input_specs[0]
+    shards = 1
+    for p, n in zip(x_spec.placements, mesh_shape):
+        if isinstance(p, Shard) and p.dim in dims:
+            shards *= n
+    if shards == 1:
+        return node.target, args, kwargs
+    keepdim = node.target is aten.mean.dim and bool(args[2] if len(args) > 2 else kwargs.get("keepdim", False))
+    return mean_of_shards, (args[0], sorted(dims), keepdim, shards), {"dtype": kwargs.get("dtype")}

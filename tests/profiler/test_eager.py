@@ -1,0 +1,110 @@
+"""Nodes priced as eager runs them (autopar/profiler/eager.py), and per-op scratch as a peak."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.multiprocessing.reductions import StorageWeakRef
+
+from autopar.profiler import peak_memory, profile
+from autopar.profiler.eager import eager_graph
+from autopar.profiler.measure import measure_step
+from autopar.profiler.probe import _Watch
+from autopar.tracer import trace
+from tests.profiler.zoo import SEQ, load_example
+
+
+class SwiGLU(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.up = nn.Linear(16, 64, bias=False)
+        self.down = nn.Linear(64, 16, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down(F.silu(self.up(x))).square().mean()
+
+
+class MaskedAttention(nn.Module):
+    """sdpa with a boolean mask that is either an input or built from shapes (`diagonal` picks its pattern)."""
+
+    def __init__(self, diagonal: int = 0) -> None:
+        super().__init__()
+        self.qkv = nn.Linear(16, 48)
+        self.diagonal = diagonal
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+        B, T, _ = x.shape
+        q, k, v = (t.view(B, T, 2, 8).transpose(1, 2) for t in self.qkv(x).split(16, dim=2))  # (B, 2, T, 8)
+        if mask is None:
+            mask = torch.ones(T, T, dtype=torch.bool, device=x.device).tril(self.diagonal)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask.expand(B, 1, T, T)).sum()
+
+
+def _trace(model_cls, *args, **kwargs):
+    with torch.device("meta"):
+        model = model_cls(*args, **kwargs)
+    return trace(model, torch.empty(2, 8, 16, device="meta"), dynamic_dims={"batch": 0, "seq": 1})
+
+
+def test_silu_keeps_only_its_input():
+    traced = _trace(SwiGLU)
+    cost = profile(traced).evaluate(batch=4, seq=32)
+    (sig,) = [c for c in cost.nodes.values() if c.op == "aten.sigmoid.default"]
+    (up,) = [n.name for n in traced.graph.nodes if n.target is torch.ops.aten.mm.default][:1]
+    (silu,) = [name for name, c in cost.nodes.items() if c.op == "aten.mul.Tensor" and c.saved_refs]
+    # Eager's silu never materialises the sigmoid and keeps only x = up(x) (4*32*64 fp32) for backward.
+    assert sig.output_bytes == (0.0,) and not sig.saved_refs
+    assert cost.nodes[silu].saved_refs == ((up, 0),)
+    assert cost.nodes[up].output_bytes == (4 * 32 * 64 * 4,)
+    assert cost.nodes[silu].output_bytes == (4 * 32 * 64 * 4,)
+    with torch.device("cpu"):
+        torch.manual_seed(0)
+        real = SwiGLU()
+    measured = measure_step(real, torch.randn(4, 32, 16)).peak_bytes
+    assert abs(peak_memory(traced, cost).peak_bytes - measured) <= 0.01 * measured
+
+
+def test_hf_causal_mask_is_priced_as_is_causal(traced_zoo):
+    traced = traced_zoo("hf_gpt2")
+    eager = eager_graph(traced.graph)
+    attn = [n.name for n in traced.graph.nodes if n.target is torch.ops.aten.scaled_dot_product_attention.default]
+    assert attn and set(attn) <= set(eager.calls)
+    B, T, H = 4, SEQ, 4
+    cost = profile(traced).evaluate(batch=B, seq=T)
+    for name in attn:
+        # Only the logsumexp (B, H, T) fp32 is kept beyond q, k, v and out: no float (B, 1, T, T) mask.
+        assert cost.nodes[name].extra_saved_bytes == B * H * T * 4
+    masks = [n for n in traced.graph.nodes if n.name in eager.skipped and n.meta["val"].dtype == torch.bool]
+    assert masks and all(cost.nodes[n.name].output_bytes == (0.0,) for n in masks)
+
+
+@pytest.mark.parametrize("mask_from", ["input", "shapes, not causal"])
+def test_masks_eager_builds_are_kept(mask_from):
+    if mask_from == "input":
+        with torch.device("meta"):
+            model = MaskedAttention()
+        mask = torch.ones(8, 8, dtype=torch.bool, device="meta").tril()
+        traced = trace(model, (torch.empty(2, 8, 16, device="meta"), mask), dynamic_dims={"batch": 0})
+        sizes = {"batch": 4}
+    else:
+        traced = _trace(MaskedAttention, diagonal=1)  # each query also sees the next key
+        sizes = {"batch": 4, "seq": 8}
+    assert not eager_graph(traced.graph).calls
+    (attn,) = [n for n in traced.graph.nodes if n.target is torch.ops.aten.scaled_dot_product_attention.default]
+    cost = profile(traced).evaluate(**sizes)
+    # The CPU kernel turns the bool mask into a float (B, 1, T, T) one and keeps it, with the logsumexp.
+    assert cost.nodes[attn.name].extra_saved_bytes == 4 * 8 * 8 * 4 + 4 * 2 * 8 * 4
+
+
+def test_scratch_is_a_peak_not_a_sum():
+    with FakeTensorMode():
+        watch = _Watch()
+        with watch:
+            a = torch.empty(100)
+            del a  # dead before b is made: the two never coexist
+            b = torch.empty(200)
+            del b
+            kept = torch.empty(50)
+        assert watch.peak_scratch({StorageWeakRef(kept.untyped_storage())}) == 200 * 4
