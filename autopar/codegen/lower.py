@@ -183,7 +183,10 @@ class _Lowerer:
                 continue
             # axes on which every use holds a partial grad: reduced once, on the parameter, not per use
             lifted = [self.partial_grad_axes(e, uses) for e in edges]
-            common = set.intersection(*(axes for axes, _ in lifted))
+            # only axes the parameter is used Replicate on: on a sharded axis the edge reshards (e.g. all-gathers)
+            # the parameter first, and the all-reduce must stay after that step's backward (on the edge)
+            replicated = {k for k, p in enumerate(d.use.placements) if isinstance(p, Replicate)}
+            common = set.intersection(*(axes for axes, _ in lifted)) & replicated
             for _, strips in lifted:
                 for key, axes in strips:
                     self.edges[key] = _without_axes(self.edges[key], axes & common)

@@ -5,10 +5,6 @@ quite that program: `run_decompositions()` splits some ops, and export takes
 code paths that eager skips. Each difference found here is one that moves the
 measured peak of live tensor storage by whole activations:
 
-- Fused activations: `silu(x)` is decomposed to `x * sigmoid(x)`, whose
-  autograd keeps `sigmoid(x)` as well as `x`; eager's `aten.silu` keeps only
-  `x` and never materialises the sigmoid. Such a `mul` is priced as the op
-  eager runs (`EagerCall`) and its `sigmoid` is *fused* into it.
 - Causal masks: Hugging Face's `create_causal_mask` materialises a boolean
   (B, 1, T, T) mask under export, while in eager it returns None for a plain
   causal mask and attention runs with `is_causal=True`
@@ -56,34 +52,13 @@ class EagerCall:
 @dataclass(frozen=True)
 class EagerGraph:
     calls: Mapping[str, EagerCall]  # node name -> the op eager runs in its place
-    fused: Mapping[str, str]  # node eager computes inside another node's op -> that node
     skipped: frozenset[str]  # nodes eager never runs
 
-
-def fused_activations(graph: fx.Graph) -> tuple[dict[str, EagerCall], dict[str, str]]:
-    """`mul(x, sigmoid(x))` (either order) whose sigmoid has no other user -> `silu(x)`."""
-    calls: dict[str, EagerCall] = {}
-    fused: dict[str, str] = {}
-    for node in graph.nodes:
-        if node.target is not aten.mul.Tensor or len(node.args) != 2:
-            continue
-        a, b = node.args
-        for x, sig in ((a, b), (b, a)):
-            if (
-                isinstance(sig, fx.Node)
-                and sig.target is aten.sigmoid.default
-                and sig.args[0] is x
-                and len(sig.users) == 1
-            ):
-                calls[node.name] = EagerCall(aten.silu.default, (x,))
-                fused[sig.name] = node.name
-                break
-    return calls, fused
 
 
 def eager_graph(graph: fx.Graph) -> EagerGraph:
     """Every difference above, found on `graph` (a traced core-ATen graph)."""
-    calls, fused = fused_activations(graph)
+    calls: dict[str, EagerCall] = {}
     masks: dict[fx.Node, bool] = {}  # mask node -> it is a data-free causal mask
     for node in graph.nodes:
         if node.target is not _SDPA:
@@ -100,7 +75,7 @@ def eager_graph(graph: fx.Graph) -> EagerGraph:
             if k0 is not None and v0 is not None:  # without a mask HF passes grouped k, v (`use_gqa_in_sdpa`)
                 k, v, kwargs = k0, v0, {**kwargs, "enable_gqa": True}
             calls[node.name] = EagerCall(_SDPA, (q, k, v), {**kwargs, "is_causal": True})
-    return EagerGraph(calls, fused, _mask_only_nodes(graph, calls))
+    return EagerGraph(calls, _mask_only_nodes(graph, calls))
 
 
 def _unrepeated_kv(node: Any) -> fx.Node | None:

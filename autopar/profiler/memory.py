@@ -29,7 +29,6 @@ from typing import Callable, Collection
 import torch
 from torch import fx
 
-from autopar.profiler.eager import fused_activations
 from autopar.profiler.graph import Ref, analyze
 from autopar.profiler.profile import optimizer_key
 from autopar.profiler.types import ConcreteProfile
@@ -85,7 +84,6 @@ def peak_memory(
         n.name for n in nodes if n.target is torch.ops.aten.clone.default and not any(cost[n.name].output_bytes)
     )
     facts = analyze(traced, elided)
-    _, fused = fused_activations(traced.graph)
     pos = {n.name: i for i, n in enumerate(nodes)}
     recompute = set(recompute)
 
@@ -190,11 +188,11 @@ def peak_memory(
             entered.add(key)
             live += sum(size[b] for b in dict.fromkeys(rebuilt[key]) if b not in release)
             live += sum(cost[m].extra_saved_bytes for m in members[key])
-        # Views pass gradients through; a fused node's gradient flows inside its consumer's eager op.
-        if c.requires_grad and not all(facts.aliases.get(n.name, (False,))) and n.name not in fused:
+        # Views pass gradients through.
+        if c.requires_grad and not all(facts.aliases.get(n.name, (False,))):
             transient = c.temp_bytes
             for a, r in zip(tensor_args(n), facts.arg_refs[n.name]):
-                if a.op == "placeholder" and a.name not in traced.param_fqns or a.name in fused:
+                if a.op == "placeholder" and a.name not in traced.param_fqns:
                     continue
                 if not cost.get(a.name) or not cost[a.name].requires_grad:
                     continue

@@ -6,7 +6,7 @@ numel * itemsize of the fake outputs (0 for views); saved tensors are
 attributed to the producer of the storage they live in (see `graph.py`).
 Values are sympy expressions in the trace's symbols (`traced.symbols`).
 Nodes are priced as eager runs them where that differs from the graph
-(`eager.py`: fused activations, causal masks eager never builds).
+(`eager.py`: causal masks eager never builds).
 """
 from __future__ import annotations
 
@@ -82,8 +82,8 @@ def profile(traced: TracedGraph, optimizer: str = "adamw") -> GraphProfile:
             continue
         vals = output_vals(node)
         alias = facts.aliases.get(node.name, (False,) * len(vals))
-        # Eager never materialises a fused or skipped node's output (see eager.py).
-        absent = node.name in eager.fused or node.name in eager.skipped
+        # Eager never materialises a skipped node's output (see eager.py).
+        absent = node.name in eager.skipped
         p = probes.get(node.name)
         out_bytes = tuple(
             _ZERO if v is None or alias[i] or absent else to_expr(tensor_bytes(v)) for i, v in enumerate(vals)
@@ -169,7 +169,7 @@ def _probe_node(node, facts: GraphFacts, eager: EagerGraph) -> OpProbe | None:
     and so are nodes eager runs inside another op or not at all."""
     if node.op != "call_function" or node.target is operator.getitem or not facts.requires_grad.get(node.name):
         return None
-    if all(facts.aliases.get(node.name, (False,))) or node.name in eager.fused or node.name in eager.skipped:
+    if all(facts.aliases.get(node.name, (False,))) or node.name in eager.skipped:
         return None
     return probe(node, facts.requires_grad, facts.used_outputs[node.name], eager.calls.get(node.name))
 

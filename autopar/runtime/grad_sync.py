@@ -125,6 +125,10 @@ class GradSync:
     def num_buckets(self) -> int:
         return len(self._buckets)
 
+    def bucket_buffers(self) -> list[torch.Tensor]:
+        """The flat bucket tensors (allocated once, alive as long as the sync: memory accounting counts them)."""
+        return [b.buffer for b in self._buckets]
+
     def bucket_names(self) -> list[list[str]]:
         """Parameter names per bucket, in launch order."""
         return [list(b.names) for b in self._buckets]

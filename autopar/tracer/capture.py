@@ -31,8 +31,11 @@ from autopar.errors import TraceError
 
 log = logging.getLogger(__name__)
 
-# Attention kernels we keep whole: the solver has rules for them (split by heads/batch).
+# Ops we keep whole instead of decomposing. Attention: the solver has rules for it (split by
+# heads/batch). SiLU: decomposed it becomes x * sigmoid(x), whose autograd saves the sigmoid as
+# well as x; whole, it saves x only, as eager does (one activation less per MLP).
 _KEEP_WHOLE = (
+    torch.ops.aten.silu.default,
     torch.ops.aten.scaled_dot_product_attention.default,
     torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default,
     torch.ops.aten._scaled_dot_product_efficient_attention.default,

@@ -6,19 +6,26 @@
 
 Each baseline is priced as the same ILP with what the baseline fixes pinned:
 every parameter's use spec, the batch inputs' spec (Shard(0) over the data-parallel
-axis) and ZeRO (always for fsdp, never otherwise); the ILP picks the rest. Pinning
+axis) and ZeRO (never for ddp and tp); the ILP picks the rest. Pinning
 the inputs matters: `autopar.solver.baseline_plan("data_parallel")` only restricts
 parameters, and on a calibrated CPU mesh its cheapest "data parallel" plan computes
 the whole batch on every rank (no gradient all-reduce), which is not what DDP runs.
 Its "megatron" likewise only allows tensor-parallel weights. tp pins what
 `tensor_parallel.PLANS` runs: column-parallel weight Shard(0), row-parallel Shard(1)
-on the tp axis, everything else replicated. The "+ac" variants re-price a plan with
-`fixed_plan` and every node inside a transformer block recomputed (what
-checkpointing each block does).
+on the tp axis, everything else replicated. fsdp is priced from the ddp plan plus
+FSDP2's own collectives: per `fully_shard` unit (each block, and the root for the
+rest) one all-gather of the unit's parameters in forward, one again in backward
+(not for the root, which FSDP2 keeps unsharded after forward) and one
+reduce-scatter of its gradients, instead of ddp's bucketed all-reduce; its memory is
+the ILP's ZeRO-3 plan's. (autopar's own ZeRO gathers each parameter on its own,
+which is what the ILP prices; FSDP2 gathers a block's parameters at once.) The
+"+ac" variants add the recompute time of every node inside a transformer block
+(what checkpointing each block does), priced with `fixed_plan`.
 """
 from __future__ import annotations
 
 import logging
+from dataclasses import replace
 from typing import Any
 
 from torch import nn
@@ -28,8 +35,10 @@ from autopar.errors import AutoparError, InfeasibleError
 from autopar.profiler import profile
 from autopar.solver import fixed_plan, solve
 from autopar.solver.ilp import Restrictions, solve_problem
+from autopar.runtime.grad_sync import DEFAULT_BUCKET_BYTES
+from autopar.solver.cost import bucket_latency_share, collective_time_s
 from autopar.solver.mesh import Mesh
-from autopar.solver.plan import Plan
+from autopar.solver.plan import Plan, TimeBreakdown
 from autopar.solver.problem import build_problem
 from autopar.solver.search import to_plan
 from autopar.solver.spec import Replicate, Shard, Spec
@@ -55,6 +64,8 @@ class Predictor:
             n.name for n in self.traced.graph.nodes
             if n.op == "call_function" and any(_inside(module_path(n), b) for b in blocks))
         self._baselines: dict[str, Plan] = {}
+        self._blocks = blocks
+        self._param_bytes = {fqn: p.param_bytes for fqn, p in self.profile.params.items()}
         self._tp_specs = _tp_param_specs(family, blocks)
 
     def baseline(self, system: str, ac: bool = False) -> Plan:
@@ -63,11 +74,29 @@ class Predictor:
             mesh, zero = BASELINE_OF[system]
             self._baselines[system] = self.pinned_plan(self.meshes[mesh], tp_params=system == "tp", zero=zero)
         plan = self._baselines[system]
-        if not ac:
-            return plan
-        choices = {d.node: d.strategy for d in plan.nodes if d.op != "output"}
-        zero_fqns = frozenset(p.fqn for p in plan.params if p.zero)
-        return fixed_plan(self.traced, self.profile, plan.mesh, choices, recompute=self._recompute, zero_params=zero_fqns)
+        timed = self.baseline("ddp") if system == "fsdp" else plan  # fsdp's strategies: ddp's, see the docstring
+        if ac:
+            choices = {d.node: d.strategy for d in timed.nodes if d.op != "output"}
+            timed = fixed_plan(self.traced, self.profile, timed.mesh, choices, recompute=self._recompute)
+        if system == "fsdp":
+            t = timed.time
+            return replace(plan, time=TimeBreakdown(t.compute_s, t.comm_s + self._fsdp_extra_comm_s(plan.mesh), t.recompute_s))
+        if ac:  # ZeRO choices as the plan made them (none for ddp and tp)
+            zero_fqns = frozenset(p.fqn for p in plan.params if p.zero)
+            choices = {d.node: d.strategy for d in plan.nodes if d.op != "output"}
+            return fixed_plan(self.traced, self.profile, plan.mesh, choices, recompute=self._recompute, zero_params=zero_fqns)
+        return plan
+
+    def _fsdp_extra_comm_s(self, mesh: Mesh) -> float:
+        """FSDP2's collectives per step minus the ddp gradient all-reduce they replace (see the docstring)."""
+        axis = mesh.axes[0]
+        units = [sum(self._param_bytes[f] for f in self._param_bytes if _inside(f, b)) for b in self._blocks]
+        root = sum(self._param_bytes.values()) - sum(units)
+        fsdp = sum(2 * collective_time_s("all_gather", b, axis) + collective_time_s("reduce_scatter", b, axis) for b in units)
+        fsdp += collective_time_s("all_gather", root, axis) + collective_time_s("reduce_scatter", root, axis)
+        total = sum(self._param_bytes.values())
+        ddp_sync = collective_time_s("all_reduce", total, axis, bucket_latency_share(total, total, DEFAULT_BUCKET_BYTES))
+        return fsdp - ddp_sync
 
     def pinned_plan(self, mesh: Mesh, tp_params: bool, zero: str) -> Plan:
         """The fastest plan with batch inputs Shard(0) over the outer axis and parameters used replicated,

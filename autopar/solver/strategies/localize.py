@@ -9,6 +9,8 @@ that holds block k of an arange builds exactly that block).
 
 `target` differs from `node.target` only for
 - arange: a sharded block needs `arange.start_step`;
+- embedding with its table sharded by rows (vocabulary parallel): `masked_embedding`
+  with this rank's row range (a rank-dependent lookup, see `rules_embedding`);
 - mean over a dim that the input shards: `mean_of_shards`, the local mean divided by
   the number of shards, i.e. the local sum over the GLOBAL count (exact for even
   shards), so the ranks' terms add up to the global mean (a Partial output).
@@ -49,6 +51,16 @@ def reduced_dims(op: Any, args: Sequence, kwargs: dict, ndim: int) -> frozenset[
     return frozenset(int(d) % max(ndim, 1) for d in dims)
 
 
+def masked_embedding(weight: torch.Tensor, indices: torch.Tensor, lo: int, hi: int, padding_idx: int = -1) -> torch.Tensor:
+    """This rank's term of a lookup into rows [lo, hi) of a table: indices outside the range give
+    zero rows (and, through masked_fill's backward, no gradient), so the ranks' terms sum to the lookup."""
+    outside = aten.logical_or.default(aten.lt.Scalar(indices, lo), aten.ge.Scalar(indices, hi))
+    local = aten.masked_fill.Scalar(aten.sub.Scalar(indices, lo), outside, 0)
+    local_pad = padding_idx - lo if lo <= padding_idx < hi else -1
+    rows = aten.embedding.default(weight, local, local_pad)
+    return rows
+
+
 def mean_of_shards(x: torch.Tensor, dims: list[int], keepdim: bool, shards: int, dtype: torch.dtype | None = None) -> torch.Tensor:
     """One rank's term of a mean whose reduced dims are split into `shards` even blocks:
     local mean / shards = local sum / global count; the terms sum to the global mean."""
@@ -75,6 +87,9 @@ def local_call(node: fx.Node, strategy: Strategy, mesh_shape: Sequence[int], coo
     out_spec = strategy.output_specs[0]
     if op in _MEAN:
         return _local_mean(node, strategy, mesh_shape)
+    if op is aten.embedding.default and strategy.input_specs and any(
+            isinstance(p, Shard) and p.dim == 0 for p in strategy.input_specs[0].placements):
+        return _local_embedding(node, strategy, mesh_shape, coordinate)
     if out_spec.shard_factor(mesh_shape) == 1:
         return op, args, kwargs
     if op in _SIZE_ARG:
@@ -113,3 +128,11 @@ def _local_mean(node: fx.Node, strategy: Strategy, mesh_shape: Sequence[int]) ->
         return node.target, args, kwargs
     keepdim = node.target is aten.mean.dim and bool(args[2] if len(args) > 2 else kwargs.get("keepdim", False))
     return mean_of_shards, (args[0], sorted(dims), keepdim, shards), {"dtype": kwargs.get("dtype")}
+
+
+def _local_embedding(node: fx.Node, strategy: Strategy, mesh_shape: Sequence[int], coordinate: Sequence[int]) -> tuple[Any, tuple, dict]:
+    rows = int(node.args[0].meta["val"].shape[0])
+    index, count = block_index(strategy.input_specs[0], 0, mesh_shape, coordinate)
+    block = rows // count
+    padding_idx = node.args[2] if len(node.args) > 2 else node.kwargs.get("padding_idx", -1)
+    return masked_embedding, (node.args[0], node.args[1], index * block, (index + 1) * block, padding_idx), {}
