@@ -15,9 +15,10 @@ Compute (per training step, forward + backward) of a node under a strategy:
 Communication inside a strategy: an input that is Replicate on an axis where
 the op is split gets a Partial gradient, which needs an all-reduce over that
 axis in backward (Megatron's "f" operator). When the input is a parameter the
-runtime does that all-reduce in buckets (`autopar.runtime.grad_sync`), so it
-pays the bandwidth term in full and only `latency_share` of the latency term
-(its part of the bucket it travels in, see `bucket_latency_share`).
+runtime does that all-reduce in buckets (`autopar.runtime.grad_sync`), over one
+group spanning all those axes, so it pays the bandwidth term in full and only
+its share of the latency term (its part of the bucket it travels in, see
+`bucket_latency_share`).
 Ring formulas, with n ranks on the axis, (alpha, beta) the axis' numbers for
 that collective kind (`MeshAxis.link`):
   all_reduce      2(n-1)/n * bytes / beta + 2(n-1) alpha   (bytes = local size)
@@ -28,13 +29,14 @@ that collective kind (`MeshAxis.link`):
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 from typing import Sequence
 
 from autopar.profiler.types import NodeCost
 from autopar.solver.mesh import COLLECTIVE_KINDS, Mesh, MeshAxis
 from autopar.solver.spec import Replicate, Strategy
 
-__all__ = ["bucket_latency_share", "collective_time_s", "compute_time_s", "forward_time_s", "launches",
+__all__ = ["bucket_latency_share", "collective_time_s", "compute_time_s", "flat_axis", "forward_time_s", "launches",
            "split_factor", "strategy_cost"]
 
 
@@ -107,36 +109,46 @@ def forward_time_s(node_cost: NodeCost, strategy: Strategy, mesh: Mesh) -> float
     return compute_time_s(node_cost.fwd_flops / split_factor(strategy, mesh), out_bytes, mesh) + fwd_launches * mesh.op_overhead_s
 
 
+def flat_axis(mesh: Mesh, axes: Sequence[int]) -> MeshAxis:
+    """One group spanning `axes` (what the bucketed grad sync reduces over: one collective, not one per axis),
+    with the link numbers of the outermost of them (the slowest link sets the ring's pace)."""
+    outer = mesh.axes[min(axes)]
+    return replace(outer, name="+".join(mesh.axes[a].name for a in axes), size=math.prod(mesh.shape[a] for a in axes))
+
+
 def strategy_cost(
     node_cost: NodeCost,
     strategy: Strategy,
     out_shapes: Sequence[tuple[int, ...] | None],
     mesh: Mesh,
     in_bytes: Sequence[float] | None = None,
-    latency_share: Sequence[float] | None = None,
+    param_share: Sequence[float | None] | None = None,
 ) -> tuple[float, float]:
     """(compute_s, comm_s) of one training step of the node under `strategy`.
 
     out_shapes: global shape per output (kept for callers; local bytes come from the specs).
     in_bytes: global bytes per input spec (for the backward all-reduce of
     Replicate inputs of a split op); without it that term is left out.
-    latency_share: per input, the part of a collective's latency its gradient
-    all-reduce pays (1.0: its own collective, an activation; less: a parameter
-    gradient in a bucket, see `bucket_latency_share`); default all 1.0.
+    param_share: per input, None for an activation (its gradient is all-reduced in
+    the graph, one collective per axis), or, for a parameter's gradient, the part of
+    a bucket's latency it pays (`bucket_latency_share`): the bucketed sync reduces it
+    over all those axes at once (`flat_axis`). Default: all activations.
     """
     factor = split_factor(strategy, mesh)
     out_local_bytes = _local_out_bytes(node_cost, strategy, mesh)
-    fwd_launches, bwd_launches = launches(node_cost)
+    _, bwd_launches = launches(node_cost)
     compute = forward_time_s(node_cost, strategy, mesh)
     if _has_backward(node_cost):
         compute += compute_time_s(node_cost.bwd_flops / factor, 2 * out_local_bytes, mesh) + bwd_launches * mesh.op_overhead_s
     comm = 0.0
     if in_bytes is not None and _has_backward(node_cost):
         axes = split_axes(strategy, len(mesh.shape))
-        shares = latency_share if latency_share is not None else [1.0] * len(in_bytes)
+        shares = param_share if param_share is not None else [None] * len(in_bytes)
         for spec, nbytes, share in zip(strategy.input_specs, in_bytes, shares):
             local = nbytes / spec.shard_factor(mesh.shape)
-            for a in axes:
-                if isinstance(spec.placements[a], Replicate):
-                    comm += collective_time_s("all_reduce", local, mesh.axes[a], share)
+            partial = [a for a in axes if isinstance(spec.placements[a], Replicate)]
+            if share is None:
+                comm += sum(collective_time_s("all_reduce", local, mesh.axes[a]) for a in partial)
+            elif partial:
+                comm += collective_time_s("all_reduce", local, flat_axis(mesh, partial), share)
     return compute, comm

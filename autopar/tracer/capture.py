@@ -105,9 +105,22 @@ def trace(
         raise _trace_error(model, err) from err
     finally:
         model.train(was_training)
+    _drop_runtime_asserts(ep.graph_module)
     traced = _from_exported(ep, args, kwargs, dynamic_dims or {}, _canonical_param_names(model))
     log.info("tracer: %d ops in %.2f s", traced.num_ops(), time.perf_counter() - start)
     return traced
+
+
+# Export's runtime checks of input metadata: they produce nothing and the shapes are in node.meta
+# already; left in, every later stage would have to plan, price and lower an op that does no work.
+_RUNTIME_ASSERTS = (torch.ops.aten._assert_tensor_metadata.default,)
+
+
+def _drop_runtime_asserts(gm: fx.GraphModule) -> None:
+    for node in list(gm.graph.nodes):
+        if node.op == "call_function" and node.target in _RUNTIME_ASSERTS and not node.users:
+            gm.graph.erase_node(node)
+    gm.recompile()
 
 
 def _dynamic_shapes(args: tuple, kwargs: dict, dynamic_dims: Mapping[str, int]):

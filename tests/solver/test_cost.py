@@ -72,9 +72,16 @@ def test_strategy_cost_splits_flops_and_charges_replicated_input_grads():
     assert m_col == pytest.approx(x_ar + w_ar)
     # w a parameter whose grad rides in a bucket: a tenth of the all-reduce latency 2(n-1) alpha
     _, m_bucket = strategy_cost(node, col, [(64, 256)], mesh, in_bytes=[64 * 128 * 4, 128 * 256 * 4],
-                                latency_share=[1.0, 0.1])
+                                param_share=[None, 0.1])
     alpha = mesh.axes[0].alpha_s
     assert m_bucket == pytest.approx(x_ar + w_ar - 0.9 * 2 * alpha)
+    # a parameter replicated on both split axes: ONE all-reduce over the flat group of 4 ranks (the grad sync's),
+    # not one per axis: 2*3/4 * bytes / beta + share * 2*3 alpha, with the outer (dp) axis' link numbers
+    split = Strategy((Spec.parse("S(0)S(0)"), Spec.parse("RR")), (Spec.parse("S(0)S(0)"),))
+    _, m_flat = strategy_cost(node, split, [(64, 256)], mesh, in_bytes=[64 * 128 * 4, 128 * 256 * 4],
+                              param_share=[None, 0.5])
+    beta = mesh.axes[0].beta_bytes_per_s
+    assert m_flat == pytest.approx(1.5 * 128 * 256 * 4 / beta + 0.5 * 6 * alpha)
 
 
 def test_op_overhead_and_elementwise_backward_bytes():

@@ -58,7 +58,7 @@ def masked_embedding(weight: torch.Tensor, indices: torch.Tensor, lo: int, hi: i
     local = aten.masked_fill.Scalar(aten.sub.Scalar(indices, lo), outside, 0)
     local_pad = padding_idx - lo if lo <= padding_idx < hi else -1
     rows = aten.embedding.default(weight, local, local_pad)
-    return rows
+    return aten.masked_fill.Scalar(rows, aten.unsqueeze.default(outside, -1), 0.0)
 
 
 def mean_of_shards(x: torch.Tensor, dims: list[int], keepdim: bool, shards: int, dtype: torch.dtype | None = None) -> torch.Tensor:
