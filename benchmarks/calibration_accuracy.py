@@ -6,7 +6,9 @@ On --ranks forked gloo ranks (one thread each): `calibrate()` a 1-D mesh, then t
 with every rank busy at once (as in a training step), held-out work the cost model
 prices: matmuls and elementwise ops of several sizes (`cost.compute_time_s` plus one
 `op_overhead_s`), a forward + backward chain of tiny ops (overhead only) and every
-collective kind at three sizes (`cost.collective_time_s`). Prints a table with the
+collective kind at three sizes (`cost.collective_time_s`), back to back and, for
+small messages, in situ (right after some compute, net of it: what calibrate's latency
+models, so back-to-back small collectives come out over-predicted by design). Prints a table with the
 ratio predicted / measured, the geometric mean of |log ratio| per group and the worst
 ratio, then one JSON provenance line. Timing is `calibrate.time_op` (median block,
 slowest rank), the same code calibrate() measures with.
@@ -25,7 +27,7 @@ if sys.path and Path(sys.path[0]).resolve() == ROOT / "benchmarks":
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-from autopar.runtime.calibrate import calibrate, collective_call, model_bytes, time_op  # noqa: E402
+from autopar.runtime.calibrate import calibrate, collective_call, model_bytes, time_op, time_ops  # noqa: E402
 from autopar.runtime.launch import run_ranks  # noqa: E402
 from autopar.solver.cost import collective_time_s, compute_time_s  # noqa: E402
 from autopar.solver.mesh import COLLECTIVE_KINDS  # noqa: E402
@@ -68,6 +70,18 @@ def _rows(rank: int, world: int, reps: int) -> list[tuple[str, str, float, float
             pred = collective_time_s(kind, model_bytes(kind, nbytes, world), axis)
             meas = time_op(collective_call(kind, nbytes, world, None, cpu), cpu, reps, None)
             rows.append(("collective", f"{kind} {nbytes // 1024} KB/rank", pred, meas))
+    # in situ: after a layer's worth of compute, as inside a step (what calibrate's latency models), net of it
+    a, b = torch.randn(128, 256), torch.randn(256, 256)
+
+    def compute() -> None:
+        for _ in range(4):
+            a @ b
+
+    for kind in ("all_reduce", "all_gather"):
+        call = collective_call(kind, 8 * 1024, world, None, cpu)
+        with_coll, alone = time_ops([lambda: (compute(), call()), compute], cpu, reps, None)
+        pred = collective_time_s(kind, model_bytes(kind, 8 * 1024, world), axis)
+        rows.append(("in situ", f"{kind} 8 KB/rank after compute", pred, max(with_coll - alone, 1e-6)))
     return rows if rank == 0 else None
 
 

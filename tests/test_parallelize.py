@@ -5,10 +5,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.codegen.harness import EPS, LR, call, local_sample, loss_of, reference
+from tests.codegen.harness import EPS, LR, local_sample, loss_of, reference, trace_model
 from tests.codegen.plans import load_zoo
 
 from autopar.api import parallelize
+from autopar.profiler import profile
+from autopar.solver import solve
+from autopar.solver.mesh import make_mesh
 from autopar.runtime.launch import run_ranks
 
 
@@ -30,7 +33,7 @@ def _train(rank, world, model, sample, budget, ref):
     again = pm.state_dict()
     assert all(torch.equal(again[k], full[k]) for k in full)
     zero = sum(p.zero for p in pm.plan.params)
-    return losses, zero, len(pm.plan.recomputed())
+    return losses, zero, len(pm.plan.recomputed()), pm.plan.memory.total_bytes
 
 
 @pytest.mark.timeout(200)
@@ -38,5 +41,20 @@ def test_solver_plan_generous_budget_matches_single_device():
     model, sample = load_zoo("gpt2").build(batch_size=4, seq_len=8, size="tiny", device="cpu")
     ref = reference(model, sample, 3)
     results = run_ranks(_train, 2, model, sample, None, ref, timeout_s=180)
-    for losses, _, _ in results:
+    for losses, _, _, _ in results:
         torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref.losses), rtol=1e-5, atol=0)
+
+
+@pytest.mark.timeout(200)
+def test_solver_plan_tight_budget_uses_zero_and_recompute_and_matches_single_device():
+    model, sample = load_zoo("gpt2").build(batch_size=4, seq_len=8, size="tiny", device="cpu")
+    traced = trace_model(model, sample)
+    generous = solve(traced, profile(traced), make_mesh(2, (2,), "cpu"))
+    assert not any(p.zero for p in generous.params) and not generous.recomputed()  # the replicated plan fits a generous budget
+    budget = 0.5 * generous.memory.total_bytes  # below what the replicated plan needs
+    ref = reference(model, sample, 3)
+    results = run_ranks(_train, 2, model, sample, budget, ref, timeout_s=180)
+    for losses, zero, recomputed, total_bytes in results:
+        torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref.losses), rtol=1e-5, atol=0)
+        assert zero > 0 and recomputed > 0, (zero, recomputed)
+        assert total_bytes <= budget

@@ -35,7 +35,7 @@ from torch.utils import _pytree as pytree
 
 from autopar.codegen import random as random_ops
 from autopar.codegen.edges import Edge, Step, edge_for, is_float, plan_steps, sharded_axes
-from autopar.codegen.recompute import outline_recompute_regions
+from autopar.codegen.recompute import layer_key, outline_recompute_regions
 from autopar.codegen.shapes import LoweringError, local_block, localize_call
 from autopar.codegen.zero import regather_zero_params
 from autopar.runtime import collectives as C
@@ -45,6 +45,7 @@ from autopar.solver.plan import Plan
 from autopar.solver.spec import Replicate, Shard, Spec
 from autopar.tracer import TracedGraph, tensor_args
 from autopar.tracer.nodes import is_tensor_node as _is_tensor_node
+from autopar.tracer.nodes import module_path
 
 log = logging.getLogger(__name__)
 
@@ -295,7 +296,8 @@ class _Lowerer:
             _set_nested(self.root, fqn, _get_nested(self.root, owner), True)
         recompute = {d.node for d in self.plan.nodes if d.recompute}
         regather_zero_params(self.graph, self.root, zero_nodes, recompute, self.origin)
-        outline_recompute_regions(self.graph, self.root, recompute, self.origin)
+        layers = {n.name: layer_key(module_path(n)) for n in self.traced.graph.nodes}
+        outline_recompute_regions(self.graph, self.root, recompute, self.origin, layers)
         gm = fx.GraphModule(self.root, self.graph, class_name="ParallelGraph")
         gm.meta["autopar"] = LoweringInfo(storage, sync_axes, buffer_specs, tuple(fed_specs), dp_axes, aliases, self.input_layout)
         log.info("codegen: %d nodes, %d collectives", len(gm.graph.nodes), _count_collectives(gm))

@@ -10,17 +10,23 @@ parameters only: edge collectives, permutes, casts) placed right before it, and
 - a consumer the plan recomputes takes its chain into its recompute region
   (the chain's nodes inherit the consumer's origin), so the region's saved input
   is the shard and recomputation re-gathers;
-- any other consumer and its chain become a region run under
-  `torch.utils.checkpoint` with a selective-checkpoint policy
-  (`create_selective_checkpoint_contexts`) that SAVES the consumer's own op
-  outputs and RECOMPUTES everything else: backward re-runs the gather (one more
-  all-gather per use, as FSDP does) but not the consumer's compute.
+- any other consumer and its chain become a region run under torch's non-reentrant
+  `checkpoint` with early stop: what the region saves is its inputs (the shard and
+  the activation the consumer saves anyway); backward re-runs the region only
+  until every tensor the consumer's backward needs exists again, i.e. the gather
+  and the permute/cast chain but not the consumer itself when the consumer does
+  not save its own output (mm, addmm, embedding). This is FSDP's re-gather (one
+  more all-gather per use in backward) with no extra compute.
+
+  Selective checkpointing (`create_selective_checkpoint_contexts`) with a policy
+  saving the consumer's outputs was tried and measured worse: it keeps outputs that
+  nothing else saves (each c_proj output of GPT-2, the logits), 1.4 MB per rank on
+  the test GPT-2 of `tests/codegen/test_memory.py`, more than the gathers it freed.
 
 A parameter used by several consumers (tied embeddings) is gathered once per use.
 """
 from __future__ import annotations
 
-import functools
 from typing import Iterable
 
 import torch
@@ -30,21 +36,9 @@ from torch import fx, nn
 from autopar.codegen.recompute import outline
 
 
-def _policy(save: frozenset):
-    def policy(ctx, func, *args, **kwargs):
-        return ckpt.CheckpointPolicy.MUST_SAVE if func in save else ckpt.CheckpointPolicy.PREFER_RECOMPUTE
-    return policy
-
-
-def _saved_ops(region: fx.GraphModule) -> frozenset:
-    out = next(n for n in region.graph.nodes if n.op == "output")
-    return frozenset(n.target for n in out.all_input_nodes if isinstance(n.target, torch._ops.OpOverload))
-
-
 def regathered(region: fx.GraphModule, *args):
-    """Run a ZeRO consumer region: its outputs are saved, its parameter gathers re-run in backward (a named call in `gm.code`)."""
-    context_fn = functools.partial(ckpt.create_selective_checkpoint_contexts, _policy(_saved_ops(region)))
-    return ckpt.checkpoint(region, *args, use_reentrant=False, context_fn=context_fn)
+    """Run a ZeRO consumer region: its parameter gathers re-run in backward (a named call in `gm.code`)."""
+    return ckpt.checkpoint(region, *args, use_reentrant=False, early_stop=True)
 
 
 def _chain(graph: fx.Graph, roots: set[fx.Node]) -> set[fx.Node]:

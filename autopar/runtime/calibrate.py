@@ -9,9 +9,9 @@ the rate a step sees), on the sizes a training step of a small model issues,
 not on one large op:
 - per mesh axis and per collective kind (all-reduce, all-gather, reduce-scatter,
   all-to-all, each its own `LinkCost`: gloo's reduce-scatter is not half an
-  all-reduce), timed at two sizes inside that axis' groups: latency and
-  bandwidth from the kind's ring formula (`autopar.solver.cost`), two sizes,
-  two unknowns;
+  all-reduce), timed inside that axis' groups: bandwidth from the kind's ring
+  formula (`autopar.solver.cost`) between two sizes, latency from the small
+  size issued right after some compute, as inside a step (`_fit_links`);
 - per device: the fixed cost of one op (`op_overhead_s`: a chain of tiny ops
   run forward and backward, divided by the ops launched), the matmul rate over
   a mix of layer-sized matmuls (net of that overhead) and the elementwise
@@ -43,6 +43,9 @@ _SMALL_BYTES = 16 * 1024
 _LARGE_BYTES = 4 * 1024 * 1024
 # Layer-sized matmuls (m, k, n) of tiny-to-small transformers: a rate from one large square matmul
 # overstates (GPU) or understates (contended CPU: preempted mid-op) what these reach.
+# In-situ compute before a collective (see _fit_links): one small layer's matmuls, ~1 ms on one CPU core.
+_SITU_MATMUL = (128, 256, 256)
+_SITU_REPEATS = 4
 _MATMULS = ((256, 64, 256), (256, 256, 256), (512, 256, 512))
 _ELEMENTWISE_NUMEL = (64 * 1024, 1024 * 1024)  # 256 KB and 4 MB activations
 _CHAIN_OPS = 40  # tiny ops per overhead chain (each also runs a backward op)
@@ -160,21 +163,40 @@ def model_bytes(kind: str, local_bytes: int, n: int) -> int:
 
 
 def _fit_links(n: int, axis_group, device: torch.device, reps: int, world_group) -> tuple[LinkCost, ...]:
-    """Alpha and beta of every collective kind from two timed sizes and its ring formula
-    t = steps * alpha + frac * bytes / beta (two sizes, two unknowns); all timed interleaved."""
-    calls = [collective_call(kind, size, n, axis_group, device) for kind in COLLECTIVE_KINDS for size in (_SMALL_BYTES, _LARGE_BYTES)]
-    times = time_ops(calls, device, reps, world_group)
+    """Alpha and beta of every collective kind from its ring formula t = steps * alpha + frac * bytes / beta.
+
+    Beta: the slope between two message sizes. Alpha: from the small message issued in situ,
+    right after a layer's worth of compute (what a training step does), minus that compute
+    alone: ranks reach a collective out of step (another rank's core was busy, or another
+    job's), and a collective waits for the last one. Timed back to back with barriers, as
+    collective benchmarks do, it looks several times cheaper than it is inside a step."""
+    a, b = (torch.randn(*_SITU_MATMUL[:2], device=device), torch.randn(*_SITU_MATMUL[1:], device=device))
+
+    def compute() -> None:
+        for _ in range(_SITU_REPEATS):
+            a @ b
+
+    def in_situ(call: Callable[[], object]) -> Callable[[], object]:
+        return lambda: (compute(), call())
+
+    calls = []
+    for kind in COLLECTIVE_KINDS:
+        small, large = (collective_call(kind, size, n, axis_group, device) for size in (_SMALL_BYTES, _LARGE_BYTES))
+        calls += [small, large, in_situ(small)]
+    times = time_ops(calls + [compute], device, reps, world_group)
+    t_compute = times[-1]
     links = []
     for i, kind in enumerate(COLLECTIVE_KINDS):
         frac = (n - 1) / n * (2 if kind == "all_reduce" else 1)
         steps = (n - 1) * (2 if kind == "all_reduce" else 1)
         small, large = (model_bytes(kind, b, n) for b in (_SMALL_BYTES, _LARGE_BYTES))
-        t_small, t_large = times[2 * i], times[2 * i + 1]
+        t_small, t_large, t_situ = times[3 * i:3 * i + 3]
         if t_large > t_small:
             beta = frac * (large - small) / (t_large - t_small)
         else:  # noise swamped the difference: bound beta by putting all of the large time on the wire
             beta = frac * large / t_large
-        alpha = max((t_small - frac * small / beta) / steps, 1e-7)
+        t_latency = max(t_small, t_situ - t_compute)
+        alpha = max((t_latency - frac * small / beta) / steps, 1e-7)
         links.append(LinkCost(kind, alpha, beta))
     return tuple(links)
 

@@ -36,7 +36,7 @@ from typing import Literal, Mapping
 import pulp
 
 from autopar.errors import AutoparError, InfeasibleError
-from autopar.solver.gc_pause import gc_paused
+from autopar.gc_pause import gc_paused
 from autopar.solver.plan import MemoryBreakdown, SolverReport, TimeBreakdown
 from autopar.solver.problem import Assignment, Problem
 

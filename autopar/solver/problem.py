@@ -20,7 +20,7 @@ import torch
 from autopar.profiler.types import ConcreteProfile
 from autopar.solver.cluster import Cluster, Grouping, group, singletons
 from autopar.solver.cost import collective_time_s, split_factor, strategy_cost
-from autopar.solver.gc_pause import gc_paused
+from autopar.gc_pause import gc_paused
 from autopar.solver.mesh import Mesh
 from autopar.solver.reshard import reshard_cost
 from autopar.solver.spec import Replicate, Shard, Spec, Strategy

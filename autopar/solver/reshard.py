@@ -60,10 +60,6 @@ def _encode(spec: Spec) -> State:
     return tuple(p.dim if isinstance(p, Shard) else _P if isinstance(p, Partial) else _R for p in spec.placements)
 
 
-def _decode(state: State) -> Spec:
-    return Spec(tuple(Shard(c) if c >= 0 else Partial() if c == _P else Replicate() for c in state))
-
-
 @functools.lru_cache(maxsize=None)
 def _neighbours(state: State, ndim: int) -> tuple[tuple[CollectiveStep, State], ...]:
     """Every single step out of `state`, with the state it leads to (a fixed order: it decides ties)."""

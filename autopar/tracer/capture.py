@@ -28,6 +28,7 @@ from torch.export.graph_signature import InputKind, OutputKind
 from torch.utils import _pytree as pytree
 
 from autopar.errors import TraceError
+from autopar.gc_pause import gc_paused
 
 log = logging.getLogger(__name__)
 
@@ -81,6 +82,7 @@ def split_sample_input(sample_input: Any) -> tuple[tuple, dict]:
     return (sample_input,), {}
 
 
+@gc_paused
 def trace(
     model: nn.Module,
     sample_input: Any,

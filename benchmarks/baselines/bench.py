@@ -12,7 +12,8 @@ from __future__ import annotations
 import copy
 import json
 import logging
-from dataclasses import dataclass, field
+import statistics
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -22,12 +23,14 @@ from torch.utils import _pytree as pytree
 from autopar.api import parallelize
 from autopar.profiler.measure import block_paths, make_optimizer
 from autopar.runtime.calibrate import calibrate
+from autopar.solver.mesh import Mesh
 from autopar.solver.plan import Plan
 from autopar.solver.plan_io import plan_from_json, plan_to_json
 from autopar.tracer import split_sample_input
 
 from benchmarks._common import load_example
 from benchmarks.baselines.measure import Trainable, measure_interleaved
+from benchmarks.baselines.overheads import tp_module_overhead_s
 from benchmarks.baselines.predict import Predictor
 from benchmarks.baselines.systems import SYSTEMS, build_system
 
@@ -90,9 +93,20 @@ def _budgets(predicted: list[float], max_budgets: int) -> list[float]:
     return out[:max_budgets] if max_budgets else out
 
 
-def _plan_all(case: Case, model, sample, meshes) -> dict[str, Any]:
+def _shared_device_numbers(meshes: dict[str, Mesh]) -> dict[str, Mesh]:
+    """Every mesh with the mean of the calibrations' per-device numbers: the devices are the same, and
+    load drift between two calibrations would otherwise decide which mesh shape looks faster."""
+    def mean(field: str) -> float:
+        return statistics.fmean(getattr(m, field) for m in meshes.values())
+
+    return {k: replace(m, flops_per_s=mean("flops_per_s"), mem_bandwidth_bytes_per_s=mean("mem_bandwidth_bytes_per_s"),
+                       op_overhead_s=mean("op_overhead_s")) for k, m in meshes.items()}
+
+
+def _plan_all(case: Case, model, sample, meshes, tp_overhead_s: float) -> dict[str, Any]:
     """Rank 0: every prediction, as plain data to broadcast."""
-    pred = Predictor(model, sample, meshes, block_paths(model), case.model, case.optimizer)
+    pred = Predictor(model, sample, meshes, block_paths(model), case.model, case.optimizer,
+                     tp_module_overhead_s=tp_overhead_s)
     baselines = {}
     for system in SYSTEMS:
         for ac in (False, True):
@@ -136,9 +150,11 @@ def run_model(rank: int, world: int, case: Case) -> ModelResult | None:
         logging.disable(logging.INFO)  # one log, from rank 0 (autopar's stages log on every rank)
     if world % case.tp:
         raise ValueError(f"tp={case.tp} does not divide the world size {world}")
-    meshes = {"1d": calibrate(mesh_shape=(world,)), "2d": calibrate(mesh_shape=(world // case.tp, case.tp))}
+    meshes = _shared_device_numbers({"1d": calibrate(mesh_shape=(world,)),
+                                     "2d": calibrate(mesh_shape=(world // case.tp, case.tp))})
     model, sample = load_example(case.model).build(case.batch, case.seq, size=case.size, device="cpu")
-    payload = [_plan_all(case, model, sample, meshes) if rank == 0 else None]
+    tp_overhead_s = tp_module_overhead_s(world, case.tp)  # every rank: it runs collectives
+    payload = [_plan_all(case, model, sample, meshes, tp_overhead_s) if rank == 0 else None]
     dist.broadcast_object_list(payload, src=0)
     pred = payload[0]
     systems = [build_system(system, case.model, model, sample, ac=ac, tp=case.tp, optimizer=case.optimizer)

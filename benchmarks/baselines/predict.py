@@ -20,7 +20,8 @@ reduce-scatter of its gradients, instead of ddp's bucketed all-reduce; its memor
 the ILP's ZeRO-3 plan's. (autopar's own ZeRO gathers each parameter on its own,
 which is what the ILP prices; FSDP2 gathers a block's parameters at once.) The
 "+ac" variants add the recompute time of every node inside a transformer block
-(what checkpointing each block does), priced with `fixed_plan`.
+(what checkpointing each block does), priced with `fixed_plan`. tp adds DTensor's
+own per-module cost, measured on the live world (`overheads.py`).
 """
 from __future__ import annotations
 
@@ -55,7 +56,7 @@ BASELINE_OF = {"ddp": ("1d", "never"), "fsdp": ("1d", "always"), "tp": ("2d", "n
 
 class Predictor:
     def __init__(self, model: nn.Module, sample: Any, meshes: dict[str, Mesh], blocks: list[str], family: str,
-                 optimizer: str = "adamw", time_limit_s: float = 30.0):
+                 optimizer: str = "adamw", time_limit_s: float = 30.0, tp_module_overhead_s: float = 0.0):
         self.traced = trace(meta_copy(model), meta_sample(sample))
         self.profile = profile(self.traced, optimizer=optimizer).evaluate()
         self.meshes = meshes
@@ -65,6 +66,8 @@ class Predictor:
             if n.op == "call_function" and any(_inside(module_path(n), b) for b in blocks))
         self._baselines: dict[str, Plan] = {}
         self._blocks = blocks
+        # DTensor's per-module cost in the tp baseline (`overheads.py`), for every parallelized linear
+        self._tp_overhead_s = tp_module_overhead_s * len(blocks) * len(PLANS.get(family, {}))
         self._param_bytes = {fqn: p.param_bytes for fqn, p in self.profile.params.items()}
         self._tp_specs = _tp_param_specs(family, blocks)
 
@@ -81,11 +84,10 @@ class Predictor:
         if system == "fsdp":
             t = timed.time
             return replace(plan, time=TimeBreakdown(t.compute_s, t.comm_s + self._fsdp_extra_comm_s(plan.mesh), t.recompute_s))
-        if ac:  # ZeRO choices as the plan made them (none for ddp and tp)
-            zero_fqns = frozenset(p.fqn for p in plan.params if p.zero)
-            choices = {d.node: d.strategy for d in plan.nodes if d.op != "output"}
-            return fixed_plan(self.traced, self.profile, plan.mesh, choices, recompute=self._recompute, zero_params=zero_fqns)
-        return plan
+        if system == "tp":
+            t = timed.time
+            return replace(timed, time=TimeBreakdown(t.compute_s + self._tp_overhead_s, t.comm_s, t.recompute_s))
+        return timed
 
     def _fsdp_extra_comm_s(self, mesh: Mesh) -> float:
         """FSDP2's collectives per step minus the ddp gradient all-reduce they replace (see the docstring)."""

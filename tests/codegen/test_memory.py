@@ -108,6 +108,7 @@ def test_zero_and_recompute_memory_is_real():
         full_params = rep["state"] / 4  # params, grads, two Adam moments: one quarter each
         assert zero["saved"] < rep["saved"] + 0.1 * full_params, (zero["saved"], rep["saved"], full_params)
         assert zero["peak"] < rep["peak"], (zero["peak"], rep["peak"])
-        # recomputing every block keeps only the blocks' inputs
-        assert rc["saved"] < 0.5 * rep["saved"], (rc["saved"], rep["saved"])
-        assert rc["peak"] < rep["peak"], (rc["peak"], rep["peak"])
+        # recomputing every block keeps only the blocks' inputs; backward rebuilds one block at a time
+        # (of 4), so most of the freed activations stay off the peak too
+        assert rc["saved"] < 0.2 * rep["saved"], (rc["saved"], rep["saved"])
+        assert rc["peak"] < rep["peak"] - 0.4 * (rep["saved"] - rc["saved"]), (rc["peak"], rep["peak"])

@@ -1,5 +1,6 @@
 """calibrate() on 2 real gloo ranks: every rank gets the same mesh, and its numbers predict held-out work
-(sizes and ops calibrate() does not time) within FACTOR of a measurement taken right after."""
+(sizes and ops calibrate() does not time; collectives in situ, after some compute, timed with it)
+within FACTOR of a measurement taken right after."""
 from __future__ import annotations
 
 import math
@@ -31,16 +32,23 @@ def _held_out(rank: int, world: int, _) -> tuple[dict, dict]:
             h = torch.sin(h)
         h.sum().backward()
 
+    c, d = torch.randn(256, 192), torch.randn(192, 320)
+
+    def compute() -> None:  # a layer's worth of work before each collective, as inside a step
+        for _ in range(3):
+            c @ d
+
     nbytes = 256 * 1024  # between calibrate's two message sizes
-    cases = {
-        "mm 384x128x192": (compute_time_s(2 * 384 * 128 * 192, 4 * 384 * 192, mesh) + over, lambda: a @ b),
-        "100 tiny ops": (100 * over, chain),
-        **{f"{kind} 256 KB": (collective_time_s(kind, model_bytes(kind, nbytes, world), mesh.axes[0]),
-                              collective_call(kind, nbytes, world, None, CPU))
-           for kind in ("all_reduce", "all_gather")},
-    }
-    measured = time_ops([fn for _, fn in cases.values()], CPU, 5, None)
-    ratios = {name: pred / meas for (name, (pred, _)), meas in zip(cases.items(), measured)}
+    colls = {f"{kind} 256 KB": (collective_time_s(kind, model_bytes(kind, nbytes, world), mesh.axes[0]),
+                                collective_call(kind, nbytes, world, None, CPU)) for kind in ("all_reduce", "all_gather")}
+    fns = [lambda: a @ b, chain] + [lambda call=call: (compute(), call()) for _, call in colls.values()]
+    t_mm, t_chain, *t_colls = time_ops(fns, CPU, 5, None)
+    ratios = {"mm 384x128x192": (compute_time_s(2 * 384 * 128 * 192, 4 * 384 * 192, mesh) + over) / t_mm,
+              "100 tiny ops": 100 * over / t_chain}
+    # compute + collective as a whole (a difference of two noisy times would be noise itself)
+    pred_compute = 3 * (compute_time_s(2 * 256 * 192 * 320, 4 * 256 * 320, mesh) + over)
+    for (name, (pred, _)), t in zip(colls.items(), t_colls):
+        ratios[f"3 mm + {name}"] = (pred_compute + pred) / t
     return mesh.to_json(), ratios
 
 

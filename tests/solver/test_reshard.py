@@ -55,3 +55,23 @@ def test_cost_matches_ring_formula_by_hand():
     sl = nbytes / 4 / mesh.mem_bandwidth_bytes_per_s  # keep 1/n of the replicated tensor
     assert reshard_cost(Spec.parse("S(0)"), Spec.parse("R"), SHAPE, 4, mesh) == pytest.approx(ag + sl)
     assert reshard_cost(Spec.parse("S(0)"), Spec.parse("R"), SHAPE, 4, mesh, with_backward=False) == pytest.approx(ag)
+
+
+def test_one_search_per_source_and_shape_class():
+    """Costs depend on the shape only through bytes and divisibility: one search from a source prices
+    every destination, and tensors of one shape class share the searches."""
+    from autopar.solver.reshard import _paths_from, shape_class
+
+    mesh = make_mesh(4, (2, 2), "h100")
+    shape, same_class, other_class = (8, 6, 4), (4, 6, 8), (8, 4, 6)  # equal bytes; dim 1 of the last splits by 4
+    assert shape_class(shape, 4, mesh.shape) == shape_class(same_class, 4, mesh.shape)
+    assert shape_class(shape, 4, mesh.shape) != shape_class(other_class, 4, mesh.shape)
+    specs = candidate_specs(shape, mesh.shape)
+    _paths_from.cache_clear()
+    costs = {(s, d): reshard_cost(s, d, shape, 4, mesh) for s in specs for d in specs}
+    searches = _paths_from.cache_info().misses
+    assert searches <= 2 * len(specs) < len(costs)  # forward and gradient sources, not one search per pair
+    assert all(reshard_cost(s, d, same_class, 4, mesh) == v for (s, d), v in costs.items())
+    assert _paths_from.cache_info().misses == searches  # the same class: no new search
+    reshard_cost(Spec.parse("S(1)S(1)"), Spec.parse("RR"), other_class, 4, mesh)  # even only in the other class
+    assert _paths_from.cache_info().misses > searches

@@ -27,7 +27,7 @@ import torch
 from torch import fx
 from torch.utils import _pytree as pytree
 
-from autopar.solver.gc_pause import gc_paused
+from autopar.gc_pause import gc_paused
 from autopar.solver.mesh import Mesh
 from autopar.solver.spec import Spec, Strategy
 from autopar.solver.strategies import rules_attention, rules_embedding, rules_reduction
