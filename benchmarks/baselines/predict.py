@@ -81,7 +81,11 @@ class Predictor:
         if ac:
             choices = {d.node: d.strategy for d in timed.nodes if d.op != "output"}
             timed = fixed_plan(self.traced, self.profile, timed.mesh, choices, recompute=self._recompute)
-        if system == "fsdp":
+        if system == "fsdp":  # memory: the ZeRO-3 plan's (recomputing the blocks under ac); time: see the docstring
+            if ac:
+                choices = {d.node: d.strategy for d in plan.nodes if d.op != "output"}
+                plan = fixed_plan(self.traced, self.profile, plan.mesh, choices, recompute=self._recompute,
+                                  zero_params=frozenset(p.fqn for p in plan.params if p.zero))
             t = timed.time
             return replace(plan, time=TimeBreakdown(t.compute_s, t.comm_s + self._fsdp_extra_comm_s(plan.mesh), t.recompute_s))
         if system == "tp":
@@ -107,6 +111,7 @@ class Predictor:
         strategies = enumerate_strategies(self.traced, mesh)
         built = build_problem(self.traced, self.profile, mesh, strategies, mesh.memory_bytes)
         inputs = set(self.traced.input_names)
+        batched = _batch_dependent(self.traced, inputs)
         allowed = {}
         for v, node in enumerate(built.problem.nodes):
             leader = built.grouping.clusters[built.grouping.classes[v][0]].leader
@@ -116,6 +121,15 @@ class Predictor:
             elif leader in self.traced.param_fqns:
                 if tp_params:
                     placements[-1] = self._tp_specs.get(self.traced.param_fqns[leader], Replicate())
+            elif leader in batched and not tp_params:
+                # ddp/fsdp: every activation carrying the batch is split over the data-parallel axis (on some dim)
+                split = frozenset(i for i in range(len(node.options))
+                                  if _splits_batch(built.strategies[leader][built.member_strategy(leader, i)]))
+                if split:
+                    allowed[v] = split
+                else:
+                    log.info("baseline: no batch-split strategy for %s; left free", leader)
+                continue
             else:
                 continue
             want = Spec(tuple(placements))
@@ -149,6 +163,23 @@ def _tp_param_specs(family: str, blocks: list[str]) -> dict[str, Shard | Replica
             specs[f"{block}.{path}.weight"] = Shard(0) if style is COL else Shard(1)  # nn.Linear weight is (out, in)
             specs[f"{block}.{path}.bias"] = Shard(0) if style is COL else Replicate()
     return specs
+
+
+def _batch_dependent(traced, inputs: set[str]) -> set[str]:
+    """Names of the non-scalar call_function nodes downstream of a batch input (what carries the batch)."""
+    out: set[str] = set()
+    for node in traced.graph.nodes:
+        if node.op == "call_function" and any(a.name in inputs or a.name in out for a in node.all_input_nodes):
+            val = node.meta.get("val")
+            vals = val if isinstance(val, (tuple, list)) else (val,)
+            if any(getattr(x, "ndim", 0) for x in vals):
+                out.add(node.name)
+    return out
+
+
+def _splits_batch(strategy) -> bool:
+    """The strategy's first output is split (sharded or partial) over the data-parallel (first) mesh axis."""
+    return bool(strategy.output_specs) and not isinstance(strategy.output_specs[0].placements[0], Replicate)
 
 
 def _inside(path: str, block: str) -> bool:
