@@ -2,7 +2,7 @@
 
     pm = autopar.parallelize(model, {"input_ids": ids, "labels": labels}, device_mesh=(2, 2))
     opt = torch.optim.AdamW(pm.parameters())
-    loss = pm(**my_slice)            # each rank feeds its slice of the batch (DDP convention)
+    loss = pm(**pm.local_batch(batch))  # rank r feeds rows [r*B/W, (r+1)*B/W) of the global batch, whatever the plan
     loss.backward(); opt.step()
 
 Runs inside an initialised process group (torchrun, or `autopar.runtime.launch.run_ranks`).
@@ -70,6 +70,10 @@ def parallelize(
     hardware: a preset name of `autopar.solver.mesh.PRESETS` (default "cpu", or "h100" on CUDA) or a `Mesh`
       whose numbers the solver uses; ignored when `plan` is given.
     plan: a `Plan` or the path of a JSON plan file; checked against the traced model.
+    input_layout: "shard": each rank feeds its contiguous slice of the global batch along dim 0
+      (global_batch / world_size rows, ranks in row-major mesh order; `autopar.runtime.batch`), the
+      same for every plan, and gets non-loss outputs back sliced the same way; "replicate": every
+      rank feeds (and gets back) the whole batch. The loss is always the global loss on every rank.
     """
     start = time.perf_counter()
     pmesh = ProcessMesh(device_mesh)

@@ -13,9 +13,7 @@ The batches are random tokens drawn from one seeded generator on every rank; wit
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import logging
-import sys
 import time
 from pathlib import Path
 from types import ModuleType
@@ -25,6 +23,7 @@ import torch.distributed as dist
 from torch.utils import _pytree as pytree
 
 import autopar
+from autopar.model_file import import_model_file
 from autopar.runtime.launch import init_from_env
 from autopar.runtime.batch import batch_slice
 
@@ -37,11 +36,7 @@ def load_zoo(name: str) -> ModuleType:
     if not path.exists():
         choices = sorted(p.stem for p in EXAMPLES.glob("*.py") if p.stem != "train")
         raise SystemExit(f"no model file {path}; choose --model from {choices}")
-    spec = importlib.util.spec_from_file_location(f"autopar_zoo_{name}", path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up here
-    spec.loader.exec_module(module)
-    return module
+    return import_model_file(path)
 
 
 def random_like(batch, gen: torch.Generator):

@@ -29,11 +29,10 @@ that collective kind (`MeshAxis.link`):
 from __future__ import annotations
 
 import math
-from dataclasses import replace
 from typing import Sequence
 
 from autopar.profiler.types import NodeCost
-from autopar.solver.mesh import COLLECTIVE_KINDS, Mesh, MeshAxis
+from autopar.solver.mesh import COLLECTIVE_KINDS, LinkCost, Mesh, MeshAxis
 from autopar.solver.spec import Replicate, Strategy
 
 __all__ = ["bucket_latency_share", "collective_time_s", "compute_time_s", "flat_axis", "forward_time_s", "launches",
@@ -110,10 +109,17 @@ def forward_time_s(node_cost: NodeCost, strategy: Strategy, mesh: Mesh) -> float
 
 
 def flat_axis(mesh: Mesh, axes: Sequence[int]) -> MeshAxis:
-    """One group spanning `axes` (what the bucketed grad sync reduces over: one collective, not one per axis),
-    with the link numbers of the outermost of them (the slowest link sets the ring's pace)."""
-    outer = mesh.axes[min(axes)]
-    return replace(outer, name="+".join(mesh.axes[a].name for a in axes), size=math.prod(mesh.shape[a] for a in axes))
+    """One group spanning `axes` (what the bucketed grad sync reduces over: one collective, not one per axis).
+
+    Its ring runs over the slowest link of those axes, kind by kind: the largest alpha and the
+    smallest beta among them."""
+    links = []
+    for kind in COLLECTIVE_KINDS:
+        pairs = [mesh.axes[a].link(kind) for a in axes]
+        links.append(LinkCost(kind, max(al for al, _ in pairs), min(be for _, be in pairs)))
+    ar = links[0]
+    return MeshAxis("+".join(mesh.axes[a].name for a in axes), math.prod(mesh.shape[a] for a in axes),
+                    ar.alpha_s, ar.beta_bytes_per_s, tuple(links))
 
 
 def strategy_cost(

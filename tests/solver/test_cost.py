@@ -76,12 +76,12 @@ def test_strategy_cost_splits_flops_and_charges_replicated_input_grads():
     alpha = mesh.axes[0].alpha_s
     assert m_bucket == pytest.approx(x_ar + w_ar - 0.9 * 2 * alpha)
     # a parameter replicated on both split axes: ONE all-reduce over the flat group of 4 ranks (the grad sync's),
-    # not one per axis: 2*3/4 * bytes / beta + share * 2*3 alpha, with the outer (dp) axis' link numbers
+    # not one per axis: 2*3/4 * bytes / beta + share * 2*3 alpha, with the slowest link: dp's alpha, tp's beta
+    slow = replace(mesh, axes=(replace(mesh.axes[0], alpha_s=3e-5), replace(mesh.axes[1], beta_bytes_per_s=1e8)))
     split = Strategy((Spec.parse("S(0)S(0)"), Spec.parse("RR")), (Spec.parse("S(0)S(0)"),))
-    _, m_flat = strategy_cost(node, split, [(64, 256)], mesh, in_bytes=[64 * 128 * 4, 128 * 256 * 4],
+    _, m_flat = strategy_cost(node, split, [(64, 256)], slow, in_bytes=[64 * 128 * 4, 128 * 256 * 4],
                               param_share=[None, 0.5])
-    beta = mesh.axes[0].beta_bytes_per_s
-    assert m_flat == pytest.approx(1.5 * 128 * 256 * 4 / beta + 0.5 * 6 * alpha)
+    assert m_flat == pytest.approx(1.5 * 128 * 256 * 4 / 1e8 + 0.5 * 6 * 3e-5)
 
 
 def test_op_overhead_and_elementwise_backward_bytes():
