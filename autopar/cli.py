@@ -138,11 +138,19 @@ def _run(args: argparse.Namespace) -> int:
     return getattr(commands, f"cmd_{args.command}")(args)
 
 
-def _configure_logging(debug: bool) -> None:
-    root = logging.getLogger("autopar")
-    root.handlers[:] = [RichHandler(console=_err(), show_time=False, show_path=debug)]
-    root.setLevel(logging.DEBUG if debug else logging.WARNING)
-    root.propagate = False
+@contextlib.contextmanager
+def _logging_to_stderr(debug: bool) -> Iterator[None]:
+    """autopar's log records go to stderr while a command runs; the previous setup is restored after,
+    so calling main() in-process (tests, notebooks) leaves no handler on a stream that may close."""
+    logger = logging.getLogger("autopar")
+    saved = (logger.handlers[:], logger.level, logger.propagate)
+    logger.handlers[:] = [RichHandler(console=_err(), show_time=False, show_path=debug)]
+    logger.setLevel(logging.DEBUG if debug else logging.WARNING)
+    logger.propagate = False
+    try:
+        yield
+    finally:
+        logger.handlers[:], logger.level, logger.propagate = saved
 
 
 def _with_fix(err: AutoparError) -> str:
@@ -161,9 +169,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except SystemExit as exc:  # argparse already printed its usage message
         return int(exc.code or 0)
     debug = getattr(args, "debug", False)
-    _configure_logging(debug)
     try:
-        return _run(args)
+        with _logging_to_stderr(debug):
+            return _run(args)
     except UsageError as err:
         sys.stderr.write(f"autopar {args.command}: error: {_with_fix(err)}\n")
         return 2

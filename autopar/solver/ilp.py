@@ -1,27 +1,35 @@
 """The joint ILP: sharding strategy, ZeRO storage and recomputation under a memory budget.
 
-Variables (per problem node v, option s; edge k from u to v; option classes a, b):
+Variables (per problem node v, option s; edge k from u to v; option classes a, b;
+option groups g of v with equal recompute (resp. ZeRO) effect):
   x[v,s] in {0,1}   v runs option s
   e[k,a,b] in [0,1] u's option is in class a and v's in class b (continuous: forced
                     integral by the equalities below once x is integral)
-  y[v,s] in {0,1}   v runs s and its saved activations are recomputed
-  z[v,s] in {0,1}   v (a parameter) runs s and is stored ZeRO-sharded
+  y[v,g] in {0,1}   v runs an option of group g and its saved activations are recomputed
+  z[v,g] in {0,1}   v (a parameter) runs an option of group g and is stored ZeRO-sharded
   T >= 0            the largest transient (temporary or gathered parameter)
+One y (z) per group rather than per option: y <= sum_{s in g} x[v,s] is the per-option
+formulation summed over the group (the same LP bound) with far fewer binaries
+(Llama tiny on 2x2: 571 -> 72).
 
 Constraint families (each PuLP constraint is named after its family):
   onehot_{v}          sum_s x[v,s] = 1                              (`_add_strategy_vars`)
   edge_src_{k}_{a}    sum_b e[k,a,b] = sum_{s in a} x[u,s]           (`_add_edges`: the equality
   edge_dst_{k}_{b}    sum_a e[k,a,b] = sum_{s in b} x[v,s]            form, not McCormick products)
-  recompute_{v}_{s}   y[v,s] <= x[v,s]                               (`_add_recompute`)
-  zero_{v}_{s}        z[v,s] <= x[v,s]  (= under restriction "always") (`_add_zero`)
-  temp_{v}            T >= sum_s temp[v,s] x[v,s]                    (`_add_memory`)
-  gather_{v}_{s}      T >= gathered[v,s] z[v,s]
-  memory              sum_{v,s} static[v,s] x - (1 - 1/f[v,s]) static[v,s] z
-                      + saved[v,s] (x - y) + T <= budget             (`_add_memory`)
+  recompute_{v}_{g}   y[v,g] <= sum_{s in g} x[v,s]                  (`_add_recompute`)
+  zero_{v}_{g}        z[v,g] <= sum_{s in g} x[v,s]  (= under "always") (`_add_zero`)
+  temp_{v}            T >= sum_s temp[v,s] x[v,s]                    (`_add_temp`)
+  gather_{v}          T >= sum_g gathered[v,g] z[v,g]
+  memory              sum_{v,s} static[v,s] x - sum_g (1 - 1/f[v,g]) static[v,g] z
+                      + saved[v,s] x - sum_g saved[v,g] y + T <= budget   (`add_memory_limit`)
 Objective (time of one step):
-  sum (compute + comm)[v,s] x + zero_comm[v,s] z + recompute[v,s] y + sum cost[k,a,b] e[k,a,b]
+  sum (compute + comm)[v,s] x + zero_comm[v,g] z + recompute[v,g] y + sum cost[k,a,b] e[k,a,b]
   + 1 us per GiB of the memory expression (a tie-break: equally fast plans -> the leaner one)
 For the infeasible report the same model minimises the memory expression instead.
+
+Solving (`solve_problem`): first without the memory row, which is fast and is the answer
+whenever it fits; otherwise with it, from a greedy MIP start (`_greedy_fit`) and with
+HiGHS presolve on (see `_solver`).
 
 Times are entered in milliseconds and bytes in GiB so coefficients stay near 1
 for the solver's tolerances; everything outside this module is seconds/bytes.
@@ -33,12 +41,13 @@ import time
 from dataclasses import dataclass, field
 from typing import Literal, Mapping
 
+import numpy as np
 import pulp
 
 from autopar.errors import AutoparError, InfeasibleError
 from autopar.gc_pause import gc_paused
 from autopar.solver.plan import MemoryBreakdown, SolverReport, TimeBreakdown
-from autopar.solver.problem import Assignment, Problem
+from autopar.solver.problem import Assignment, Option, Problem
 
 log = logging.getLogger(__name__)
 
@@ -46,6 +55,8 @@ _MS = 1e3
 _GIB = float(2**30)
 # Tie-break: among equally fast plans prefer the leaner one (1 us per GiB: far below any real time difference).
 _TIE_MS_PER_GIB = 1e-3
+# HiGHS' own default relative MIP gap: "optimal" means within 0.01% of the best possible step time.
+DEFAULT_GAP = 1e-4
 Backend = Literal["highs", "cbc"]
 
 
@@ -120,7 +131,7 @@ class _Model:
         self._add_edges()
         self._add_recompute()
         self._add_zero()
-        self._add_memory(objective == "time")
+        self._add_temp()
         if objective == "time":
             terms = self.time_terms + [(var, c * _TIE_MS_PER_GIB) for var, c in self.memory_terms]
         else:
@@ -158,50 +169,77 @@ class _Model:
                 self.prob += pulp.lpSum(ev[a][b] for a in range(rows)) == pulp.lpSum(members), f"edge_dst_{k}_{b}"
             self.time_terms.extend((ev[a][b], e.cost_s[a][b] * _MS) for a in range(rows) for b in range(cols) if e.cost_s[a][b])
 
+    def _groups(self, v: int, key) -> dict:
+        """Options of node v that may be chosen, grouped by `key(option)` (None: no variable needed), in index order."""
+        allowed = self.restrictions.allowed.get(v)
+        groups: dict = {}
+        for s, o in enumerate(self.problem.nodes[v].options):
+            k = key(o)
+            if k is not None and (allowed is None or s in allowed):
+                groups.setdefault(k, []).append(s)
+        return groups
+
     def _add_recompute(self) -> None:
-        self.y: dict[tuple[int, int], pulp.LpVariable] = {}
+        # One binary per group of options that save and recompute the same amounts, not per option:
+        # y <= sum of the group's x is the same polytope projected (as tight), with far fewer binaries.
+        self.y: dict[tuple[int, int], pulp.LpVariable] = {}  # (node, option) -> its group's variable
         if self.restrictions.recompute == "never":
             return
         for v, node in enumerate(self.problem.nodes):
             if not node.recomputable:
-                continue
-            for s, o in enumerate(node.options):
-                if o.saved_bytes <= 0:
-                    continue  # recomputing frees nothing: pointless
-                y = pulp.LpVariable(f"y_{v}_{s}", cat=pulp.LpBinary)
-                self.prob += y <= self.x[v][s], f"recompute_{v}_{s}"
-                self.y[v, s] = y
-                self.time_terms.append((y, o.recompute_s * _MS))
-                self.memory_terms.append((y, -o.saved_bytes / _GIB))
+                continue  # recomputing frees nothing when nothing is saved: pointless
+            groups = self._groups(v, lambda o: (o.saved_bytes, o.recompute_s) if o.saved_bytes > 0 else None)
+            for g, ((saved, recompute_s), members) in enumerate(groups.items()):
+                y = pulp.LpVariable(f"y_{v}_{g}", cat=pulp.LpBinary)
+                self.prob += y <= pulp.lpSum(self.x[v][s] for s in members), f"recompute_{v}_{g}"
+                self.y.update(((v, s), y) for s in members)
+                self.time_terms.append((y, recompute_s * _MS))
+                self.memory_terms.append((y, -saved / _GIB))
 
     def _add_zero(self) -> None:
+        # Grouped like recompute: options with the same ZeRO saving, price and gathered size share a binary.
         self.z: dict[tuple[int, int], pulp.LpVariable] = {}
+        self.gathered: dict[int, list[tuple[pulp.LpVariable, float]]] = {}  # node -> (z, gathered GiB)
         if self.restrictions.zero == "never":
             return
         for v, node in enumerate(self.problem.nodes):
-            for s, o in enumerate(node.options):
+            def key(o: Option):
                 if o.zero is None or o.zero.factor <= 1:
-                    continue
-                z = pulp.LpVariable(f"z_{v}_{s}", cat=pulp.LpBinary)
-                if self.restrictions.zero == "always":
-                    self.prob += z == self.x[v][s], f"zero_{v}_{s}"
-                else:
-                    self.prob += z <= self.x[v][s], f"zero_{v}_{s}"
-                self.z[v, s] = z
-                self.time_terms.append((z, o.zero.comm_s * _MS))
-                self.memory_terms.append((z, -(1 - 1 / o.zero.factor) * o.static_bytes / _GIB))
+                    return None
+                return (1 - 1 / o.zero.factor) * o.static_bytes, o.zero.comm_s, o.zero.gathered_bytes
+            for g, ((saving, comm_s, gathered), members) in enumerate(self._groups(v, key).items()):
+                z = pulp.LpVariable(f"z_{v}_{g}", cat=pulp.LpBinary)
+                chosen = pulp.lpSum(self.x[v][s] for s in members)
+                self.prob += (z == chosen if self.restrictions.zero == "always" else z <= chosen), f"zero_{v}_{g}"
+                self.z.update(((v, s), z) for s in members)
+                self.time_terms.append((z, comm_s * _MS))
+                self.memory_terms.append((z, -saving / _GIB))
+                self.gathered.setdefault(v, []).append((z, gathered / _GIB))
 
-    def _add_memory(self, bounded: bool) -> None:
+    def _add_temp(self) -> None:
         self.temp = pulp.LpVariable("T", lowBound=0)
         self.memory_terms.append((self.temp, 1.0))
         for v, node in enumerate(self.problem.nodes):
             if any(o.temp_bytes > 0 for o in node.options):
                 terms = [(self.x[v][s], o.temp_bytes / _GIB) for s, o in enumerate(node.options) if o.temp_bytes > 0]
                 self.prob += self.temp >= pulp.LpAffineExpression(terms), f"temp_{v}"
-        for (v, s), z in self.z.items():
-            self.prob += self.temp >= z * (self.problem.nodes[v].options[s].zero.gathered_bytes / _GIB), f"gather_{v}_{s}"
-        if bounded and self.problem.budget_bytes is not None:
+        for v, terms in self.gathered.items():  # at most one of a node's z is 1: one row per node
+            self.prob += self.temp >= pulp.LpAffineExpression(terms), f"gather_{v}"
+
+    def add_memory_limit(self) -> None:
+        """The budget row (kept out of the model until the unconstrained optimum is known not to fit)."""
+        if self.problem.budget_bytes is not None:
             self.prob += _affine(self.memory_terms) <= self.problem.budget_bytes / _GIB, "memory"
+
+    def start(self, a: Assignment) -> dict[pulp.LpVariable, float]:
+        """Values of the integer variables for assignment `a` (a MIP start; the solver derives the rest)."""
+        values: dict[pulp.LpVariable, float] = {}
+        for v, c in enumerate(a.choice):
+            values.update((x, float(s == c)) for s, x in enumerate(self.x[v]))
+        for flags, chosen in ((a.recompute, self.y), (a.zero, self.z)):
+            for (v, s), var in chosen.items():
+                values[var] = max(values.get(var, 0.0), float(flags[v] and s == a.choice[v]))
+        return values
 
     def assignment(self) -> Assignment:
         choice = tuple(max(range(len(xs)), key=lambda s: xs[s].varValue or 0.0) for xs in self.x)
@@ -210,38 +248,100 @@ class _Model:
         return Assignment(choice, recompute, zero)
 
 
-def _solver(backend: Backend, time_limit_s: float) -> tuple[pulp.LpSolver, str]:
+class _HiGHS(pulp.HiGHS):
+    """pulp's HiGHS class plus a MIP start (pulp 3.3 ignores warmStart for HiGHS; highspy's setSolution takes one)."""
+
+    def __init__(self, start: Mapping[pulp.LpVariable, float], **options):
+        super().__init__(**options)
+        self.start = start
+
+    def callSolver(self, lp: pulp.LpProblem) -> None:
+        if self.start:
+            # integer variables only: HiGHS fixes them and solves an LP for the continuous rest (edges, T)
+            index = np.fromiter((var.index for var in self.start), dtype=np.int32, count=len(self.start))
+            value = np.fromiter(self.start.values(), dtype=np.float64, count=len(self.start))
+            lp.solverModel.setSolution(len(index), index, value)
+        super().callSolver(lp)
+
+
+def _solver(
+    backend: Backend, time_limit_s: float, presolve: bool, start: Mapping[pulp.LpVariable, float], mip_rel_gap: float
+) -> tuple[pulp.LpSolver, str]:
     if backend == "highs":
-        # One thread: deterministic. Presolve off: on our models it removes <1% of rows yet took
-        # 60-70% of the solve (GPT-2 small on 2x2: 0.47 -> 0.16 s; GPT-3 175B shape on 8x8 with
-        # memory binding: 2.3 -> 2.2 s, unconstrained 1.3 -> 0.9 s; same optima).
-        highs = pulp.HiGHS(msg=False, timeLimit=time_limit_s, threads=1, random_seed=0, presolve="off")
+        # One thread: deterministic. Presolve is on only once the memory row is in: without it,
+        # presolve removes <1% of rows yet took 60-70% of the solve (GPT-2 small on 2x2: 0.47 ->
+        # 0.16 s), while with memory binding it (and the restarts it enables) is what closes the
+        # gap (Llama tiny on 2x2 at 2 MB: 18 s -> 1.8 s; GPT-2 small 2x2 at 45% of its need 3.2 -> 1.6 s).
+        highs = _HiGHS(start, msg=False, timeLimit=time_limit_s, threads=1, random_seed=0, gapRel=mip_rel_gap,
+                       presolve="on" if presolve else "off")
         if highs.available():
             return highs, "highs"
         log.warning("solver: highspy is not importable; falling back to CBC (pip install highspy)")
     elif backend != "cbc":
         raise ValueError(f"unknown ILP backend {backend!r}; use 'highs' or 'cbc'")
-    return pulp.PULP_CBC_CMD(msg=False, timeLimit=time_limit_s, threads=1), "cbc"
+    return pulp.PULP_CBC_CMD(msg=False, timeLimit=time_limit_s, threads=1, gapRel=mip_rel_gap), "cbc"
 
 
-def _run(model: _Model, backend: Backend, time_limit_s: float) -> tuple[str, str, float, float | None]:
-    """Solve; returns (status, backend used, seconds, gap). Raises on no solution."""
-    solver, used = _solver(backend, time_limit_s)
-    start = time.perf_counter()
+@dataclass(frozen=True)
+class _Outcome:
+    status: Literal["optimal", "time_limit", "infeasible"]
+    backend: str
+    solve_s: float
+    gap: float | None  # relative gap left when it is worth reporting (above HiGHS' default 1e-4)
+
+
+def _run(
+    model: _Model, backend: Backend, time_limit_s: float, presolve: bool = False,
+    start: Mapping[pulp.LpVariable, float] = {}, mip_rel_gap: float = DEFAULT_GAP,
+) -> _Outcome:
+    """Solve; raises when the time limit passed without any solution."""
+    solver, used = _solver(backend, time_limit_s, presolve, start, mip_rel_gap)
+    began = time.perf_counter()
     model.prob.solve(solver)
-    solve_s = time.perf_counter() - start
+    solve_s = time.perf_counter() - began
     sol = model.prob.sol_status
-    if sol == pulp.LpSolutionOptimal:
-        return "optimal", used, solve_s, None
+    gap = None
+    if used == "highs" and sol in (pulp.LpSolutionOptimal, pulp.LpSolutionIntegerFeasible):
+        left = model.prob.solverModel.getInfo().mip_gap
+        gap = left if left > DEFAULT_GAP else None
+    if sol == pulp.LpSolutionOptimal:  # optimal within mip_rel_gap
+        return _Outcome("optimal", used, solve_s, gap)
     if sol == pulp.LpSolutionIntegerFeasible:  # stopped by the time limit with a plan in hand
-        gap = model.prob.solverModel.getInfo().mip_gap if used == "highs" else None
-        return "time_limit", used, solve_s, gap
+        return _Outcome("time_limit", used, solve_s, gap)
     if sol == pulp.LpSolutionInfeasible:
-        return "infeasible", used, solve_s, None
+        return _Outcome("infeasible", used, solve_s, None)
     raise AutoparError(
         f"the ILP found no plan within time_limit_s={time_limit_s:g} ({used}, status {pulp.LpStatus[model.prob.status]}); "
         "raise time_limit_s"
     )
+
+
+def _greedy_fit(problem: Problem, a: Assignment, restrictions: Restrictions) -> Assignment | None:
+    """`a` with ZeRO and recomputation switched on, least time per byte freed first, until it fits the budget.
+
+    A MIP start for the memory-bound solve: with a good plan in hand from the outset, the
+    solver's reduced-cost fixing discards most options early. None when even all of it does not fit."""
+    budget = problem.budget_bytes
+    recompute, zero = list(a.recompute), list(a.zero)
+    moves = []
+    for v, node in enumerate(problem.nodes):
+        o = node.options[a.choice[v]]
+        if restrictions.recompute != "never" and node.recomputable and o.saved_bytes > 0 and not recompute[v]:
+            moves.append((o.recompute_s / o.saved_bytes, v, "recompute"))
+        if restrictions.zero == "free" and o.zero is not None and o.zero.factor > 1 and not zero[v] and o.static_bytes > 0:
+            moves.append((o.zero.comm_s / ((1 - 1 / o.zero.factor) * o.static_bytes), v, "zero"))
+    total = evaluate(problem, a)[0].total_bytes
+    for _, v, kind in sorted(moves):
+        if total <= budget:
+            break
+        flags = recompute if kind == "recompute" else zero
+        flags[v] = True
+        trial = evaluate(problem, Assignment(a.choice, tuple(recompute), tuple(zero)))[0].total_bytes
+        if trial < total:
+            total = trial
+        else:  # a gathered parameter larger than what it frees: keep it whole
+            flags[v] = False
+    return Assignment(a.choice, tuple(recompute), tuple(zero)) if total <= budget else None
 
 
 @gc_paused
@@ -250,19 +350,37 @@ def solve_problem(
     time_limit_s: float = 30.0,
     backend: Backend = "highs",
     restrictions: Restrictions = Restrictions(),
+    mip_rel_gap: float = DEFAULT_GAP,
 ) -> Solution:
-    """The fastest assignment that fits the budget; InfeasibleError (with the minimum) when none does."""
+    """The fastest assignment that fits the budget; InfeasibleError (with the minimum) when none does.
+
+    Two solves at most: first without the memory row (fast: the edge polytope is nearly
+    integral); that optimum is the answer whenever it fits. Otherwise the memory row goes in
+    and the solve restarts from `_greedy_fit` of the first answer. `mip_rel_gap`: stop once
+    the plan is provably within this fraction of the best possible step time (reported in
+    SolverReport.gap when above HiGHS' default of 1e-4)."""
     model = _Model(problem, restrictions, "time")
-    status, used, solve_s, gap = _run(model, backend, time_limit_s)
-    if status == "infeasible":
-        raise _infeasible(problem, time_limit_s, backend, restrictions)
+    out = _run(model, backend, time_limit_s, mip_rel_gap=mip_rel_gap)
+    spent_s = out.solve_s
+    if out.status == "infeasible":  # not even without the budget: the restrictions leave nothing
+        raise AutoparError("the restrictions leave no valid assignment at all; relax them")
     a = model.assignment()
     memory, step = evaluate(problem, a)
-    report = SolverReport(used, status, solve_s, len(model.prob.variables()), len(model.prob.constraints), gap)
-    gap_text = f" (gap {gap:.2%})" if gap is not None else ""
+    if problem.budget_bytes is not None and memory.total_bytes > problem.budget_bytes:
+        first = _greedy_fit(problem, a, restrictions)
+        model.add_memory_limit()
+        start = model.start(first) if first is not None else {}
+        out = _run(model, backend, max(time_limit_s - spent_s, 1.0), True, start, mip_rel_gap)
+        spent_s += out.solve_s
+        if out.status == "infeasible":
+            raise _infeasible(problem, time_limit_s, backend, restrictions)
+        a = model.assignment()
+        memory, step = evaluate(problem, a)
+    report = SolverReport(out.backend, out.status, spent_s, len(model.prob.variables()), len(model.prob.constraints), out.gap)
+    gap_text = f" (gap {out.gap:.2%})" if out.gap is not None else ""
     log.info(
         "solver: %s vars, %s in %.1f s%s, est. step %.0f ms",
-        f"{report.num_variables:,}", status, solve_s, gap_text, step.total_s * 1e3,
+        f"{report.num_variables:,}", out.status, spent_s, gap_text, step.total_s * 1e3,
     )
     return Solution(a, memory, step, report)
 
@@ -273,12 +391,13 @@ def min_memory(
 ) -> Solution:
     """The assignment with the least per-device memory (ignores the budget and the time)."""
     model = _Model(problem, restrictions, "memory")
-    status, used, solve_s, gap = _run(model, backend, time_limit_s)
-    if status == "infeasible":
+    out = _run(model, backend, time_limit_s)
+    if out.status == "infeasible":
         raise AutoparError("the restrictions leave no valid assignment at all; relax them")
     a = model.assignment()
     memory, step = evaluate(problem, a)
-    return Solution(a, memory, step, SolverReport(used, status, solve_s, len(model.prob.variables()), len(model.prob.constraints), gap))
+    report = SolverReport(out.backend, out.status, out.solve_s, len(model.prob.variables()), len(model.prob.constraints), out.gap)
+    return Solution(a, memory, step, report)
 
 
 def _gib(n: float) -> str:

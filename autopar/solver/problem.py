@@ -12,6 +12,7 @@ device for memory.
 from __future__ import annotations
 
 import math
+import operator
 from dataclasses import dataclass, replace
 from typing import Mapping
 
@@ -19,13 +20,16 @@ import torch
 
 from autopar.profiler.types import ConcreteProfile
 from autopar.solver.cluster import Cluster, Grouping, group, singletons
-from autopar.solver.cost import collective_time_s, split_factor, strategy_cost
+from autopar.solver.cost import bucket_latency_share, collective_time_s, forward_time_s, split_factor, strategy_cost
 from autopar.gc_pause import gc_paused
 from autopar.solver.mesh import Mesh
 from autopar.solver.reshard import reshard_cost
 from autopar.solver.spec import Replicate, Shard, Spec, Strategy
 from autopar.solver.strategies import strategy_inputs
 from autopar.tracer import TracedGraph, output_vals
+
+
+GRAD_BUCKET_BYTES = 25 * 2**20  # the runtime's grad-sync bucket (runtime.grad_sync.DEFAULT_BUCKET_BYTES; the solver does not import the runtime)
 
 
 @dataclass(frozen=True)
@@ -145,13 +149,14 @@ def _ints(shape) -> tuple[int, ...]:
     return tuple(int(s.node.hint) if isinstance(s, torch.SymInt) else int(s) for s in shape)
 
 
-def _zero(spec: Spec, shape: tuple[int, ...], local_bytes: float, mesh: Mesh) -> tuple[Spec, ZeroOption] | None:
+def _zero(spec: Spec, shape: tuple[int, ...], local_bytes: float, mesh: Mesh,
+          sync_share: float = 1.0) -> tuple[Spec, ZeroOption] | None:
     """ZeRO storage for a param used as `spec`: sharded over every replicated axis (one tensor dim).
 
-    Its price, per step: a gather before forward use and again before backward, and a
-    reduce-scatter of the gradient instead of the all-reduce the consumer already pays
-    (strategy_cost charges that all-reduce for a Replicate input of a split op). With ring
-    collectives all_reduce = reduce_scatter + all_gather, so the extra is one all-gather.
+    Its price, per step and axis: a gather before forward use and again before backward
+    (codegen re-gathers rather than keeping it), and a reduce-scatter of the gradient, each
+    its own collective, instead of the bucketed all-reduce (`sync_share` of a bucket's
+    latency, see `cost.bucket_latency_share`) the consumer already pays in `strategy_cost`.
     """
     axes = [a for a, p in enumerate(spec.placements) if isinstance(p, Replicate) and mesh.shape[a] > 1]
     factor = math.prod(mesh.shape[a] for a in axes)
@@ -164,9 +169,27 @@ def _zero(spec: Spec, shape: tuple[int, ...], local_bytes: float, mesh: Mesh) ->
     storage = Spec(tuple(Shard(dim) if a in axes else p for a, p in enumerate(spec.placements)))
     comm_s, gathered = 0.0, local_bytes
     for a in reversed(axes):  # innermost gather first: each step gathers a bigger piece
-        comm_s += collective_time_s("all_gather", gathered, mesh.axes[a])
+        ax = mesh.axes[a]
+        comm_s += 2 * collective_time_s("all_gather", gathered, ax) + collective_time_s("reduce_scatter", gathered, ax)
+        comm_s -= collective_time_s("all_reduce", gathered, ax, sync_share)
         gathered /= mesh.shape[a]
     return storage, ZeroOption(factor, comm_s, local_bytes)
+
+
+def _param_root(node, params: Mapping[str, object]) -> str | None:
+    """The parameter whose gradient `node`'s gradient flows into through single-input ops (t, view, cast...),
+    or None. Codegen lifts the all-reduce of such a gradient out of the graph into the bucketed grad
+    sync (`codegen.lower.partial_grad_axes`), which the pricing follows."""
+    while node is not None:
+        if node.name in params:
+            return node.name
+        if node.op != "call_function" or node.target is operator.getitem:
+            return None
+        ins = strategy_inputs(node)
+        if len(ins) != 1:
+            return None
+        node = ins[0][0]
+    return None
 
 
 class _Pricer:
@@ -178,6 +201,7 @@ class _Pricer:
         self.costs = profile.nodes
         self.params = {p.node: p for p in profile.params.values()}
         self.storage: dict[tuple[str, int], Spec] = {}
+        self._total_param_bytes = sum(p.param_bytes for p in profile.params.values())
         self._cache: dict[tuple, Option] = {}
         self._nodes: dict[str, tuple] = {}
 
@@ -198,15 +222,36 @@ class _Pricer:
         if info is None:
             node, cost = self.nodes[name], self.costs[name]
             outs = tuple(None if v is None else _ints(v.shape) for v in output_vals(node))
-            ins = tuple(_tensor_bytes(output_vals(p)[i]) for p, i in strategy_inputs(node)) if node.op == "call_function" else ()
+            ins: tuple = ()
+            if node.op == "call_function":
+                producers = strategy_inputs(node)
+                # an input with no gradient (token ids, masks, buffers) needs no backward all-reduce
+                in_bytes = tuple(_tensor_bytes(output_vals(p)[i]) if self.costs[p.name].requires_grad else 0.0
+                                 for p, i in producers)
+                shares = tuple(self._sync_share(root) if (root := _param_root(p, self.params)) else None
+                               for p, _ in producers)
+                ins = (in_bytes, shares)
             param = self.params.get(name)
             role = "param" if param else "buffer" if name in self.traced.buffer_fqns else node.op
-            # the whole NodeCost but its node names (so that repeated layers share prices): any
-            # field the cost model reads is in the key, including ones added later
-            base = (role, replace(cost, name="", saved_refs=()), outs, ins,
+            if role == "placeholder":
+                ins = self._fed(node)
+            base = (role, cost.op, cost.fwd_flops, cost.bwd_flops, cost.output_bytes, cost.saved_outputs,
+                    cost.extra_saved_bytes, cost.temp_bytes, cost.requires_grad, outs, ins,
                     param and (param.param_bytes, param.grad_bytes, param.optimizer_bytes))
             info = self._nodes[name] = (role, cost, outs, ins, param, base)
         return info
+
+    def _sync_share(self, param_node: str) -> float:
+        """Part of a grad-sync bucket's latency the gradient of `param_node` pays."""
+        return bucket_latency_share(self.params[param_node].param_bytes, self._total_param_bytes, GRAD_BUCKET_BYTES)
+
+    def _fed(self, node) -> tuple:
+        """(global shape, itemsize) of a user input as fed: each rank its rows, Shard(0) on every mesh
+        axis (`input_layout="shard"`); () when its dim 0 does not split that way (fed whole)."""
+        val = output_vals(node)[0]
+        if not isinstance(val, torch.Tensor) or val.ndim == 0 or _ints(val.shape)[0] % self.mesh.num_devices:
+            return ()
+        return (_ints(val.shape), val.element_size())
 
     def _price(self, role, cost, strat: Strategy, outs, ins, param) -> Option:
         mesh = self.mesh
@@ -214,20 +259,24 @@ class _Pricer:
             spec = strat.output_specs[0]
             shard = spec.shard_factor(mesh.shape)
             if role == "param":
-                found = _zero(spec, outs[0], param.param_bytes / shard, mesh)
+                found = _zero(spec, outs[0], param.param_bytes / shard, mesh, self._sync_share(param.node))
                 return Option(str(spec), param_bytes=param.param_bytes / shard, grad_bytes=param.grad_bytes / shard,
                               optimizer_bytes=param.optimizer_bytes / shard, zero=found[1] if found else None)
             if role == "buffer":
                 return Option(str(spec), param_bytes=sum(cost.output_bytes) / shard)
             saved = sum(b for b, s in zip(cost.output_bytes, cost.saved_outputs) if s) / shard
-            return Option(str(spec), saved_bytes=saved)
-        compute_s, comm_s = strategy_cost(cost, strat, outs, mesh, ins)
-        fwd_s, _ = strategy_cost(replace(cost, bwd_flops=0.0), strat, outs, mesh)
+            comm = 0.0
+            if ins:  # resharding the fed rows to the chosen spec: forward only (inputs get no gradient)
+                shape, itemsize = ins
+                comm = reshard_cost(Spec((Shard(0),) * len(mesh.shape)), spec, shape, itemsize, mesh, with_backward=False)
+            return Option(str(spec), comm_s=comm, saved_bytes=saved)
+        in_bytes, shares = ins
+        compute_s, comm_s = strategy_cost(cost, strat, outs, mesh, in_bytes, shares)
         shards = [s.shard_factor(mesh.shape) for s in strat.output_specs] or [1]
         saved = sum(b / shards[min(i, len(shards) - 1)] for i, (b, s) in enumerate(zip(cost.output_bytes, cost.saved_outputs)) if s)
         saved += cost.extra_saved_bytes / shards[0]
-        return Option(str(strat), compute_s=compute_s, comm_s=comm_s, recompute_s=fwd_s, saved_bytes=saved,
-                      temp_bytes=cost.temp_bytes / split_factor(strat, mesh))
+        return Option(str(strat), compute_s=compute_s, comm_s=comm_s, recompute_s=forward_time_s(cost, strat, mesh),
+                      saved_bytes=saved, temp_bytes=cost.temp_bytes / split_factor(strat, mesh))
 
 
 def _tensor_bytes(val) -> float:

@@ -9,6 +9,7 @@ Megatron tensor parallel + data parallel on equal terms.
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from dataclasses import dataclass
@@ -16,6 +17,7 @@ from typing import Callable, Literal, Mapping
 
 from autopar.errors import AutoparError, InfeasibleError
 from autopar.profiler.types import ConcreteProfile, GraphProfile
+from autopar.solver.comm_volume import comm_bytes_by_kind
 from autopar.solver.ilp import Restrictions, Solution, evaluate, min_memory, solve_problem
 from autopar.solver.mesh import Mesh, candidate_shapes, make_mesh
 from autopar.solver.plan import BaselineResult, Fingerprint, NodeDecision, ParamDecision, Plan, SolverReport
@@ -79,8 +81,9 @@ def to_plan(traced: TracedGraph, mesh: Mesh, built: BuiltProblem, sol: Solution)
             use = strat.output_specs[0]
             storage = built.storage[node.name, k] if a.zero[cls] else use
             params.append(ParamDecision(traced.param_fqns[node.name], node.name, use, storage))
-    return Plan(_fingerprint(traced, mesh, built.problem.budget_bytes), mesh, tuple(nodes), tuple(params),
+    plan = Plan(_fingerprint(traced, mesh, built.problem.budget_bytes), mesh, tuple(nodes), tuple(params),
                 sol.memory, sol.time, sol.report)
+    return dataclasses.replace(plan, comm_bytes_by_kind=comm_bytes_by_kind(traced, plan))
 
 
 def _output_args(node) -> list:
@@ -171,6 +174,26 @@ def fixed_plan(
     return to_plan(traced, mesh, built, Solution(a, memory, step, report))
 
 
+def batch_dependent(traced: TracedGraph) -> frozenset[str]:
+    """User inputs and every non-scalar call_function node downstream of one: what carries the batch."""
+    params = set(traced.param_fqns) | set(traced.buffer_fqns)
+    out: set[str] = set()
+    for node in traced.graph.nodes:
+        if node.op == "placeholder":
+            carries = node.name not in params
+        else:
+            carries = node.op == "call_function" and any(a.name in out for a in node.all_input_nodes)
+        val = node.meta.get("val")
+        if carries and any(getattr(x, "ndim", 0) for x in (val if isinstance(val, (tuple, list)) else (val,))):
+            out.add(node.name)
+    return frozenset(out)
+
+
+def splits_batch(strategy: Strategy) -> bool:
+    """The strategy's first output is split (sharded or partial) over the data-parallel (first) mesh axis."""
+    return bool(strategy.output_specs) and not isinstance(strategy.output_specs[0].placements[0], Replicate)
+
+
 def _param_rule(name: str, mesh: Mesh) -> Callable[[Spec], bool]:
     """Which use specs a baseline allows for parameters."""
     if name == "megatron":  # tensor parallel on the last (fastest) axis, replicated (data parallel) on the others
@@ -192,11 +215,19 @@ def baseline_plan(
         raise ValueError(f"unknown baseline {name!r}; choose one of {BASELINES}")
     built = _build(traced, profile, mesh, _budget(mesh, memory_budget_bytes), sizes)
     rule = _param_rule(name, mesh)
+    # data parallel and ZeRO-3 split the batch: every tensor carrying it is split over the first (data) axis,
+    # or the cheapest "data parallel" plan may gather the batch and compute it whole on every rank
+    batched = batch_dependent(traced) if name in ("data_parallel", "zero3") else frozenset()
     allowed = {}
     for v, node in enumerate(built.problem.nodes):
         leader = built.grouping.clusters[built.grouping.classes[v][0]].leader
         if leader in traced.param_fqns:
             allowed[v] = frozenset(i for i, s in enumerate(built.strategies[leader]) if rule(s.output_specs[0]))
+        elif leader in batched:
+            split = frozenset(i for i in range(len(node.options))
+                              if splits_batch(built.strategies[leader][built.member_strategy(leader, i)]))
+            if split:  # an op with no batch-split strategy stays free (and is priced as what it can do)
+                allowed[v] = split
     restrictions = Restrictions(allowed, zero="always" if name == "zero3" else "never")
     try:
         sol = solve_problem(built.problem, time_limit_s, restrictions=restrictions)

@@ -6,11 +6,10 @@
 
 Each baseline is priced as the same ILP with what the baseline fixes pinned:
 every parameter's use spec, the batch inputs' spec (Shard(0) over the data-parallel
-axis) and ZeRO (never for ddp and tp); the ILP picks the rest. Pinning
-the inputs matters: `autopar.solver.baseline_plan("data_parallel")` only restricts
-parameters, and on a calibrated CPU mesh its cheapest "data parallel" plan computes
-the whole batch on every rank (no gradient all-reduce), which is not what DDP runs.
-Its "megatron" likewise only allows tensor-parallel weights. tp pins what
+axis), for ddp/fsdp every batch-carrying activation split over that axis (as
+`autopar.solver.baseline_plan("data_parallel")` does: otherwise the cheapest "data
+parallel" plan may gather the batch and compute it whole on every rank, which is not
+what DDP runs) and ZeRO (never for ddp and tp); the ILP picks the rest. tp pins what
 `tensor_parallel.PLANS` runs: column-parallel weight Shard(0), row-parallel Shard(1)
 on the tp axis, everything else replicated. fsdp is priced from the ddp plan plus
 FSDP2's own collectives: per `fully_shard` unit (each block, and the root for the
@@ -41,7 +40,7 @@ from autopar.solver.cost import bucket_latency_share, collective_time_s
 from autopar.solver.mesh import Mesh
 from autopar.solver.plan import Plan, TimeBreakdown
 from autopar.solver.problem import build_problem
-from autopar.solver.search import to_plan
+from autopar.solver.search import batch_dependent, splits_batch, to_plan
 from autopar.solver.spec import Replicate, Shard, Spec
 from autopar.solver.strategies import enumerate_strategies
 from autopar.tracer import module_path, trace
@@ -111,7 +110,7 @@ class Predictor:
         strategies = enumerate_strategies(self.traced, mesh)
         built = build_problem(self.traced, self.profile, mesh, strategies, mesh.memory_bytes)
         inputs = set(self.traced.input_names)
-        batched = _batch_dependent(self.traced, inputs)
+        batched = batch_dependent(self.traced)
         allowed = {}
         for v, node in enumerate(built.problem.nodes):
             leader = built.grouping.clusters[built.grouping.classes[v][0]].leader
@@ -124,7 +123,7 @@ class Predictor:
             elif leader in batched and not tp_params:
                 # ddp/fsdp: every activation carrying the batch is split over the data-parallel axis (on some dim)
                 split = frozenset(i for i in range(len(node.options))
-                                  if _splits_batch(built.strategies[leader][built.member_strategy(leader, i)]))
+                                  if splits_batch(built.strategies[leader][built.member_strategy(leader, i)]))
                 if split:
                     allowed[v] = split
                 else:
@@ -163,23 +162,6 @@ def _tp_param_specs(family: str, blocks: list[str]) -> dict[str, Shard | Replica
             specs[f"{block}.{path}.weight"] = Shard(0) if style is COL else Shard(1)  # nn.Linear weight is (out, in)
             specs[f"{block}.{path}.bias"] = Shard(0) if style is COL else Replicate()
     return specs
-
-
-def _batch_dependent(traced, inputs: set[str]) -> set[str]:
-    """Names of the non-scalar call_function nodes downstream of a batch input (what carries the batch)."""
-    out: set[str] = set()
-    for node in traced.graph.nodes:
-        if node.op == "call_function" and any(a.name in inputs or a.name in out for a in node.all_input_nodes):
-            val = node.meta.get("val")
-            vals = val if isinstance(val, (tuple, list)) else (val,)
-            if any(getattr(x, "ndim", 0) for x in vals):
-                out.add(node.name)
-    return out
-
-
-def _splits_batch(strategy) -> bool:
-    """The strategy's first output is split (sharded or partial) over the data-parallel (first) mesh axis."""
-    return bool(strategy.output_specs) and not isinstance(strategy.output_specs[0].placements[0], Replicate)
 
 
 def _inside(path: str, block: str) -> bool:

@@ -206,6 +206,8 @@ def test_every_constraint_is_named_after_its_family():
     mm = p.nodes[2]
     mm = Node(mm.name, tuple(dataclasses.replace(o, temp_bytes=64 * MB) for o in mm.options), mm.recomputable)
     p = Problem(p.nodes[:2] + (mm,), p.edges, p.budget_bytes)
-    names = list(_Model(p, Restrictions(), "time").prob.constraints)
+    model = _Model(p, Restrictions(), "time")
+    model.add_memory_limit()
+    names = list(model.prob.constraints)
     families = {n.rsplit("_", 1)[0].rstrip("_0123456789") for n in names}
     assert families == {"onehot", "edge_src", "edge_dst", "recompute", "zero", "temp", "gather", "memory"}
