@@ -41,11 +41,11 @@ log = logging.getLogger(__name__)
 # (its bandwidth term must stand well above the latency noise of a shared CPU host: ~4 ms at 1 GB/s).
 _SMALL_BYTES = 16 * 1024
 _LARGE_BYTES = 4 * 1024 * 1024
-# Layer-sized matmuls (m, k, n) of tiny-to-small transformers: a rate from one large square matmul
-# overstates (GPU) or understates (contended CPU: preempted mid-op) what these reach.
 # In-situ compute before a collective (see _fit_links): one small layer's matmuls, ~1 ms on one CPU core.
 _SITU_MATMUL = (128, 256, 256)
 _SITU_REPEATS = 4
+# Layer-sized matmuls (m, k, n) of tiny-to-small transformers: a rate from one large square matmul
+# overstates (GPU) or understates (contended CPU: preempted mid-op) what these reach.
 _MATMULS = ((256, 64, 256), (256, 256, 256), (512, 256, 512))
 _ELEMENTWISE_NUMEL = (64 * 1024, 1024 * 1024)  # 256 KB and 4 MB activations
 _CHAIN_OPS = 40  # tiny ops per overhead chain (each also runs a backward op)

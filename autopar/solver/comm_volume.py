@@ -22,6 +22,7 @@ from __future__ import annotations
 import math
 import torch
 
+from autopar.gc_pause import gc_paused
 from autopar.profiler.graph import analyze
 from autopar.solver.cost import split_axes
 from autopar.solver.mesh import Mesh
@@ -57,6 +58,7 @@ def _add_reshard(total: dict[str, float], src: Spec, dst: Spec, shape: tuple[int
         spec = apply_step(spec, step)
 
 
+@gc_paused
 def comm_bytes_by_kind(traced: TracedGraph, plan: Plan) -> tuple[tuple[str, float], ...]:
     """Per-device bytes per training step for each collective kind the plan uses (kinds with 0 bytes left out)."""
     mesh = plan.mesh

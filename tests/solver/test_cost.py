@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 import pytest
+import torch
 
 from autopar.profiler.types import NodeCost
 from autopar.solver.cost import (bucket_latency_share, collective_time_s, forward_time_s, launches,
@@ -106,3 +107,46 @@ def test_op_overhead_and_elementwise_backward_bytes():
     assert launches(item) == (0, 0) and strategy_cost(item, rep, [(1000,)], mesh)[0] == 0.0
     # recompute pays the forward again: roofline + one launch
     assert forward_time_s(gelu, split, mesh) == pytest.approx(0.5e6 / bw + 2e-5)
+
+
+class _Linear(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.randn(32, 16))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return (x @ self.w).square().mean()
+
+
+def test_problem_prices_fed_inputs_and_bucketed_param_grads_by_hand():
+    """build_problem on x @ w: the fed input pays the all-gather to Replicate (forward only), the weight's
+    gradient all-reduce under the batch-split mm pays a full bucket's latency (it is all the params)."""
+    from autopar.profiler import profile
+    from autopar.solver.problem import build_problem
+    from autopar.solver.strategies import enumerate_strategies
+    from autopar.tracer import trace
+
+    with torch.device("meta"):
+        model, x = _Linear(), torch.randn(64, 32)
+    traced = trace(model, (x,))
+    mesh = replace(make_mesh(4, (4,), "cpu"), op_overhead_s=1e-5)
+    strategies = enumerate_strategies(traced, mesh)
+    built = build_problem(traced, profile(traced).evaluate(), mesh, strategies, None, grouped=False)
+    nodes = {n.name: n for n in built.problem.nodes}
+    ax = mesh.axes[0]
+    x_name = traced.input_names[0]
+    by_spec = {o.label: o for o in nodes[x_name].options}
+    assert by_spec["() -> S(0)"].comm_s == 0.0  # fed as is
+    assert by_spec["() -> R"].comm_s == pytest.approx(collective_time_s("all_gather", 64 * 32 * 4, ax))
+    mm = next(n for n in nodes if n.startswith("mm"))
+    opts = {o.label: o for o in nodes[mm].options}
+    batch_split = opts["(S(0), R) -> S(0)"]
+    # backward: one all-reduce of w's gradient (32 x 16 fp32) with the whole bucket latency (w is every param)
+    assert batch_split.comm_s == pytest.approx(collective_time_s("all_reduce", 32 * 16 * 4, ax, latency_share=1.0))
+    # compute: mm 2*64*32*16 forward and as much backward (only w needs a gradient: one mm), split 4 ways,
+    # plus one forward and one backward launch
+    flops = 2 * 64 * 32 * 16 / 4
+    out = 64 * 16 * 4 / 4
+    expect = max(flops / mesh.flops_per_s, out / mesh.mem_bandwidth_bytes_per_s) \
+        + max(flops / mesh.flops_per_s, 2 * out / mesh.mem_bandwidth_bytes_per_s) + 2e-5
+    assert batch_split.compute_s == pytest.approx(expect)

@@ -12,7 +12,7 @@ import random
 import pytest
 
 from autopar.errors import InfeasibleError
-from autopar.solver.ilp import Restrictions, _Model, evaluate, min_memory, solve_problem
+from autopar.solver.ilp import Restrictions, _greedy_fit, _Model, evaluate, min_memory, solve_problem
 from autopar.solver.problem import Assignment, Edge, Node, Option, Problem, ZeroOption
 
 GIB = 2**30
@@ -211,3 +211,35 @@ def test_every_constraint_is_named_after_its_family():
     names = list(model.prob.constraints)
     families = {n.rsplit("_", 1)[0].rstrip("_0123456789") for n in names}
     assert families == {"onehot", "edge_src", "edge_dst", "recompute", "zero", "temp", "gather", "memory"}
+
+
+def test_greedy_start_frees_memory_cheapest_per_byte_first():
+    # the MIP start of a memory-bound solve: recompute 1 s / GiB (l1) before 2 s / GiB (l2) before 3 s / GiB (l0)
+    none = Assignment.of([0, 0, 0, 0])
+    for budget_gib, expected in ((3.5, ()), (3.0, (2,)), (2.0, (2, 3)), (1.0, (1, 2, 3))):
+        a = _greedy_fit(chain_with_activations(budget_gib * GIB), none, Restrictions())
+        assert tuple(v for v, r in enumerate(a.recompute) if r) == expected
+    assert _greedy_fit(chain_with_activations(0.4 * GIB), none, Restrictions()) is None  # the input alone is 0.5 GiB
+    assert _greedy_fit(chain_with_activations(3.0 * GIB), none, Restrictions(recompute="never")) is None
+
+
+def test_options_with_the_same_recompute_effect_share_one_binary():
+    # mm's two options save and recompute the same: one y for both, and still the brute-force optimum
+    p = dp_vs_tp(bandwidth_bytes_per_s=10e9, budget_bytes=4.1 * GIB)
+    model = _Model(p, Restrictions(), "time")
+    assert [v.name for v in model.prob.variables() if v.name.startswith("y_")] == ["y_2_0"]  # x is a placeholder
+    sol = solve_problem(p)
+    assert sol.time.total_s == pytest.approx(brute_force(p)[0])
+    assert sol.assignment == solve_problem(p).assignment  # deterministic under a binding budget too
+
+
+def test_a_loose_gap_stays_within_it():
+    rng = random.Random(3)
+    for _ in range(10):
+        p = random_problem(rng)
+        ref = brute_force(p)
+        if ref is None:
+            continue
+        sol = solve_problem(p, mip_rel_gap=0.2)
+        assert ref[0] - 1e-9 <= sol.time.total_s <= ref[0] * 1.2 + 1e-6
+        assert sol.report.gap is None or 1e-4 < sol.report.gap <= 0.2
