@@ -87,8 +87,10 @@ def plan_steps(src: Spec, dst: Spec, shape: tuple[int, ...], mesh: Mesh, grad_ax
     return tuple(out), left
 
 
-def edge_for(producer: fx.Node, consumer: fx.Node, index: int, src: Spec, dst: Spec, consumer_axes: frozenset[int], mesh: Mesh) -> Edge:
-    need = {k for k in consumer_axes if isinstance(dst.placements[k], Replicate)} if is_float(producer) else set()
+def edge_for(producer: fx.Node, consumer: fx.Node, index: int, src: Spec, dst: Spec, consumer_axes: frozenset[int], mesh: Mesh,
+             carries_grad: bool = True) -> Edge:
+    """`carries_grad`: whether the value can have a gradient at all (a float computed from a parameter or input)."""
+    need = {k for k in consumer_axes if isinstance(dst.placements[k], Replicate)} if carries_grad and is_float(producer) else set()
     shape = tuple(producer.meta["val"].shape)
     steps, left = plan_steps(src, dst, shape, mesh, need)
     return Edge(producer.name, consumer.name, index, src, dst, steps, tuple(sorted(left)))

@@ -135,13 +135,15 @@ class _Lowerer:
 
     # ------------------------------------------------------------ analysis
     def analyse_edges(self) -> None:
+        self.grad_carrying = _grad_carrying(self.traced, self.tensor_args)
         for node in self.traced.graph.nodes:
             if node.op != "call_function" or node.target is operator.getitem or node.target in _CHECKS:
                 continue
             ins = self.in_specs(node)
             axes = sharded_axes(ins + self.out_specs(node))
             for i, (a, dst) in enumerate(zip(self.tensor_args(node), ins)):
-                self.edges[(node.name, i)] = edge_for(a, node, i, self.src_spec(a), dst, axes, self.plan.mesh)
+                self.edges[(node.name, i)] = edge_for(a, node, i, self.src_spec(a), dst, axes, self.plan.mesh,
+                                                      a.name in self.grad_carrying)
 
     def owner(self, fqn: str) -> str:
         return self.tied.get(fqn, fqn)
@@ -149,17 +151,19 @@ class _Lowerer:
     def partial_grad_axes(self, e: Edge, uses: Mapping[str, list[Edge]]) -> tuple[set[int], list[tuple[tuple[str, int], set[int]]]]:
         """Axes on which the grad reaching `e.producer` through `e` is a per-rank term, and where those all-reduces sit.
 
-        Besides the edge's own grad all-reduces, a consumer with one tensor input that is not
-        sharded on axis k (a permute/view/cast of a weight) passes partial grads on k upstream
-        unchanged: its backward is linear in the grad and identical on every rank of k, so the
-        all-reduce may move above it. This is what lets a weight's DP all-reduce leave the graph
-        for the bucketed grad sync although `permute(weight)` is what the matmul consumes.
+        Besides the edge's own grad all-reduces, a consumer with one gradient-carrying input that
+        is not sharded on axis k (a permute/view/cast of a weight; `embedding(weight, arange)`,
+        whose index input carries no gradient) passes partial grads on k upstream unchanged: its
+        backward is linear in the grad and, all its inputs being Replicate on k, identical on every
+        rank of k, so the all-reduce may move above it. This is what lets a weight's DP all-reduce
+        leave the graph for the bucketed grad sync although `permute(weight)` is what the matmul consumes.
         """
         axes = set(self.edges[(e.consumer, e.index)].grad_reduce_axes)
         strips = [((e.consumer, e.index), set(axes))]
         c = self.nodes[e.consumer]
         downs = uses.get(c.name, [])
-        single = c.target is not operator.getitem and len(self.tensor_args(c)) == 1 and is_float(c)
+        carrying = [a for a in self.tensor_args(c) if a.name in self.grad_carrying]
+        single = c.target is not operator.getitem and len(carrying) == 1 and is_float(c)
         if single and downs and all(u.op != "output" for u in c.users):
             free = set(range(len(self.mesh.shape))) - sharded_axes(self.in_specs(c) + self.out_specs(c))
             below = [self.partial_grad_axes(d, uses) for d in downs]
@@ -369,6 +373,22 @@ class _Lowerer:
             dst = Spec.replicate(len(self.mesh.shape)) if i == self.traced.loss_index else self.fed_spec(node)
             outs.append(self.reshard(self.env[name], node, self.src_spec(node), dst))
         self.graph.output(tuple(outs))
+
+
+def _grad_carrying(traced: TracedGraph, targs) -> set[str]:
+    """Names of nodes whose value can carry a gradient: float values computed from a float parameter or
+    user input. Others (integer tensors, `arange`, a float count of labels, constants) get no grad all-reduce."""
+    out: set[str] = set()
+    for node in traced.graph.nodes:
+        if node.op == "placeholder":
+            if node.name not in traced.buffer_fqns and is_float(node):
+                out.add(node.name)
+        elif node.op == "call_function":
+            val = node.meta.get("val")
+            floating = is_float(node) or isinstance(val, (tuple, list))  # a tuple's elements are checked at the getitem
+            if floating and any(a.name in out for a in targs(node)):
+                out.add(node.name)
+    return out
 
 
 def _without_axes(e: Edge, axes: set[int]) -> Edge:

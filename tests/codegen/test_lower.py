@@ -75,3 +75,20 @@ def test_generated_code_shows_local_shapes():
     # global (B*T, C) = (32, 64); each of 2 data-parallel ranks holds 16 rows
     assert "[16, 64]" in code and "[32, 64]" not in code, code
     assert torch.Size([4, 8]) == sample["input_ids"].shape
+
+
+def _sync_axes(rank, world, traced, plan):
+    gm = lower(traced, plan, ProcessMesh((2,)))
+    return [n.name for n in gm.graph.nodes if n.target is C.grad_all_reduce], dict(gm.meta["autopar"].grad_sync_axes)
+
+
+@pytest.mark.timeout(120)
+def test_gpt2_pure_dp_syncs_every_grad_outside_the_graph():
+    # the position embedding is embedding(wpe, arange): the integer arange carries no gradient, so the
+    # wpe grad's all-reduce moves to the parameter like every other one (no synchronous in-graph collective)
+    model, sample = load_zoo("gpt2").build(batch_size=4, seq_len=8, size="tiny", device="cpu")
+    traced = trace_model(model, sample)
+    (in_graph, sync_axes), _ = run_ranks(_sync_axes, 2, traced, _dp_plan(traced), timeout_s=60)
+    assert in_graph == []
+    owners = {fqn for fqn, p in model.named_parameters()}  # named_parameters drops the tied lm_head twin
+    assert set(sync_axes) == owners and all(a == (0,) for a in sync_axes.values()), sync_axes

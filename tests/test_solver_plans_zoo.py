@@ -1,0 +1,62 @@
+"""The solver's own plans, under a generous and a tight budget, train like one device on every zoo model.
+
+Issue 6's acceptance beside the random plans: for every zoo model on meshes (2,),
+(4,) and (2,2), three AdamW steps of the plan the solver picks match the
+single-device model (loss, every rank's block of every gradient and parameter).
+The tight budget is 60% of the generous plan's predicted need (or just above the
+minimum the solver reports when that is infeasible).
+"""
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from autopar.errors import InfeasibleError
+from autopar.profiler import profile
+from autopar.runtime.launch import run_ranks
+from autopar.solver import solve
+from autopar.solver.mesh import make_mesh
+from tests.codegen.harness import reference, run_plans, trace_model
+from tests.zoo import ZOO, load_zoo
+
+MESHES = [(2,), (4,), (2, 2)]
+STEPS = 3
+_MODELS: dict[str, tuple] = {}  # traced once per model for all meshes
+
+
+def _model(name: str) -> tuple:
+    if name not in _MODELS:
+        model, sample = load_zoo(name).build(batch_size=4, seq_len=8, size="tiny", device="cpu")
+        traced = trace_model(model, sample)
+        _MODELS[name] = (model, sample, traced, profile(traced), reference(model, sample, STEPS))
+    return _MODELS[name]
+
+
+def _tight_plan(traced, prof, mesh, generous):
+    try:
+        return solve(traced, prof, mesh, memory_budget_bytes=0.6 * generous.memory.total_bytes)
+    except InfeasibleError as err:  # the tightest plan that exists, with a little room
+        return solve(traced, prof, mesh, memory_budget_bytes=1.02 * err.min_memory_bytes)
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("mesh_shape", MESHES, ids=lambda s: "x".join(map(str, s)))
+def test_solver_plans_match_single_device(mesh_shape):
+    mesh = make_mesh(math.prod(mesh_shape), mesh_shape, "cpu")
+    cases, tight_plans = [], []
+    for name in ZOO:
+        model, sample, traced, prof, ref = _model(name)
+        generous = solve(traced, prof, mesh)
+        tight = _tight_plan(traced, prof, mesh, generous)
+        assert tight.memory.total_bytes < generous.memory.total_bytes, name
+        tight_plans.append(tight)
+        for budget, plan in (("generous", generous), ("tight", tight)):
+            cases.append((f"{name} {budget} on {mesh_shape}", model, sample, traced, plan, ref, STEPS))
+    # Tight budgets save memory somewhere through ZeRO or recomputation, not only through sharding
+    # (which of the three the solver prefers is the cost model's call: on these tiny models
+    # tensor-parallel parameters often beat ZeRO's gathers; ZeRO is forced in test_parallelize).
+    assert any(any(p.zero for p in plan.params) or plan.recomputed() for plan in tight_plans)
+    results = run_ranks(run_plans, math.prod(mesh_shape), mesh_shape, cases, timeout_s=280)
+    for rank_results in results:
+        assert [label for label, _ in rank_results] == [c[0] for c in cases]
