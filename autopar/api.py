@@ -83,7 +83,10 @@ def parallelize(
     else:
         if not isinstance(plan, Plan):
             plan = load_plan(plan)
-        check_plan(plan, traced, plan.mesh, plan.fingerprint.budget_bytes)
+        # Checked against the mesh we run on (the plan's hardware numbers, this world's shape), so a plan
+        # made for another device count fails here, naming the mesh, rather than somewhere in lowering.
+        running = plan.mesh.with_shape(pmesh.shape, pmesh.axis_names)
+        check_plan(plan, traced, running, plan.fingerprint.budget_bytes)
     gm = lower(
         traced, plan, pmesh,
         params=dict(model.named_parameters(remove_duplicate=False)),

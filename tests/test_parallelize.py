@@ -9,6 +9,7 @@ from tests.codegen.harness import EPS, LR, local_sample, loss_of, reference, tra
 from tests.codegen.plans import load_zoo
 
 from autopar.api import parallelize
+from autopar.errors import PlanMismatchError
 from autopar.profiler import profile
 from autopar.solver import solve
 from autopar.solver.mesh import make_mesh
@@ -58,3 +59,20 @@ def test_solver_plan_tight_budget_uses_zero_and_recompute_and_matches_single_dev
         torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref.losses), rtol=1e-5, atol=0)
         assert zero > 0 and recomputed > 0, (zero, recomputed)
         assert total_bytes <= budget
+
+
+def _load_foreign_plan(rank, world, model, sample, plan):
+    try:
+        parallelize(model, sample, (world,), plan=plan)
+    except PlanMismatchError as err:
+        return str(err)
+    return None
+
+
+@pytest.mark.timeout(120)
+def test_plan_for_another_device_count_is_refused_naming_the_mesh():
+    model, sample = load_zoo("mlp").build(batch_size=4, seq_len=8, size="tiny", device="cpu")
+    traced = trace_model(model, sample)
+    plan = solve(traced, profile(traced), make_mesh(4, (4,), "cpu"))  # made for 4 devices, run on 2
+    for message in run_ranks(_load_foreign_plan, 2, model, sample, plan, timeout_s=100):
+        assert message is not None and "mesh" in message and "(4,)" in message and "(2,)" in message, message

@@ -386,7 +386,8 @@ def _grad_carrying(traced: TracedGraph, targs) -> set[str]:
         elif node.op == "call_function":
             val = node.meta.get("val")
             floating = is_float(node) or isinstance(val, (tuple, list))  # a tuple's elements are checked at the getitem
-            if floating and any(a.name in out for a in targs(node)):
+            ins = (node.args[0],) if node.target is operator.getitem else targs(node)  # tensor_args skips tuple producers
+            if floating and any(a.name in out for a in ins):
                 out.add(node.name)
     return out
 
