@@ -12,15 +12,14 @@ Prints a table and one JSON line with the torch version and git SHA.
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import torch
 
+from _common import load_example
 from autopar.profiler import profile
 from autopar.solver.ilp import solve_problem
 from autopar.solver.mesh import make_mesh
@@ -38,11 +37,7 @@ CASES = {
 
 
 def _gpt2():
-    spec = importlib.util.spec_from_file_location("zoo_gpt2", ROOT / "examples" / "gpt2.py")
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules["zoo_gpt2"] = mod
-    spec.loader.exec_module(mod)
-    return mod
+    return load_example("gpt2")
 
 
 def run(case: str) -> dict:

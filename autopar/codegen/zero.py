@@ -29,7 +29,6 @@ from __future__ import annotations
 
 from typing import Iterable
 
-import torch
 import torch.utils.checkpoint as ckpt
 from torch import fx, nn
 

@@ -18,7 +18,10 @@ collectives in the same order. A callback queued on the autograd engine waits fo
 of them when backward ends (or call `finish()`); a bucket some of whose grads were
 never produced is launched there with zeros for them, since the peers may have them.
 Packing into the flat bucket and back is `kernels.pack` / `kernels.unpack` (one
-fused pass each, optional cast for the wire).
+fused pass each, optional cast for the wire). A bucket's flat buffer exists only from
+its launch until its grads are unpacked: kept between steps it would be a second copy
+of every synced grad alive through forward (3.2 MB of 22 MB on a small GPT-2), which
+the solver's memory model does not (and should not) count.
 
 Gradient accumulation: a grad is SUMMED over ranks, so a backward may only reduce its
 own contribution (DDP averages, for which re-reducing an already-synced grad is
@@ -56,7 +59,10 @@ class _Bucket:
     groups: tuple[str, ...]  # reduced over each in turn (a sum over all of those axes)
     names: list[str]
     params: list[torch.nn.Parameter]
-    buffer: torch.Tensor  # flat, in the wire dtype
+    numel: int
+    dtype: torch.dtype  # the wire dtype
+    device: torch.device
+    buffer: torch.Tensor | None = None  # flat; allocated at launch, dropped once unpacked
     ready: set[int] = field(default_factory=set)  # positions in `params` whose grad is accumulated
     work: dist.Work | None = None  # the in-flight all-reduce over groups[0]
 
@@ -93,7 +99,6 @@ class GradSync:
 
     def _build(self, params: list[tuple[str, torch.nn.Parameter, Sequence[str]]], reduce_dtype: torch.dtype | None) -> None:
         open_buckets: dict[tuple, _Bucket] = {}  # (groups, dtype, device) -> the bucket being filled
-        sizes: list[int] = []  # elements per bucket
         for name, p, groups in reversed(params):
             groups = tuple(groups)
             if not groups or not p.requires_grad:
@@ -105,29 +110,22 @@ class GradSync:
             dtype = reduce_dtype or p.dtype
             key = (groups, dtype, p.device)
             b = open_buckets.get(key)
-            if b is not None and (sizes[b.index] + p.numel()) * b.buffer.element_size() > self.bucket_bytes:
+            if b is not None and (b.numel + p.numel()) * dtype.itemsize > self.bucket_bytes:
                 b = None  # full: start a new one (a parameter larger than a bucket gets one of its own)
             if b is None:
-                b = _Bucket(len(self._buckets), groups, [], [], torch.empty(0, dtype=dtype, device=p.device))
+                b = _Bucket(len(self._buckets), groups, [], [], 0, dtype, p.device)
                 self._buckets.append(b)
-                sizes.append(0)
                 open_buckets[key] = b
             self._where[id(p)] = (b, len(b.params))
             b.names.append(name)
             b.params.append(p)
-            sizes[b.index] += p.numel()
+            b.numel += p.numel()
             self._handles.append(p.register_hook(self._before_accumulate_hook(p)))
             self._handles.append(p.register_post_accumulate_grad_hook(self._on_grad))
-        for b, n in zip(self._buckets, sizes):
-            b.buffer = torch.empty(n, dtype=b.buffer.dtype, device=b.buffer.device)
 
     @property
     def num_buckets(self) -> int:
         return len(self._buckets)
-
-    def bucket_buffers(self) -> list[torch.Tensor]:
-        """The flat bucket tensors (allocated once, alive as long as the sync: memory accounting counts them)."""
-        return [b.buffer for b in self._buckets]
 
     def bucket_names(self) -> list[list[str]]:
         """Parameter names per bucket, in launch order."""
@@ -172,7 +170,7 @@ class GradSync:
 
     def _launch(self, b: _Bucket) -> None:
         grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in b.params]
-        pack(grads, out=b.buffer)
+        b.buffer = pack(grads, out=torch.empty(b.numel, dtype=b.dtype, device=b.device))
         b.work = dist.all_reduce(b.buffer, group=_resolve_process_group(b.groups[0]), async_op=True)
         self.launched += 1
 
@@ -202,7 +200,7 @@ class GradSync:
                 if held is not None:
                     p.grad = held.add_(p.grad)  # the earlier synced sum + this backward's synced term
                 self._synced[id(p)] = (weakref.ref(p.grad), p.grad._version)
-            b.work = None
+            b.work, b.buffer = None, None
             b.ready.clear()
         self._next = 0
         self._callback_queued = False

@@ -20,6 +20,8 @@ Constraint families (each PuLP constraint is named after its family):
   zero_{v}_{g}        z[v,g] <= sum_{s in g} x[v,s]  (= under "always") (`_add_zero`)
   temp_{v}            T >= sum_s temp[v,s] x[v,s]                    (`_add_temp`)
   gather_{v}          T >= sum_g gathered[v,g] z[v,g]
+  rebuild_{r}         T >= sum_{v in layer r, g} saved[v,g] / copies[v] y[v,g]   (backward rebuilds a
+                      recomputed layer's activations together; a tied class counts one layer's share)
   memory              sum_{v,s} static[v,s] x - sum_g (1 - 1/f[v,g]) static[v,g] z
                       + saved[v,s] x - sum_g saved[v,g] y + T <= budget   (`add_memory_limit`)
 Objective (time of one step):
@@ -80,6 +82,7 @@ def evaluate(problem: Problem, a: Assignment) -> tuple[MemoryBreakdown, TimeBrea
     """Price an assignment with the same model the ILP optimises (independent of PuLP)."""
     compute_s = comm_s = recompute_s = 0.0
     params = grads = opt = act = temp = 0.0
+    rebuilt: dict[str, float] = {}  # layer -> its recomputed activations, alive together while backward rebuilds it
     for v, node in enumerate(problem.nodes):
         o = node.options[a.choice[v]]
         compute_s += o.compute_s
@@ -98,9 +101,11 @@ def evaluate(problem: Problem, a: Assignment) -> tuple[MemoryBreakdown, TimeBrea
             if not node.recomputable:
                 raise ValueError(f"node {node.name!r} cannot be recomputed (a placeholder, or it saves nothing)")
             recompute_s += o.recompute_s
+            rebuilt[node.region] = rebuilt.get(node.region, 0.0) + o.saved_bytes / node.copies
         else:
             act += o.saved_bytes
         temp = max(temp, o.temp_bytes)
+    temp = max(temp, *rebuilt.values()) if rebuilt else temp
     for e in problem.edges:
         comm_s += e.cost(a.choice[e.src], a.choice[e.dst])
     return (
@@ -224,6 +229,13 @@ class _Model:
                 self.prob += self.temp >= pulp.LpAffineExpression(terms), f"temp_{v}"
         for v, terms in self.gathered.items():  # at most one of a node's z is 1: one row per node
             self.prob += self.temp >= pulp.LpAffineExpression(terms), f"gather_{v}"
+        # a recomputed layer's activations are rebuilt together in backward (one row per layer; see `evaluate`)
+        rebuilt: dict[str, dict[pulp.LpVariable, float]] = {}  # layer -> y -> rebuilt GiB per layer
+        for (v, s), y in self.y.items():  # the options of one y's group save the same bytes
+            node = self.problem.nodes[v]
+            rebuilt.setdefault(node.region, {})[y] = node.options[s].saved_bytes / node.copies / _GIB
+        for r, terms in enumerate(rebuilt.values()):
+            self.prob += self.temp >= pulp.LpAffineExpression(list(terms.items())), f"rebuild_{r}"
 
     def add_memory_limit(self) -> None:
         """The budget row (kept out of the model until the unconstrained optimum is known not to fit)."""

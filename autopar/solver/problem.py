@@ -26,7 +26,7 @@ from autopar.solver.mesh import Mesh
 from autopar.solver.reshard import reshard_cost
 from autopar.solver.spec import Replicate, Shard, Spec, Strategy
 from autopar.solver.strategies import strategy_inputs
-from autopar.tracer import TracedGraph, output_vals
+from autopar.tracer import TracedGraph, module_path, output_vals
 
 
 GRAD_BUCKET_BYTES = 25 * 2**20  # the runtime's grad-sync bucket (runtime.grad_sync.DEFAULT_BUCKET_BYTES; the solver does not import the runtime)
@@ -66,6 +66,10 @@ class Node:
     name: str
     options: tuple[Option, ...]
     recomputable: bool = False  # placeholders and nodes that save nothing are not
+    # Backward rebuilds a recomputed layer's activations all at once (codegen outlines one checkpoint
+    # region per run of recomputed ops in a layer), so the largest rebuilt layer is a transient.
+    region: str = ""  # the repeated layer it belongs to ("" for none)
+    copies: int = 1  # layers a tied class stands for: its saved bytes per layer are saved_bytes / copies
 
     def __post_init__(self) -> None:
         if not self.options:
@@ -356,13 +360,24 @@ def build_problem(
     nodes = []
     for cls, members in enumerate(grouping.classes):
         leader = pricer.nodes[clusters[members[0]].leader]
-        nodes.append(Node(leader.name, tuple(class_opts[cls]), recomputable=leader.op == "call_function"))
+        nodes.append(Node(leader.name, tuple(class_opts[cls]), recomputable=leader.op == "call_function",
+                          region=_layer_of(module_path(leader)), copies=len(members)))
     problem = Problem(tuple(nodes), tuple(edges), budget_bytes)
     return BuiltProblem(problem, grouping, strategies, dict(pricer.storage), len(grouping.cluster_of))
 
 
 def grouping_choice(cluster: Cluster, node: str, option: int) -> int:
     return cluster.choices[option][cluster.members.index(node)]
+
+
+def _layer_of(path: str) -> str:
+    """The repeated layer a module path belongs to: the same rule as `codegen.recompute.layer_key`, which
+    outlines the recompute regions (not imported: the solver does not depend on codegen)."""
+    parts = path.split(".")
+    for i, part in enumerate(parts):
+        if part.isdigit():
+            return ".".join(parts[:i + 1])
+    return parts[0]
 
 
 def _classes(keys: list) -> list[int]:

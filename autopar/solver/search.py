@@ -23,7 +23,7 @@ from autopar.solver.mesh import Mesh, candidate_shapes, make_mesh
 from autopar.solver.plan import BaselineResult, Fingerprint, NodeDecision, ParamDecision, Plan, SolverReport
 from autopar.solver.problem import Assignment, BuiltProblem, build_problem
 from autopar.solver.spec import Replicate, Spec, Strategy
-from autopar.solver.strategies import enumerate_strategies, strategy_inputs
+from autopar.solver.strategies import enumerate_strategies
 from autopar.tracer import TracedGraph, module_path
 
 log = logging.getLogger(__name__)

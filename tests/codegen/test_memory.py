@@ -74,7 +74,7 @@ def _measure(rank, world, model, sample, traced, plans):
         opt.zero_grad(set_to_none=True)
         opt_state = [t for s in opt.state.values() for t in pytree.tree_leaves(s) if isinstance(t, torch.Tensor)]
         batch = [t for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
-        live = [*pm.parameters(), *pm.buffers(), *opt_state, *batch, *pm._sync.bucket_buffers()]
+        live = [*pm.parameters(), *pm.buffers(), *opt_state, *batch]
         with LiveStorageTracker(live) as tracker:
             before = tracker.current_bytes
             loss = loss_of(pm(*args, **kwargs))

@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import pytest
-import torch
 
 from autopar.profiler import block_of, peak_memory, profile
 from autopar.profiler.measure import block_paths, checkpoint_modules, measure_flops, measure_step

@@ -13,7 +13,7 @@ from autopar.profiler.eager import eager_graph
 from autopar.profiler.measure import measure_step
 from autopar.profiler.probe import _Watch
 from autopar.tracer import trace
-from tests.profiler.zoo import SEQ, load_example
+from tests.profiler.zoo import SEQ
 
 
 class SwiGLU(nn.Module):

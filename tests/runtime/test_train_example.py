@@ -1,23 +1,19 @@
 """examples/train.py on 2 gloo ranks trains exactly like one device (same init, same global batch)."""
 from __future__ import annotations
 
-import importlib.util
-import sys
 from pathlib import Path
 
 import torch
 from torch.testing import assert_close
+
+from autopar.model_file import import_model_file
 
 TRAIN_PY = Path(__file__).resolve().parents[2] / "examples" / "train.py"
 ARGV = ["--model", "gpt2", "--size", "tiny", "--steps", "3", "--batch-size", "4", "--seq-len", "16", "--fixed-batch"]
 
 
 def _load_train():
-    spec = importlib.util.spec_from_file_location("autopar_example_train", TRAIN_PY)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
+    return import_model_file(TRAIN_PY)
 
 
 train = _load_train()

@@ -2,13 +2,12 @@
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
+from tests.zoo import load_zoo
 from autopar.profiler import profile
 from autopar.solver import fixed_plan, solve
 from autopar.solver.cluster import block_key, group
@@ -22,12 +21,7 @@ _CACHE: dict = {}
 
 def gpt(n_layer: int):
     if n_layer not in _CACHE:
-        if "zoo_gpt2" not in sys.modules:
-            spec = importlib.util.spec_from_file_location("zoo_gpt2", ROOT / "examples" / "gpt2.py")
-            mod = importlib.util.module_from_spec(spec)
-            sys.modules["zoo_gpt2"] = mod
-            spec.loader.exec_module(mod)
-        m = sys.modules["zoo_gpt2"]
+        m = load_zoo("gpt2")
         cfg = dataclasses.replace(m.CONFIGS["tiny"], n_layer=n_layer)
         with torch.device("meta"):
             model = m.GPT(cfg).train()

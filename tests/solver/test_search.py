@@ -2,13 +2,12 @@
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
+from tests.zoo import load_zoo
 from autopar.errors import InfeasibleError
 from autopar.profiler import profile
 from autopar.solver import baseline_plans, fixed_plan, solve, solve_for_devices
@@ -20,12 +19,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def _zoo(name: str):
-    if name not in sys.modules:
-        spec = importlib.util.spec_from_file_location(name, ROOT / "examples" / f"{name.split('_')[1]}.py")
-        mod = importlib.util.module_from_spec(spec)
-        sys.modules[name] = mod
-        spec.loader.exec_module(mod)
-    return sys.modules[name]
+    return load_zoo(name.split("_")[1])
 
 
 _CACHE: dict = {}

@@ -15,9 +15,7 @@ none appear in these graphs today).
 """
 from __future__ import annotations
 
-import importlib.util
 import operator
-import sys
 from pathlib import Path
 
 import pytest
@@ -25,6 +23,7 @@ import torch
 from torch import fx
 from torch.utils import _pytree as pytree
 
+from tests.zoo import load_zoo
 from autopar.solver.mesh import Mesh, MeshAxis
 from autopar.solver.spec import Spec, Strategy
 from autopar.solver.strategies import _cache_key, enumerate_strategies
@@ -38,13 +37,7 @@ MESHES = ((2,), (2, 2))
 
 
 def load_example(name: str):
-    if name in sys.modules:
-        return sys.modules[name]
-    spec = importlib.util.spec_from_file_location(name, EXAMPLES / f"{name}.py")
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[name] = mod  # dataclasses in the example need their module registered
-    spec.loader.exec_module(mod)
-    return mod
+    return load_zoo(name)
 
 
 def mesh_of(shape: tuple[int, ...]) -> Mesh:

@@ -187,6 +187,7 @@ def _op_strategy_rules(op: Any, args: tuple, kwargs: dict, mesh_shape: tuple[int
     func = _PROP.op_strategy_funcs[op]
     in_args = tuple(to_strategy(a) for a in args)
     in_kwargs = {k: to_strategy(v) for k, v in kwargs.items()}
+    schema = OpSchema(op, in_args, in_kwargs)
     if _per_candidate(func) and isinstance(in_args[0], OpStrategy):
         # A view rule maps each input candidate on its own, but prices a redistribution from
         # every candidate to each target (quadratic; ~90% of cold strategy time on GPT-2).
@@ -200,7 +201,7 @@ def _op_strategy_rules(op: Any, args: tuple, kwargs: dict, mesh_shape: tuple[int
             except (RuntimeError, AssertionError, ValueError) as err:
                 log.debug("strategies: %s rejects input %s: %s", op, c.output_spec, err)
     else:
-        result = func(OpSchema(op, in_args, in_kwargs))
+        result = func(schema)
         if not isinstance(result, OpStrategy):  # TupleStrategy (foreach ops): not in training graphs
             return []
         specs = result.strategies
