@@ -101,7 +101,8 @@ def evaluate(problem: Problem, a: Assignment) -> tuple[MemoryBreakdown, TimeBrea
             if not node.recomputable:
                 raise ValueError(f"node {node.name!r} cannot be recomputed (a placeholder, or it saves nothing)")
             recompute_s += o.recompute_s
-            rebuilt[node.region] = rebuilt.get(node.region, 0.0) + o.saved_bytes / node.copies
+            if node.region is not None:
+                rebuilt[node.region] = rebuilt.get(node.region, 0.0) + o.saved_bytes / node.copies
         else:
             act += o.saved_bytes
         temp = max(temp, o.temp_bytes)
@@ -233,7 +234,8 @@ class _Model:
         rebuilt: dict[str, dict[pulp.LpVariable, float]] = {}  # layer -> y -> rebuilt GiB per layer
         for (v, s), y in self.y.items():  # the options of one y's group save the same bytes
             node = self.problem.nodes[v]
-            rebuilt.setdefault(node.region, {})[y] = node.options[s].saved_bytes / node.copies / _GIB
+            if node.region is not None:
+                rebuilt.setdefault(node.region, {})[y] = node.options[s].saved_bytes / node.copies / _GIB
         for r, terms in enumerate(rebuilt.values()):
             self.prob += self.temp >= pulp.LpAffineExpression(list(terms.items())), f"rebuild_{r}"
 

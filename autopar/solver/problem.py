@@ -68,7 +68,7 @@ class Node:
     recomputable: bool = False  # placeholders and nodes that save nothing are not
     # Backward rebuilds a recomputed layer's activations all at once (codegen outlines one checkpoint
     # region per run of recomputed ops in a layer), so the largest rebuilt layer is a transient.
-    region: str = ""  # the repeated layer it belongs to ("" for none)
+    region: str | None = None  # the layer it is rebuilt with; None (hand-built problems): rebuild not priced
     copies: int = 1  # layers a tied class stands for: its saved bytes per layer are saved_bytes / copies
 
     def __post_init__(self) -> None:
