@@ -24,7 +24,7 @@ from autopar.solver.plan import BaselineResult, Fingerprint, NodeDecision, Param
 from autopar.solver.problem import Assignment, BuiltProblem, build_problem
 from autopar.solver.spec import Replicate, Spec, Strategy
 from autopar.solver.strategies import enumerate_strategies
-from autopar.tracer import TracedGraph, module_path
+from autopar.tracer import TracedGraph, module_path, tensor_args
 
 log = logging.getLogger(__name__)
 
@@ -69,7 +69,7 @@ def to_plan(traced: TracedGraph, mesh: Mesh, built: BuiltProblem, sol: Solution)
     nodes, params = [], []
     for node in traced.graph.nodes:
         if node.op == "output":
-            ins = tuple(chosen[p.name].output_specs[k] for p, k in ((x, 0) for x in _output_args(node)) if p.name in chosen)
+            ins = tuple(chosen[x.name].output_specs[0] for x in tensor_args(node) if x.name in chosen)
             nodes.append(NodeDecision(node.name, "output", Strategy(ins, ())))
             continue
         cls = g.class_of[g.cluster_of[node.name]]
@@ -85,12 +85,6 @@ def to_plan(traced: TracedGraph, mesh: Mesh, built: BuiltProblem, sol: Solution)
                 sol.memory, sol.time, sol.report)
     return dataclasses.replace(plan, comm_bytes_by_kind=comm_bytes_by_kind(traced, plan))
 
-
-def _output_args(node) -> list:
-    from autopar.tracer.nodes import is_tensor_node
-    from torch.utils import _pytree as pytree
-
-    return [x for x in pytree.tree_leaves(node.args) if is_tensor_node(x)]
 
 
 def solve(
