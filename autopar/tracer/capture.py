@@ -16,6 +16,7 @@ import logging
 import os
 import time
 import traceback
+import warnings
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
@@ -100,9 +101,13 @@ def trace(
     start = time.perf_counter()
     try:
         dynamic_shapes = _dynamic_shapes(args, kwargs, dynamic_dims) if dynamic_dims else None
-        ep = torch.export.export(model, args, kwargs, strict=False, dynamic_shapes=dynamic_shapes)
-        decomps = {op: fn for op, fn in core_aten_decompositions().items() if op not in _KEEP_WHOLE}
-        ep = ep.run_decompositions(decomps)
+        with warnings.catch_warnings():
+            # torch 2.13's own deep copies of pytree specs warn about its own deprecated LeafSpec:
+            # nothing a user can act on, printed once per trace.
+            warnings.filterwarnings("ignore", message=r".*isinstance\(treespec, LeafSpec\)", category=FutureWarning)
+            ep = torch.export.export(model, args, kwargs, strict=False, dynamic_shapes=dynamic_shapes)
+            decomps = {op: fn for op, fn in core_aten_decompositions().items() if op not in _KEEP_WHOLE}
+            ep = ep.run_decompositions(decomps)
     except Exception as err:  # re-raised with the user's line: any capture failure lands here
         raise _trace_error(model, err) from err
     finally:
