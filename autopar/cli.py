@@ -18,37 +18,14 @@ import argparse
 import contextlib
 import logging
 import sys
-import time
 import traceback
 from typing import Iterator, Sequence
 
-from rich.console import Console
 from rich.logging import RichHandler
 
 from autopar.errors import AutoparError, InfeasibleError, UsageError
+from autopar.report.console import err_console
 from autopar.report.units import fmt_bytes, parse_bytes
-
-
-# ---------------------------------------------------------------- output helpers
-def _out() -> Console:
-    # Looked up per call so tests capturing sys.stdout see the output; 160 columns off a terminal keeps tables unwrapped.
-    return Console(file=sys.stdout, width=None if sys.stdout.isatty() else 160, highlight=False)
-
-
-def _err() -> Console:
-    return Console(file=sys.stderr, width=None if sys.stderr.isatty() else 120, highlight=False)
-
-
-@contextlib.contextmanager
-def phase(name: str) -> Iterator[None]:
-    """A spinner on stderr while `name` runs; its duration is printed when it took over a second."""
-    console = _err()
-    start = time.perf_counter()
-    with console.status(f"{name}...", spinner="dots"):
-        yield
-    elapsed = time.perf_counter() - start
-    if elapsed > 1.0:
-        console.print(f"[dim]{name}: {elapsed:.1f} s[/dim]")
 
 
 # ---------------------------------------------------------------- argument values
@@ -144,7 +121,7 @@ def _logging_to_stderr(debug: bool) -> Iterator[None]:
     so calling main() in-process (tests, notebooks) leaves no handler on a stream that may close."""
     logger = logging.getLogger("autopar")
     saved = (logger.handlers[:], logger.level, logger.propagate)
-    logger.handlers[:] = [RichHandler(console=_err(), show_time=False, show_path=debug)]
+    logger.handlers[:] = [RichHandler(console=err_console(), show_time=False, show_path=debug)]
     logger.setLevel(logging.DEBUG if debug else logging.WARNING)
     logger.propagate = False
     try:

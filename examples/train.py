@@ -25,6 +25,7 @@ from torch.utils import _pytree as pytree
 import autopar
 from autopar.model_file import import_model_file
 from autopar.runtime.launch import init_from_env
+from autopar.tracer import split_sample_input
 from autopar.runtime.batch import batch_slice
 
 EXAMPLES = Path(__file__).resolve().parent
@@ -52,7 +53,8 @@ def random_like(batch, gen: torch.Generator):
 
 
 def call(model, batch) -> torch.Tensor:
-    out = model(**batch) if isinstance(batch, dict) else model(*batch) if isinstance(batch, tuple) else model(batch)
+    args, kwargs = split_sample_input(batch)
+    out = model(*args, **kwargs)
     return out if isinstance(out, torch.Tensor) else out.loss  # Hugging Face models return an output object
 
 

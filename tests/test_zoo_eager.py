@@ -8,17 +8,12 @@ from types import ModuleType
 import pytest
 import torch
 
+from tests.codegen.harness import call, loss_of
 from tests.zoo import ZOO, load_zoo
 
 
 def run(model: torch.nn.Module, sample) -> torch.Tensor:
-    if isinstance(sample, dict):
-        out = model(**sample)
-    elif isinstance(sample, tuple):
-        out = model(*sample)
-    else:
-        out = model(sample)
-    return out if isinstance(out, torch.Tensor) else out.loss
+    return loss_of(call(model, sample))
 
 
 def tiny_step(module: ModuleType, seed: int = 0) -> tuple[torch.nn.Module, torch.Tensor]:

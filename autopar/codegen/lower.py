@@ -50,7 +50,6 @@ from autopar.tracer.nodes import module_path
 log = logging.getLogger(__name__)
 
 InputLayout = Literal["shard", "replicate"]
-_CHECKS = frozenset({torch.ops.aten._assert_tensor_metadata.default})
 
 
 @dataclass(frozen=True)
@@ -137,7 +136,7 @@ class _Lowerer:
     def analyse_edges(self) -> None:
         self.grad_carrying = _grad_carrying(self.traced, self.tensor_args)
         for node in self.traced.graph.nodes:
-            if node.op != "call_function" or node.target is operator.getitem or node.target in _CHECKS:
+            if node.op != "call_function" or node.target is operator.getitem:
                 continue
             ins = self.in_specs(node)
             axes = sharded_axes(ins + self.out_specs(node))
@@ -287,8 +286,6 @@ class _Lowerer:
                     fed_specs.append(fed)
                     ph = self.graph.placeholder(node.name)
                     self.env[node.name] = self.reshard(ph, node, fed, self.src_spec(node))
-            elif node.op == "call_function" and node.target in _CHECKS:
-                continue  # export's metadata asserts: about the traced (global, meta) tensors, not local shards
             elif node.op == "call_function":
                 self.env[node.name] = self.emit_call(node)
             elif node.op == "output":

@@ -117,7 +117,7 @@ def _drops(user: fx.Node, node: fx.Node, calls: Mapping[str, EagerCall]) -> bool
 
 
 def _metadata_only(user: fx.Node) -> bool:
-    """A node that reads no tensor data and makes no tensor (`_assert_tensor_metadata`, `sym_size`)."""
+    """A node that reads no tensor data and makes no tensor (e.g. `sym_size`)."""
     val = user.meta.get("val")
     return user.op == "call_function" and (val is None or isinstance(val, (torch.SymInt, int)))
 

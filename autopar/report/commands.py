@@ -17,6 +17,7 @@ from rich.table import Table
 from rich.text import Text
 
 from autopar.errors import PlanMismatchError, UsageError
+from autopar.report.console import out_console, phase
 from autopar.report.explain import ExplainContext, diff, explain
 from autopar.report.html import memory_timeline, write_html
 from autopar.report.render import plan_report
@@ -26,17 +27,6 @@ from autopar.report.words import graph_layouts
 from autopar.solver.mesh import Mesh
 from autopar.solver.plan import BaselineResult, Plan, PlanSource
 
-
-def _console():
-    from autopar.cli import _out  # the CLI owns console set-up (width, stdout capture)
-
-    return _out()
-
-
-def _phase(name: str):
-    from autopar.cli import phase
-
-    return phase(name)
 
 
 # ---------------------------------------------------------------- model and mesh
@@ -66,11 +56,11 @@ def _trace_and_profile(source: PlanSource):
     from autopar.profiler import profile
     from autopar.tracer import trace
 
-    with _phase("loading model"):
+    with phase("loading model"):
         model, sample = _build(source)
-    with _phase("tracing"):
+    with phase("tracing"):
         traced = trace(model, sample)
-    with _phase("profiling"):
+    with phase("profiling"):
         prof = profile(traced, optimizer=source.optimizer)
     return traced, prof
 
@@ -101,7 +91,7 @@ def _solve(args: Any, traced, prof, budget: float | None) -> tuple[Plan, list]:
     """The plan, and what each mesh shape tried would give (empty when --mesh or a mesh file fixes the shape)."""
     from autopar.solver import solve, solve_for_devices
 
-    with _phase("solving"):
+    with phase("solving"):
         if args.mesh or args.hardware.endswith(".json") or Path(args.hardware).is_file():
             return solve(traced, prof, _mesh(args.hardware, args.gpus, args.mesh), memory_budget_bytes=budget, time_limit_s=args.time_limit), []
         return solve_for_devices(traced, prof, args.gpus, hardware=args.hardware, memory_budget_bytes=budget, time_limit_s=args.time_limit)
@@ -131,7 +121,7 @@ def cmd_plan(args: Any) -> int:
         plan = _load_checked(args, traced, budget)
     else:
         plan, shapes = _solve(args, traced, prof, budget)
-        with _phase("pricing baselines"):
+        with phase("pricing baselines"):
             plan = replace(plan, source=source, baselines=plan.baselines or _baselines(traced, prof, plan, budget, args.time_limit))
     if args.save:
         from autopar.solver.plan_io import save_plan
@@ -153,7 +143,7 @@ def _emit(summary: dict, as_json: bool, saved: str | None = None, html: str | No
     if as_json:
         sys.stdout.write(json.dumps(summary, indent=1) + "\n")
         return
-    console = _console()
+    console = out_console()
     for part in plan_report(summary):
         console.print(part)
     tried = summary.get("mesh_shapes_tried", [])
@@ -199,7 +189,7 @@ def _explain_context(plan: Plan, model_file: str | None) -> ExplainContext | Non
     diffs = [d for d in plan_differences(plan, traced, plan.mesh, plan.fingerprint.budget_bytes) if "mesh" not in d and "hardware" not in d]
     if diffs:
         raise PlanMismatchError(f"the plan was made for a different model than {source.model_file or source.hf_config}: {'; '.join(diffs)}\n  fix: pass --model with the file the plan was made from", tuple(diffs))
-    with _phase("enumerating strategies"):
+    with phase("enumerating strategies"):
         strategies = enumerate_strategies(traced, plan.mesh)
     return ExplainContext(traced, prof.evaluate(), strategies)
 
@@ -216,7 +206,7 @@ def cmd_explain(args: Any) -> int:
     if args.json:
         sys.stdout.write(json.dumps(result, indent=1) + "\n")
         return 0
-    console = _console()
+    console = out_console()
     console.print(Text(f"Mesh {result['mesh']}", style="bold"))
     for n in result["nodes"]:
         head = f"{n['node']} ({n['op']}) in {n['module'] or '(top level)'}: {n['strategy']}"
@@ -248,7 +238,7 @@ def cmd_diff(args: Any) -> int:
     if args.json:
         sys.stdout.write(json.dumps(d, indent=1) + "\n")
         return 0
-    console = _console()
+    console = out_console()
     if d["mesh"]["changed"]:
         console.print(f"mesh: {d['mesh']['a']} -> {d['mesh']['b']}")
     if not d["same_model"]:
@@ -298,7 +288,7 @@ def cmd_profile(args: Any) -> int:
         t.add_row(r.module or "(top level)", _flops(r.fwd_flops), _flops(r.bwd_flops), fmt_bytes(r.activation_bytes), fmt_bytes(r.param_bytes))
     t.add_row(Text("total", style="bold"), _flops(sum(r.fwd_flops for r in rows)), _flops(sum(r.bwd_flops for r in rows)),
               fmt_bytes(sum(r.activation_bytes for r in rows)), fmt_bytes(sum(r.param_bytes for r in rows)))
-    _console().print(t)
+    out_console().print(t)
     return 0
 
 
@@ -318,10 +308,10 @@ def cmd_calibrate(args: Any) -> int:
         if args.json:
             sys.stdout.write(mesh_to_json(mesh) + "\n")
         else:
-            _console().print(str(mesh))
+            out_console().print(str(mesh))
             for a in mesh.axes:
-                _console().print(f"  axis {a.name}: size {a.size}, latency {fmt_seconds(a.alpha_s)}, bandwidth {a.beta_bytes_per_s / 1e9:.2f} GB/s")
-            _console().print(f"  compute {mesh.flops_per_s / 1e12:.2f} TFLOP/s, memory bandwidth {mesh.mem_bandwidth_bytes_per_s / 1e9:.1f} GB/s, memory {fmt_bytes(mesh.memory_bytes)}")
+                out_console().print(f"  axis {a.name}: size {a.size}, latency {fmt_seconds(a.alpha_s)}, bandwidth {a.beta_bytes_per_s / 1e9:.2f} GB/s")
+            out_console().print(f"  compute {mesh.flops_per_s / 1e12:.2f} TFLOP/s, memory bandwidth {mesh.mem_bandwidth_bytes_per_s / 1e9:.1f} GB/s, memory {fmt_bytes(mesh.memory_bytes)}")
         if args.save:
             Path(args.save).write_text(mesh_to_json(mesh) + "\n")
     return 0

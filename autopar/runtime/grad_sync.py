@@ -46,11 +46,12 @@ import torch
 import torch.distributed as dist
 from torch.distributed.distributed_c10d import _resolve_process_group
 
+from autopar.solver.cost import GRAD_BUCKET_BYTES
 from kernels import pack, unpack
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_BUCKET_BYTES = 25 * 2**20  # DDP's default: large enough to amortise latency, small enough to overlap
+DEFAULT_BUCKET_BYTES = GRAD_BUCKET_BYTES  # the size the solver prices (autopar.solver.cost)
 
 
 @dataclass

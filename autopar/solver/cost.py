@@ -56,6 +56,11 @@ def collective_time_s(kind: str, nbytes: float, axis: MeshAxis, latency_share: f
     return frac * nbytes / beta + latency_share * steps * alpha
 
 
+# Gradient-sync bucket size, DDP's default: large enough to amortise latency, small enough to overlap.
+# The runtime's GradSync uses this value (imports point downstream), so the price and the run agree.
+GRAD_BUCKET_BYTES = 25 * 2**20
+
+
 def bucket_latency_share(nbytes: float, total_bytes: float, bucket_bytes: float) -> float:
     """Part of one bucketed all-reduce's latency a gradient of `nbytes` pays.
 

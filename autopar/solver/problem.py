@@ -20,7 +20,7 @@ import torch
 
 from autopar.profiler.types import ConcreteProfile
 from autopar.solver.cluster import Cluster, Grouping, group, singletons
-from autopar.solver.cost import bucket_latency_share, collective_time_s, forward_time_s, split_factor, strategy_cost
+from autopar.solver.cost import GRAD_BUCKET_BYTES, bucket_latency_share, collective_time_s, forward_time_s, split_factor, strategy_cost
 from autopar.gc_pause import gc_paused
 from autopar.solver.mesh import Mesh
 from autopar.solver.reshard import reshard_cost
@@ -29,7 +29,6 @@ from autopar.solver.strategies import strategy_inputs
 from autopar.tracer import TracedGraph, module_path, output_vals
 
 
-GRAD_BUCKET_BYTES = 25 * 2**20  # the runtime's grad-sync bucket (runtime.grad_sync.DEFAULT_BUCKET_BYTES; the solver does not import the runtime)
 
 
 @dataclass(frozen=True)

@@ -20,10 +20,11 @@ from autopar.profiler.types import ConcreteProfile, GraphProfile
 from autopar.solver.comm_volume import comm_bytes_by_kind
 from autopar.solver.ilp import Restrictions, Solution, evaluate, min_memory, solve_problem
 from autopar.solver.mesh import Mesh, candidate_shapes, make_mesh
-from autopar.solver.plan import BaselineResult, Fingerprint, NodeDecision, ParamDecision, Plan, SolverReport
+from autopar.solver.plan import BaselineResult, NodeDecision, ParamDecision, Plan, SolverReport
 from autopar.solver.problem import Assignment, BuiltProblem, build_problem
 from autopar.solver.spec import Replicate, Spec, Strategy
 from autopar.solver.strategies import enumerate_strategies
+from autopar.solver.plan_io import fingerprint
 from autopar.tracer import TracedGraph, module_path, tensor_args
 
 log = logging.getLogger(__name__)
@@ -54,13 +55,6 @@ def _budget(mesh: Mesh, memory_budget_bytes: float | None) -> float:
     return mesh.memory_bytes if memory_budget_bytes is None else float(memory_budget_bytes)
 
 
-def _fingerprint(traced: TracedGraph, mesh: Mesh, budget: float | None) -> Fingerprint:
-    try:
-        from autopar.solver.plan_io import fingerprint
-    except ImportError:  # plan_io is optional for planning itself
-        return Fingerprint("", "", "", mesh.shape, mesh.hardware, budget)
-    return fingerprint(traced, mesh, budget)
-
 
 def to_plan(traced: TracedGraph, mesh: Mesh, built: BuiltProblem, sol: Solution) -> Plan:
     """Map a problem assignment back onto every graph node and parameter."""
@@ -81,7 +75,7 @@ def to_plan(traced: TracedGraph, mesh: Mesh, built: BuiltProblem, sol: Solution)
             use = strat.output_specs[0]
             storage = built.storage[node.name, k] if a.zero[cls] else use
             params.append(ParamDecision(traced.param_fqns[node.name], node.name, use, storage))
-    plan = Plan(_fingerprint(traced, mesh, built.problem.budget_bytes), mesh, tuple(nodes), tuple(params),
+    plan = Plan(fingerprint(traced, mesh, built.problem.budget_bytes), mesh, tuple(nodes), tuple(params),
                 sol.memory, sol.time, sol.report)
     return dataclasses.replace(plan, comm_bytes_by_kind=comm_bytes_by_kind(traced, plan))
 

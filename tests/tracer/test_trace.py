@@ -11,7 +11,8 @@ from torch.overrides import TorchFunctionMode
 from torch.utils import _pytree as pytree
 
 from autopar.errors import TraceError
-from autopar.tracer import trace, with_device
+from autopar.tracer import split_sample_input, trace, with_device
+from tests.codegen.harness import call, loss_of
 
 from tests.zoo import ZOO, load_zoo
 
@@ -47,12 +48,7 @@ def graph_counts(traced) -> collections.Counter:
 def placeholder_values(traced, model, sample_input) -> list:
     params = dict(model.named_parameters())
     buffers = dict(model.named_buffers())
-    args, kwargs = (sample_input, {}) if not isinstance(sample_input, (tuple, list, dict)) else (
-        (tuple(sample_input), {}) if not isinstance(sample_input, dict) else ((), sample_input))
-    if not isinstance(args, tuple):
-        args = (args,)
-    flat_inputs = [x for x in pytree.tree_leaves((args, kwargs))]
-    user = dict(zip(traced.input_names, flat_inputs))
+    user = dict(zip(traced.input_names, pytree.tree_leaves(split_sample_input(sample_input))))
     values = []
     for n in traced.graph.nodes:
         if n.op != "placeholder":
@@ -65,9 +61,6 @@ def placeholder_values(traced, model, sample_input) -> list:
             values.append(user[n.name])
     return values
 
-
-def loss_of(output):
-    return output.loss if hasattr(output, "loss") else output
 
 
 @pytest.mark.parametrize("name", ZOO)
@@ -88,8 +81,7 @@ def test_zoo_traces_on_meta_like_eager(name):
     # Node counts against the eager model's own calls on real tensors.
     model, sample = zoo.build(batch_size=2, seq_len=16, size="tiny", device="cpu")
     with CountCalls() as counter:
-        eager_loss = loss_of(model(**sample) if isinstance(sample, dict) else
-                             model(*sample) if isinstance(sample, tuple) else model(sample))
+        eager_loss = loss_of(call(model, sample))
     eager = counter.counts
     got = graph_counts(traced)
     # HF GPT-2's Conv1D is an addmm, not F.linear: count its modules instead.

@@ -20,9 +20,13 @@ import itertools
 from typing import Callable, Sequence
 
 import torch
+from torch.fx import Node
+from torch.utils import _pytree as pytree
 
 from autopar.solver.reshard_types import CollectiveStep
 from autopar.solver.spec import Partial, Replicate, Shard, Spec
+from autopar.solver.strategies.localize import local_call
+from autopar.tracer.nodes import is_tensor_node
 
 Ranks = dict[tuple[int, ...], torch.Tensor]
 
@@ -126,12 +130,6 @@ def run_strategy(node, strategy, full_inputs: Sequence[torch.Tensor], mesh_shape
     Inputs are sharded per `strategy.input_specs`, shape arguments localized
     with `localize.local_call`, outputs reassembled per `strategy.output_specs`.
     """
-    from torch.fx import Node
-    from torch.utils import _pytree as pytree
-
-    from autopar.solver.strategies.localize import local_call
-    from autopar.tracer.nodes import is_tensor_node
-
     gen = gen or torch.Generator().manual_seed(0)
     sharded = [shard(x, s, mesh_shape, gen) for x, s in zip(full_inputs, strategy.input_specs)]
     per_rank: dict[tuple[int, ...], tuple] = {}
