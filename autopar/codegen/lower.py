@@ -315,7 +315,7 @@ class _Lowerer:
             in_specs = self.in_specs(node)
             strategy = self.decisions[node.name].strategy
             # sizes first (on the traced args), then tensors and devices substituted leaf by leaf
-            target, args, kwargs = localize_call(node, strategy, self.mesh.shape, self.mesh.coordinate)
+            target, args, kwargs = localize_call(node, strategy, self.mesh.shape, self.mesh.coordinate, self.mesh.group_names)
             counter = iter(range(len(in_specs)))
             flat, spec = pytree.tree_flatten((args, kwargs))
             new_flat = []

@@ -46,13 +46,16 @@ def local_block(t: torch.Tensor, spec: Spec, mesh_shape: Sequence[int], coordina
     return t
 
 
-def localize_call(node: fx.Node, strategy: Strategy, mesh_shape: Sequence[int], coordinate: Sequence[int]) -> tuple[Any, tuple, dict]:
+def localize_call(node: fx.Node, strategy: Strategy, mesh_shape: Sequence[int], coordinate: Sequence[int],
+                  group_names: Sequence[str]) -> tuple[Any, tuple, dict]:
     """(target, args, kwargs) of `node` for this rank; tensor arguments stay the traced fx.Nodes.
 
     Sizes of views/factories and arange bounds come from the strategies' `local_call`
-    (shared with their numeric proof); split sizes along a sharded dim are ours.
+    (shared with their numeric proof), as do rank-dependent lowerings and those with
+    collectives inside the node (which get the mesh axes' group names); split sizes
+    along a sharded dim are ours.
     """
-    target, args, kwargs = local_call(node, strategy, mesh_shape, coordinate)
+    target, args, kwargs = local_call(node, strategy, mesh_shape, coordinate, group_names)
     return target, tuple(_localize_dims(node, target, list(args), strategy.input_specs, mesh_shape)), kwargs
 
 

@@ -69,6 +69,12 @@ def _all_reduce(x: torch.Tensor, group: str) -> torch.Tensor:
     return _funcol.wait_tensor(_funcol.all_reduce(x.contiguous(), "sum", group))
 
 
+def all_reduce_max(x: torch.Tensor, group: str) -> torch.Tensor:
+    """Elementwise max over `group`, outside autograd: for values that only steady a computation
+    (the row max that keeps a sharded softmax's exponentials in range), never differentiated."""
+    return _funcol.wait_tensor(_funcol.all_reduce(x.detach().contiguous(), "max", group))
+
+
 def _all_to_all(x: torch.Tensor, src_dim: int, dst_dim: int, group: str) -> torch.Tensor:
     """Chunk j of `x` along dst_dim goes to rank j; chunks received from rank i are stacked along src_dim."""
     size, _ = _group(group)

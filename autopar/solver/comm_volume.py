@@ -5,7 +5,7 @@
 Bytes are the size each collective is called on, the number the ring formulas of
 `autopar.solver.cost` take (and NCCL's tests report as "size"): the local tensor
 for all-reduce and all-to-all, the gathered result for all-gather, the unreduced
-input for reduce-scatter. Four sources, as the runtime runs them:
+input for reduce-scatter. Five sources, as the runtime runs them:
 
 - Resharding between producer and consumer (`reshard.reshard_steps`): forward, and
   the gradient back (Partial read as Replicate) when the tensor needs a gradient.
@@ -15,6 +15,8 @@ input for reduce-scatter. Four sources, as the runtime runs them:
   runtime over all those axes at once: an all-reduce, or a reduce-scatter when the
   parameter is ZeRO-sharded (a view of a parameter, e.g. its transpose, counts as it).
 - ZeRO parameter gathers: storage -> use spec before forward and again before backward.
+- Collectives inside a node's lowering (`localize.in_node_collectives`: the per-row
+  exchanges of a log-softmax over a split vocabulary).
 - Local steps (slice, R -> P) move nothing and are not counted.
 """
 from __future__ import annotations
@@ -30,6 +32,7 @@ from autopar.solver.plan import Plan
 from autopar.solver.reshard import apply_step, reshard_steps, step_bytes
 from autopar.solver.spec import Partial, Replicate, Spec
 from autopar.solver.strategies import strategy_inputs
+from autopar.solver.strategies.localize import in_node_collectives
 from autopar.tracer import TracedGraph, output_vals
 
 __all__ = ["KINDS", "comm_bytes_by_kind"]
@@ -71,6 +74,8 @@ def comm_bytes_by_kind(traced: TracedGraph, plan: Plan) -> tuple[tuple[str, floa
         if node.op != "call_function" or node.name not in chosen:
             continue
         strategy = chosen[node.name]
+        for c in in_node_collectives(node, strategy, mesh.shape):
+            total[c.kind] += c.nbytes
         split = [a for a in split_axes(strategy, len(mesh.shape)) if mesh.shape[a] > 1]
         for a, (producer, k) in enumerate(strategy_inputs(node)):
             val = output_vals(producer)[k]

@@ -26,6 +26,7 @@ from autopar.solver.mesh import Mesh
 from autopar.solver.reshard import reshard_cost
 from autopar.solver.spec import Replicate, Shard, Spec, Strategy
 from autopar.solver.strategies import strategy_inputs
+from autopar.solver.strategies.localize import in_node_collectives
 from autopar.tracer import TracedGraph, module_path, output_vals
 
 
@@ -215,6 +216,11 @@ class _Pricer:
         hit = self._cache.get(key)
         if hit is None:
             hit = self._cache[key] = self._price(role, cost, strat, outs, ins, param)
+        collectives = in_node_collectives(self.nodes[name], strat, self.mesh.shape)
+        if collectives:  # vocabulary-parallel log-softmax: depends on the node's dim, so not cached by shapes
+            times = [(collective_time_s(c.kind, c.nbytes, self.mesh.axes[c.mesh_axis]), c.forward) for c in collectives]
+            forward_s = sum(t for t, fwd in times if fwd)  # paid again when the node is recomputed
+            hit = replace(hit, comm_s=hit.comm_s + sum(t for t, _ in times), recompute_s=hit.recompute_s + forward_s)
         if hit.zero is not None:  # the storage spec is per parameter, the price is shared
             self.storage[name, k] = _zero(strat.output_specs[0], outs[0], hit.param_bytes, self.mesh)[0]
         return hit

@@ -22,10 +22,11 @@ and since; `_check_features()` fails loudly at import when they move.
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import itertools
 import logging
-from typing import Any, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import torch
 from torch.utils import _pytree as pytree
@@ -48,6 +49,8 @@ try:  # every private torch import of the solver: keep it to this block
     from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
     from torch.distributed.tensor._op_schema import OpSchema, OpSpec, OpStrategy, TupleStrategy
     from torch.distributed.tensor._ops.single_dim_strategy import _ShardingPlaceholder
+    # for `simulated_mesh` only (the numeric proof): every rank of a mesh in one process
+    from torch.distributed._local_tensor import LocalTensor, LocalTensorMode
 except ImportError as err:  # pragma: no cover - only on an untested torch
     raise DTensorAdapterError(
         f"torch {torch.__version__} moved a DTensor internal the strategy adapter imports ({err}); "
@@ -232,3 +235,32 @@ def _op_strategy_rules(op: Any, args: tuple, kwargs: dict, mesh_shape: tuple[int
 def _per_candidate(func: Any) -> bool:
     """DTensor's view/reshape rule (`_view_ops.register_op_strategy_map`): one output per input candidate."""
     return func.__name__ == "reshape_strategy" and func.__module__.endswith("_ops._view_ops")
+
+
+@contextlib.contextmanager
+def simulated_mesh(mesh_shape: Sequence[int]) -> Iterator[tuple[tuple[str, ...], Callable, Callable]]:
+    """Run code that calls c10d collectives for every rank of a mesh at once, in this process.
+
+        with simulated_mesh((2, 2)) as (group_names, to_ranks, from_ranks):
+            out = fn(to_ranks({rank: tensor, ...}), group_names)   # collectives over the axes' groups
+            per_rank = from_ranks(out)                              # {rank: tensor}
+
+    torch's `LocalTensorMode` runs each op once per rank on a `LocalTensor` (one tensor per
+    rank) and implements the functional collectives across those ranks; the groups come from
+    a `DeviceMesh` over torch's "fake" backend, which is initialised here and torn down after.
+    Ranks are mesh coordinates in row-major order. Needs no process group in this process.
+    """
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore  # registers the "fake" backend
+
+    if dist.is_initialized():
+        raise RuntimeError("simulated_mesh needs a process without a process group (it initialises a fake one)")
+    world = _prod(mesh_shape)
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world)
+    try:
+        with LocalTensorMode(world):
+            mesh = DeviceMesh("cpu", torch.arange(world).view(*mesh_shape))
+            names = tuple(mesh.get_group(a).group_name for a in range(len(mesh_shape)))
+            yield names, LocalTensor, lambda t: dict(t._local_tensors)
+    finally:
+        dist.destroy_process_group()

@@ -14,16 +14,26 @@ that holds block k of an arange builds exactly that block).
 - mean over a dim that the input shards: `mean_of_shards`, the local mean divided by
   the number of shards, i.e. the local sum over the GLOBAL count (exact for even
   shards), so the ranks' terms add up to the global mean (a Partial output).
+- gather along a dim the input shards: `masked_gather` with this rank's block
+  (vocabulary-parallel cross-entropy, see `rules_cross_entropy`);
+- log-softmax over a dim the input shards: `runtime.vocab_parallel.vocab_parallel_log_softmax`,
+  which exchanges per-row statistics over the mesh axes splitting that dim, so it needs
+  `group_names` (one c10d group name per mesh axis) and has collectives inside the node
+  (`in_node_collectives` lists them for the cost model).
 Tensor arguments are returned unchanged (fx.Nodes); the caller substitutes
 each rank's local tensor.
 """
 from __future__ import annotations
 
+import math
+from dataclasses import dataclass
 from typing import Any, Sequence
 
 import torch
 from torch import fx
 
+# The one lowering that needs a process group lives with the runtime's other collectives.
+from autopar.runtime.vocab_parallel import vocab_parallel_log_softmax
 from autopar.solver.spec import Shard, Spec, Strategy
 
 aten = torch.ops.aten
@@ -61,6 +71,14 @@ def masked_embedding(weight: torch.Tensor, indices: torch.Tensor, lo: int, hi: i
     return aten.masked_fill.Scalar(rows, aten.unsqueeze.default(outside, -1), 0.0)
 
 
+def masked_gather(x: torch.Tensor, dim: int, index: torch.Tensor, lo: int, hi: int) -> torch.Tensor:
+    """This rank's term of `gather(full_x, dim, index)` when it holds positions [lo, hi) of `dim`:
+    indices outside its block give zeros (and no gradient), so the ranks' terms sum to the lookup."""
+    outside = aten.logical_or.default(aten.lt.Scalar(index, lo), aten.ge.Scalar(index, hi))
+    local = aten.masked_fill.Scalar(aten.sub.Scalar(index, lo), outside, 0)
+    return aten.masked_fill.Scalar(aten.gather.default(x, dim, local), outside, 0.0)
+
+
 def mean_of_shards(x: torch.Tensor, dims: list[int], keepdim: bool, shards: int, dtype: torch.dtype | None = None) -> torch.Tensor:
     """One rank's term of a mean whose reduced dims are split into `shards` even blocks:
     local mean / shards = local sum / global count; the terms sum to the global mean."""
@@ -78,7 +96,47 @@ def block_index(spec: Spec, dim: int, mesh_shape: Sequence[int], coordinate: Seq
     return index, count
 
 
-def local_call(node: fx.Node, strategy: Strategy, mesh_shape: Sequence[int], coordinate: Sequence[int]) -> tuple[Any, tuple, dict]:
+def split_axes_of_dim(spec: Spec, dim: int) -> tuple[int, ...]:
+    """The mesh axes on which `spec` shards tensor dim `dim`."""
+    return tuple(a for a, p in enumerate(spec.placements) if isinstance(p, Shard) and p.dim == dim)
+
+
+def _op_dim(node: fx.Node) -> int:
+    """The `dim` argument of a log_softmax / gather node, normalised."""
+    return int(node.args[1]) % max(node.args[0].meta["val"].dim(), 1)
+
+
+@dataclass(frozen=True)
+class InNodeCollective:
+    """A collective a node's lowering runs inside the node, for the cost model."""
+    kind: str  # a `CollectiveStep` kind
+    nbytes: float  # per rank
+    mesh_axis: int
+    forward: bool  # in forward (run again when the node is recomputed) or in backward
+
+
+def in_node_collectives(node: fx.Node, strategy: Strategy, mesh_shape: Sequence[int]) -> tuple[InNodeCollective, ...]:
+    """Collectives the lowering of `node` under `strategy` runs inside the node in one training step."""
+    if not needs_groups(node, strategy):
+        return ()
+    dim = _op_dim(node)
+    val = node.meta["val"]
+    local = strategy.output_specs[0].local_shape(tuple(int(s) for s in val.shape), mesh_shape)
+    row_bytes = math.prod(local) // max(local[dim], 1) * val.element_size()  # one value per local row
+    # per axis splitting the dim: forward exchanges the row max and the sum of exponentials,
+    # backward the sum of the output gradient (`runtime.vocab_parallel`)
+    return tuple(InNodeCollective("all_reduce", float(row_bytes), a, forward)
+                 for a in split_axes_of_dim(strategy.input_specs[0], dim) for forward in (True, True, False))
+
+
+def needs_groups(node: fx.Node, strategy: Strategy) -> bool:
+    """Whether `local_call` needs the mesh's group names for this node under `strategy`."""
+    return (node.target is aten._log_softmax.default and bool(strategy.input_specs)
+            and bool(split_axes_of_dim(strategy.input_specs[0], _op_dim(node))))
+
+
+def local_call(node: fx.Node, strategy: Strategy, mesh_shape: Sequence[int], coordinate: Sequence[int],
+               group_names: Sequence[str] | None = None) -> tuple[Any, tuple, dict]:
     args, kwargs = tuple(node.args), dict(node.kwargs)
     op = node.target
     val = node.meta.get("val")
@@ -87,6 +145,16 @@ def local_call(node: fx.Node, strategy: Strategy, mesh_shape: Sequence[int], coo
     out_spec = strategy.output_specs[0]
     if op in _MEAN:
         return _local_mean(node, strategy, mesh_shape)
+    if op is aten._log_softmax.default and needs_groups(node, strategy):
+        if group_names is None:
+            raise ValueError(f"{node.name}: a log-softmax over a split dim needs the mesh's group names")
+        axes = split_axes_of_dim(strategy.input_specs[0], _op_dim(node))
+        return vocab_parallel_log_softmax, (args[0], _op_dim(node), bool(args[2]), tuple(group_names[a] for a in axes)), {}
+    if op is aten.gather.default and strategy.input_specs and split_axes_of_dim(strategy.input_specs[0], _op_dim(node)):
+        dim = _op_dim(node)
+        index, count = block_index(strategy.input_specs[0], dim, mesh_shape, coordinate)
+        block = int(node.args[0].meta["val"].shape[dim]) // count
+        return masked_gather, (args[0], dim, args[2], index * block, (index + 1) * block), {}
     if op is aten.embedding.default and strategy.input_specs and any(
             isinstance(p, Shard) and p.dim == 0 for p in strategy.input_specs[0].placements):
         return _local_embedding(node, strategy, mesh_shape, coordinate)

@@ -25,7 +25,8 @@ from torch.utils import _pytree as pytree
 
 from autopar.solver.reshard_types import CollectiveStep
 from autopar.solver.spec import Partial, Replicate, Shard, Spec
-from autopar.solver.strategies.localize import local_call
+from autopar.solver.strategies.dtensor_adapter import simulated_mesh
+from autopar.solver.strategies.localize import local_call, needs_groups
 from autopar.tracer.nodes import is_tensor_node
 
 Ranks = dict[tuple[int, ...], torch.Tensor]
@@ -132,21 +133,10 @@ def run_strategy(node, strategy, full_inputs: Sequence[torch.Tensor], mesh_shape
     """
     gen = gen or torch.Generator().manual_seed(0)
     sharded = [shard(x, s, mesh_shape, gen) for x, s in zip(full_inputs, strategy.input_specs)]
-    per_rank: dict[tuple[int, ...], tuple] = {}
-    for coord in coordinates(mesh_shape):
-        target, args, kwargs = local_call(node, strategy, mesh_shape, coord)
-        local = iter([s[coord] for s in sharded])
-
-        def sub(a):
-            if is_tensor_node(a):
-                return next(local)
-            if isinstance(a, Node):  # SymInt-valued node: its (static) value
-                return a.meta.get("val")
-            return a
-
-        args, kwargs = pytree.tree_map(sub, (args, kwargs))
-        out = target(*args, **kwargs)
-        per_rank[coord] = tuple(out) if isinstance(out, (tuple, list)) else (out,)
+    if needs_groups(node, strategy):
+        per_rank = _run_with_collectives(node, strategy, sharded, mesh_shape)
+    else:
+        per_rank = {c: _call(*local_call(node, strategy, mesh_shape, c), [s[c] for s in sharded]) for c in coordinates(mesh_shape)}
     results: list[torch.Tensor | None] = []
     for i, spec in enumerate(strategy.output_specs):
         outs = {c: o[i] for c, o in per_rank.items()}
@@ -155,3 +145,31 @@ def run_strategy(node, strategy, full_inputs: Sequence[torch.Tensor], mesh_shape
             continue
         results.append(assemble(outs, spec, mesh_shape, check))
     return results
+
+
+def _call(target, args: tuple, kwargs: dict, local_inputs: Sequence) -> tuple:
+    """Run one rank's local call, its tensor arguments replaced by `local_inputs` in order."""
+    local = iter(local_inputs)
+
+    def sub(a):
+        if is_tensor_node(a):
+            return next(local)
+        if isinstance(a, Node):  # SymInt-valued node: its (static) value
+            return a.meta.get("val")
+        return a
+
+    args, kwargs = pytree.tree_map(sub, (args, kwargs))
+    out = target(*args, **kwargs)
+    return tuple(out) if isinstance(out, (tuple, list)) else (out,)
+
+
+def _run_with_collectives(node, strategy, sharded: list[Ranks], mesh_shape: Sequence[int]) -> dict[tuple[int, ...], tuple]:
+    """All ranks at once, for a lowering with collectives inside the node (torch's LocalTensorMode
+    carries every rank's tensor through each op; see `dtensor_adapter.simulated_mesh`). The call is
+    built for rank 0's coordinate: such lowerings take group names, not rank-dependent arguments."""
+    coords = coordinates(mesh_shape)
+    with simulated_mesh(mesh_shape) as (group_names, to_ranks, from_ranks), torch.no_grad():
+        target, args, kwargs = local_call(node, strategy, mesh_shape, coords[0], group_names)
+        inputs = [to_ranks({r: s[c] for r, c in enumerate(coords)}) for s in sharded]
+        outs = [from_ranks(o) for o in _call(target, args, kwargs, inputs)]
+    return {c: tuple(o[r] for o in outs) for r, c in enumerate(coords)}
