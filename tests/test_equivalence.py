@@ -16,12 +16,12 @@ import pytest
 
 from tests.codegen.harness import reference, run_plans, trace_model
 from tests.codegen.plans import cpu_mesh, load_zoo, random_plan
+from tests.zoo import ZOO
 
 from autopar.runtime.launch import run_ranks
 from autopar.solver.strategies import enumerate_strategies
 
-ZOO = ("mlp", "gpt2", "llama", "bert", "vit", "hf_gpt2", "hf_llama")
-# plans per model for each mesh: 7 * (20 + 4 + 5) = 203 random plans
+# plans per model for each mesh: 8 models * (20 + 4 + 5) = 232 random plans
 PLANS = {(2,): 20, (4,): 4, (2, 2): 5}
 THREE_STEP_PLANS = 1  # the first plan of each model and mesh trains 3 steps, the rest 1
 

@@ -65,6 +65,7 @@ def test_default_size_builds_on_meta_quickly(zoo):
         ("llama", "8b-gqa", 8_030_261_248),
         ("bert", "base", 109_483_778),  # == HF BertForSequenceClassification, 2 labels
         ("vit", "base", 86_567_656),  # == timm vit_base_patch16_224
+        ("resnet", "resnet18", 11_689_512),  # == torchvision resnet18
     ],
 )
 def test_param_count(name, size, n_params):

@@ -7,7 +7,7 @@ from types import ModuleType
 from autopar.model_file import import_model_file
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
-ZOO = ("mlp", "gpt2", "llama", "bert", "vit", "hf_gpt2", "hf_llama")
+ZOO = ("mlp", "gpt2", "llama", "bert", "vit", "resnet", "hf_gpt2", "hf_llama")
 
 
 def load_zoo(name: str) -> ModuleType:

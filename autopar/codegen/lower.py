@@ -48,6 +48,7 @@ from autopar.tracer.nodes import is_tensor_node as _is_tensor_node
 from autopar.tracer.nodes import module_path
 
 log = logging.getLogger(__name__)
+aten = torch.ops.aten
 
 InputLayout = Literal["shard", "replicate"]
 
@@ -105,6 +106,7 @@ class _Lowerer:
         self.tied = _tied_groups(params)
         self._targs: dict[str, tuple[fx.Node, ...]] = {}
         self.origin: dict[str, str] = {}  # new node name -> the traced node it implements (for recompute regions)
+        self.buffer_attrs: dict[str, fx.Node] = {}  # buffer FQN -> its get_attr node
 
     # ------------------------------------------------------------ specs
     def out_specs(self, node: fx.Node) -> tuple[Spec, ...]:
@@ -261,6 +263,7 @@ class _Lowerer:
         storage, buffer_specs = {}, {}
         held: dict[str, fx.Node] = {}  # tensor owner FQN -> its get_attr node (tied params share one)
         zero_nodes: list[fx.Node] = []  # get_attr nodes of parameters stored as ZeRO shards
+        mutated = set(self.traced.buffer_mutations.values())  # buffers the forward updates
         for node in self.traced.graph.nodes:
             if node.op == "placeholder":
                 if node.name in self.traced.param_fqns:
@@ -280,7 +283,11 @@ class _Lowerer:
                     fqn = self.traced.buffer_fqns[node.name]
                     spec = self.src_spec(node)
                     buffer_specs[fqn] = spec
-                    self.env[node.name] = self.get_attr(fqn, self.local_tensor(fqn, node, spec, self.full_buffers), False)
+                    self.buffer_attrs[fqn] = self.get_attr(fqn, self.local_tensor(fqn, node, spec, self.full_buffers), False)
+                    self.env[node.name] = self.buffer_attrs[fqn]
+                    if fqn in mutated:  # ops read a copy: autograd may save the old value (batch norm's backward
+                        # takes the running stats), and the buffer is overwritten before backward runs
+                        self.env[node.name] = self.graph.call_function(aten.clone.default, (self.buffer_attrs[fqn],))
                 else:
                     fed = self.fed_spec(node)
                     fed_specs.append(fed)
@@ -344,6 +351,16 @@ class _Lowerer:
             return Spec.replicate(len(self.mesh.shape))
         return fed_spec(tuple(val.shape), self.batch, len(self.mesh.shape))
 
+    def emit_buffer_updates(self) -> None:
+        """Write the values a forward computes for its buffers (BatchNorm's running statistics and batch
+        count) back into this rank's buffers, resharded to the buffer's layout: the traced graph is
+        functional, the module is not."""
+        placeholder_of = {fqn: name for name, fqn in self.traced.buffer_fqns.items()}
+        for name, fqn in self.traced.buffer_mutations.items():
+            node, buffer = self.nodes[name], self.nodes[placeholder_of[fqn]]
+            value = self.reshard(self.env[name], node, self.src_spec(node), self.src_spec(buffer))
+            self.graph.call_function(aten.copy_.default, (self.buffer_attrs[fqn], value))
+
     def data_parallel_axes(self) -> tuple[int, ...]:
         """Mesh axes on which the plan shards the first user input's dim 0 (the DDP convention's axes)."""
         if not self.traced.input_names:
@@ -360,8 +377,7 @@ class _Lowerer:
         return batch
 
     def emit_output(self) -> None:
-        if self.traced.buffer_mutations:
-            raise LoweringError(f"the model updates buffers in forward ({sorted(self.traced.buffer_mutations.values())}); not supported by codegen yet")
+        self.emit_buffer_updates()
         outs = []
         for i, name in enumerate(self.traced.output_names):
             if name is None:

@@ -106,12 +106,20 @@ def checkpoint_modules(model: nn.Module, paths: Iterable[str]) -> None:
 
 
 def block_paths(model: nn.Module) -> list[str]:
-    """Module paths of the transformer blocks: the children of the largest nn.ModuleList."""
-    lists = [(name, m) for name, m in model.named_modules() if isinstance(m, nn.ModuleList) and len(m)]
-    if not lists:
+    """Module paths of the model's repeated blocks, what a user would checkpoint one by one.
+
+    The children of its containers (`nn.ModuleList`, `nn.Sequential`) grouped by class, and
+    the class holding the most parameters wins: a transformer's layers (one ModuleList) or a
+    ResNet's residual blocks (spread over one Sequential per stage)."""
+    by_class: dict[type, list[tuple[str, nn.Module]]] = {}
+    for name, container in model.named_modules():
+        if isinstance(container, (nn.ModuleList, nn.Sequential)):
+            for child_name, child in container.named_children():
+                by_class.setdefault(type(child), []).append((f"{name}.{child_name}" if name else child_name, child))
+    if not by_class:
         return []
-    name, blocks = max(lists, key=lambda nm: sum(p.numel() for p in nm[1].parameters()))
-    return [f"{name}.{i}" for i in range(len(blocks))]
+    blocks = max(by_class.values(), key=lambda members: sum(p.numel() for _, m in members for p in m.parameters()))
+    return [path for path, _ in blocks]
 
 
 @dataclass(frozen=True)

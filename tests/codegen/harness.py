@@ -34,6 +34,7 @@ class Reference:
     losses: list[float]
     grads: list[dict[str, torch.Tensor]]  # per step, by FQN
     params: list[dict[str, torch.Tensor]]  # after each step
+    buffers: list[dict[str, torch.Tensor]]  # after each step (BatchNorm's running statistics)
 
 
 def loss_of(out: Any) -> torch.Tensor:
@@ -52,7 +53,7 @@ def trace_model(model: torch.nn.Module, sample: Any) -> TracedGraph:
 def reference(model: torch.nn.Module, sample: Any, steps: int) -> Reference:
     ref = copy.deepcopy(model)
     opt = torch.optim.AdamW(ref.parameters(), lr=LR, eps=EPS)
-    out = Reference([], [], [])
+    out = Reference([], [], [], [])
     for _ in range(steps):
         opt.zero_grad()
         loss = loss_of(call(ref, sample))
@@ -61,6 +62,7 @@ def reference(model: torch.nn.Module, sample: Any, steps: int) -> Reference:
         out.grads.append({n: p.grad.clone() for n, p in ref.named_parameters()})
         opt.step()
         out.params.append({n: p.detach().clone() for n, p in ref.named_parameters()})
+        out.buffers.append({n: b.clone() for n, b in ref.named_buffers()})
     return out
 
 
@@ -98,6 +100,9 @@ def check_plan(model: torch.nn.Module, sample: Any, traced: TracedGraph, plan: P
         for fqn, p in pm.named_parameters():
             want = local_block(ref.params[step][fqn], storage[fqn], mesh.shape, mesh.coordinate)
             worst["param"] = max(worst["param"], _compare(p.detach(), want, 1e-4, f"{label}: step {step} param {fqn}"))
+        for fqn, b in pm.named_buffers():  # updated in forward: running statistics of the GLOBAL batch
+            want = local_block(ref.buffers[step][fqn], pm.info.buffer_specs[fqn], mesh.shape, mesh.coordinate)
+            _compare(b.float(), want.float(), 1e-5, f"{label}: step {step} buffer {fqn}")
     return worst
 
 

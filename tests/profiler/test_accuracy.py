@@ -10,7 +10,7 @@ from tests.profiler.zoo import DYNAMIC, SEQ, load_example
 # Every zoo model at two batch sizes.
 CASES = [
     ("gpt2", 4), ("gpt2", 8), ("bert", 4), ("bert", 8), ("vit", 4), ("vit", 16), ("mlp", 64), ("mlp", 512),
-    ("llama", 4), ("llama", 8), ("hf_gpt2", 4), ("hf_gpt2", 8), ("hf_llama", 4), ("hf_llama", 8),
+    ("llama", 4), ("llama", 8), ("resnet", 4), ("resnet", 16), ("hf_gpt2", 4), ("hf_gpt2", 8), ("hf_llama", 4), ("hf_llama", 8),
 ]
 
 

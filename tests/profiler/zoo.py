@@ -9,6 +9,7 @@ DYNAMIC = {
     "gpt2": {"batch": 0, "seq": 1},
     "bert": {"batch": 0, "seq": 1},
     "vit": {"batch": 0},
+    "resnet": {"batch": 0},
     "mlp": {"batch": 0},
     "llama": {"batch": 0},
     "hf_gpt2": {"batch": 0, "seq": 1},

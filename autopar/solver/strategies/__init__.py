@@ -3,9 +3,10 @@
     strategies = enumerate_strategies(traced, mesh)   # {node name: (Strategy, ...)}
 
 Sources, in priority order: our own rules (attention, all-dim sums, means,
-vocabulary-parallel embedding and cross-entropy, factory ops), DTensor's registries (through `dtensor_adapter`, the only module that
-touches DTensor internals), and a replicate-only fallback with a warning
-naming the op. Every emitted strategy is even (sharded dims divide by their
+vocabulary-parallel embedding and cross-entropy, channel-parallel convolutions,
+batch norm over a split batch, factory ops), DTensor's registries (through
+`dtensor_adapter`, the only module that touches DTensor internals), and a
+replicate-only fallback with a warning naming the op. Every emitted strategy is even (sharded dims divide by their
 mesh axes), uses only Replicate / Shard / Partial(sum), and is deduplicated.
 
 Conventions the ILP and codegen rely on
@@ -30,7 +31,8 @@ from torch.utils import _pytree as pytree
 from autopar.gc_pause import gc_paused
 from autopar.solver.mesh import Mesh
 from autopar.solver.spec import Spec, Strategy
-from autopar.solver.strategies import rules_attention, rules_cross_entropy, rules_embedding, rules_reduction
+from autopar.solver.strategies import (
+    rules_attention, rules_batch_norm, rules_conv, rules_cross_entropy, rules_embedding, rules_reduction)
 from autopar.solver.strategies.dtensor_adapter import candidate_specs, dtensor_rules, is_even
 from autopar.solver.strategies.expand import Rule
 from autopar.solver.strategies.rules_factory import FACTORIES, factory_rules
@@ -41,7 +43,8 @@ log = logging.getLogger(__name__)
 __all__ = ["enumerate_strategies", "node_strategies", "strategy_inputs", "candidate_specs"]
 
 _OUR_RULES: dict[Any, Callable[..., list[Rule] | None]] = {
-    **rules_attention.RULES, **rules_cross_entropy.RULES, **rules_embedding.RULES, **rules_reduction.RULES}
+    **rules_attention.RULES, **rules_batch_norm.RULES, **rules_conv.RULES, **rules_cross_entropy.RULES,
+    **rules_embedding.RULES, **rules_reduction.RULES}
 _CACHE: dict[tuple, tuple[Strategy, ...]] = {}
 _WARNED: set[str] = set()
 

@@ -17,9 +17,11 @@ that holds block k of an arange builds exactly that block).
 - gather along a dim the input shards: `masked_gather` with this rank's block
   (vocabulary-parallel cross-entropy, see `rules_cross_entropy`);
 - log-softmax over a dim the input shards: `runtime.vocab_parallel.vocab_parallel_log_softmax`,
-  which exchanges per-row statistics over the mesh axes splitting that dim, so it needs
-  `group_names` (one c10d group name per mesh axis) and has collectives inside the node
-  (`in_node_collectives` lists them for the cost model).
+  which exchanges per-row statistics over the mesh axes splitting that dim;
+- training batch norm with its batch (or spatial) dims sharded: `runtime.sync_batch_norm`,
+  which exchanges per-channel statistics (see `rules_batch_norm`).
+  These two need `group_names` (one c10d group name per mesh axis) and run collectives
+  inside the node (`in_node_collectives` lists them for the cost model).
 Tensor arguments are returned unchanged (fx.Nodes); the caller substitutes
 each rank's local tensor.
 """
@@ -32,7 +34,8 @@ from typing import Any, Sequence
 import torch
 from torch import fx
 
-# The one lowering that needs a process group lives with the runtime's other collectives.
+# The lowerings that exchange values between ranks live with the runtime's collectives.
+from autopar.runtime.sync_batch_norm import sync_batch_norm
 from autopar.runtime.vocab_parallel import vocab_parallel_log_softmax
 from autopar.solver.spec import Shard, Spec, Strategy
 
@@ -48,6 +51,7 @@ _SIZE_ARG = {
 }
 _ARANGE = (aten.arange.default, aten.arange.start, aten.arange.start_step)
 _MEAN = (aten.mean.default, aten.mean.dim)
+_BATCH_NORM = aten._native_batch_norm_legit_functional.default
 
 
 def reduced_dims(op: Any, args: Sequence, kwargs: dict, ndim: int) -> frozenset[int]:
@@ -115,30 +119,56 @@ class InNodeCollective:
     forward: bool  # in forward (run again when the node is recomputed) or in backward
 
 
-def in_node_collectives(node: fx.Node, strategy: Strategy, mesh_shape: Sequence[int]) -> tuple[InNodeCollective, ...]:
-    """Collectives the lowering of `node` under `strategy` runs inside the node in one training step."""
-    if not needs_groups(node, strategy):
+def exchange_axes(node: fx.Node, strategy: Strategy) -> tuple[int, ...]:
+    """Mesh axes over which the lowering of `node` exchanges statistics inside the node: the class
+    dim of a log-softmax, the batch/spatial dims of a training batch norm; () for every other node."""
+    if not strategy.input_specs:
         return ()
-    dim = _op_dim(node)
-    val = node.meta["val"]
-    local = strategy.output_specs[0].local_shape(tuple(int(s) for s in val.shape), mesh_shape)
-    row_bytes = math.prod(local) // max(local[dim], 1) * val.element_size()  # one value per local row
-    # per axis splitting the dim: forward exchanges the row max and the sum of exponentials,
-    # backward the sum of the output gradient (`runtime.vocab_parallel`)
-    return tuple(InNodeCollective("all_reduce", float(row_bytes), a, forward)
-                 for a in split_axes_of_dim(strategy.input_specs[0], dim) for forward in (True, True, False))
+    x = strategy.input_specs[0]
+    if node.target is aten._log_softmax.default:
+        return split_axes_of_dim(x, _op_dim(node))
+    if node.target is _BATCH_NORM and node.args[5]:
+        return tuple(a for a, p in enumerate(x.placements) if isinstance(p, Shard) and p.dim != 1)
+    return ()
 
 
 def needs_groups(node: fx.Node, strategy: Strategy) -> bool:
     """Whether `local_call` needs the mesh's group names for this node under `strategy`."""
-    return (node.target is aten._log_softmax.default and bool(strategy.input_specs)
-            and bool(split_axes_of_dim(strategy.input_specs[0], _op_dim(node))))
+    return bool(exchange_axes(node, strategy))
+
+
+def in_node_collectives(node: fx.Node, strategy: Strategy, mesh_shape: Sequence[int]) -> tuple[InNodeCollective, ...]:
+    """Collectives the lowering of `node` under `strategy` runs inside the node in one training step."""
+    axes = exchange_axes(node, strategy)
+    if not axes:
+        return ()
+    if node.target is _BATCH_NORM:
+        # forward: per-channel sum and sum of squared deviations; backward: their gradients
+        out = node.meta["val"][0]
+        local = strategy.output_specs[0].local_shape(tuple(int(s) for s in out.shape), mesh_shape)
+        nbytes, phases = local[1] * out.element_size(), (True, True, False, False)
+    else:
+        # forward: each row's max and sum of exponentials; backward: the sum of its output gradient
+        dim, val = _op_dim(node), node.meta["val"]
+        local = strategy.output_specs[0].local_shape(tuple(int(s) for s in val.shape), mesh_shape)
+        nbytes, phases = math.prod(local) // max(local[dim], 1) * val.element_size(), (True, True, False)
+    return tuple(InNodeCollective("all_reduce", float(nbytes), a, forward) for a in axes for forward in phases)
+
+
+def _groups_of(node: fx.Node, strategy: Strategy, group_names: Sequence[str] | None) -> tuple[str, ...]:
+    if group_names is None:
+        raise ValueError(f"{node.name}: its lowering under {strategy} exchanges values between ranks; pass the mesh's group names")
+    return tuple(group_names[a] for a in exchange_axes(node, strategy))
 
 
 def local_call(node: fx.Node, strategy: Strategy, mesh_shape: Sequence[int], coordinate: Sequence[int],
                group_names: Sequence[str] | None = None) -> tuple[Any, tuple, dict]:
     args, kwargs = tuple(node.args), dict(node.kwargs)
     op = node.target
+    if op is _BATCH_NORM and needs_groups(node, strategy):
+        x = node.args[0].meta["val"]
+        count = x.numel() // int(x.shape[1])  # elements per channel in the global batch
+        return sync_batch_norm, (*args[:5], args[6], args[7], count, _groups_of(node, strategy, group_names)), {}
     val = node.meta.get("val")
     if not strategy.output_specs or not isinstance(val, torch.Tensor):
         return op, args, kwargs
@@ -146,10 +176,8 @@ def local_call(node: fx.Node, strategy: Strategy, mesh_shape: Sequence[int], coo
     if op in _MEAN:
         return _local_mean(node, strategy, mesh_shape)
     if op is aten._log_softmax.default and needs_groups(node, strategy):
-        if group_names is None:
-            raise ValueError(f"{node.name}: a log-softmax over a split dim needs the mesh's group names")
-        axes = split_axes_of_dim(strategy.input_specs[0], _op_dim(node))
-        return vocab_parallel_log_softmax, (args[0], _op_dim(node), bool(args[2]), tuple(group_names[a] for a in axes)), {}
+        groups = _groups_of(node, strategy, group_names)
+        return vocab_parallel_log_softmax, (args[0], _op_dim(node), bool(args[2]), groups), {}
     if op is aten.gather.default and strategy.input_specs and split_axes_of_dim(strategy.input_specs[0], _op_dim(node)):
         dim = _op_dim(node)
         index, count = block_index(strategy.input_specs[0], dim, mesh_shape, coordinate)
