@@ -27,7 +27,6 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from autopar.profiler.eager import EagerCall
 from autopar.profiler.flops import op_flops, register_cpu_sdpa
 
 
@@ -72,16 +71,10 @@ def _leaf_key(leaf: Any, rg: Mapping[str, bool]) -> Hashable:
         return repr(leaf)
 
 
-def probe(
-    node: fx.Node, rg: Mapping[str, bool], used_outputs: tuple[bool, ...], call: EagerCall | None = None
-) -> OpProbe:
-    """Cost and saved tensors of `node` (a call_function on tensors), cached by signature.
-
-    With `call`, the op eager runs in the node's place is probed instead (see
-    `eager.py`); `saved_args` then index the tensor arguments of `call`.
-    """
-    target, args, kwargs = (node.target, node.args, node.kwargs) if call is None else (call.target, call.args, call.kwargs)
-    flat, spec = pytree.tree_flatten((tuple(args), dict(kwargs)))
+def probe(node: fx.Node, rg: Mapping[str, bool], used_outputs: tuple[bool, ...]) -> OpProbe:
+    """Cost and saved tensors of `node` (a call_function on tensors), cached by signature."""
+    target = node.target
+    flat, spec = pytree.tree_flatten((tuple(node.args), dict(node.kwargs)))
     key = (target, tuple(_leaf_key(leaf, rg) for leaf in flat), used_outputs)
     hit = _CACHE.get(key)
     if hit is None:

@@ -5,8 +5,9 @@ real autograd on fake tensors, cached by signature); output bytes are
 numel * itemsize of the fake outputs (0 for views); saved tensors are
 attributed to the producer of the storage they live in (see `graph.py`).
 Values are sympy expressions in the trace's symbols (`traced.symbols`).
-Nodes are priced as eager runs them where that differs from the graph
-(`eager.py`: causal masks eager never builds).
+The graph is what eager runs (the tracer already turned Hugging Face's
+materialised causal masks back into `is_causal=True`, see
+`autopar.tracer.attention`), except for copies eager elides (`elided_copies`).
 """
 from __future__ import annotations
 
@@ -19,7 +20,6 @@ import torch
 from torch.utils import _pytree as pytree
 
 from autopar.errors import AutoparError
-from autopar.profiler.eager import EagerCall, EagerGraph, eager_graph
 from autopar.profiler.flops import op_flops
 from autopar.profiler.graph import GraphFacts, Ref, analyze, tensor_bytes
 from autopar.profiler.probe import OpProbe, probe, to_expr
@@ -61,19 +61,15 @@ def profile(traced: TracedGraph, optimizer: str = "adamw") -> GraphProfile:
     opt = optimizer_key(optimizer)
     start = time.perf_counter()
     facts = analyze(traced)
-    eager = eager_graph(traced.graph)
     probes: dict[str, OpProbe] = {}
-    probe_args: dict[str, tuple[Ref, ...]] = {}  # what each probe's saved_args index
     for node in traced.graph.nodes:
-        p = _probe_node(node, facts, eager)
+        p = _probe_node(node, facts)
         if p is not None:
             probes[node.name] = p
-            call = eager.calls.get(node.name)
-            probe_args[node.name] = facts.arg_refs[node.name] if call is None else _call_refs(call)
     elided = elided_copies(traced, probes)
     if elided:
         facts = analyze(traced, elided)
-    saved_refs = {name: _saved_refs(name, p, probe_args[name], facts) for name, p in probes.items()}
+    saved_refs = {name: _saved_refs(name, p, facts.arg_refs[name], facts) for name, p in probes.items()}
     saved: set[Ref] = {r for refs in saved_refs.values() for r in refs}
 
     nodes: dict[str, NodeProfile] = {}
@@ -82,16 +78,12 @@ def profile(traced: TracedGraph, optimizer: str = "adamw") -> GraphProfile:
             continue
         vals = output_vals(node)
         alias = facts.aliases.get(node.name, (False,) * len(vals))
-        # Eager never materialises a skipped node's output (see eager.py).
-        absent = node.name in eager.skipped
         p = probes.get(node.name)
-        out_bytes = tuple(
-            _ZERO if v is None or alias[i] or absent else to_expr(tensor_bytes(v)) for i, v in enumerate(vals)
-        )
+        out_bytes = tuple(_ZERO if v is None or alias[i] else to_expr(tensor_bytes(v)) for i, v in enumerate(vals))
         nodes[node.name] = NodeProfile(
             name=node.name,
             op="placeholder" if node.op == "placeholder" else str(node.target),
-            fwd_flops=p.fwd_flops if p else _ZERO if node.name in eager.skipped else _fwd_flops_no_grad(node),
+            fwd_flops=p.fwd_flops if p else _fwd_flops_no_grad(node),
             bwd_flops=p.bwd_flops if p else _ZERO,
             output_bytes=out_bytes,
             saved_outputs=tuple((node.name, i) in saved for i in range(len(vals))),
@@ -105,12 +97,6 @@ def profile(traced: TracedGraph, optimizer: str = "adamw") -> GraphProfile:
     log.info("profiler: %d nodes (%d probed op signatures) in %.2f s", len(nodes), len(set(map(id, probes.values()))),
              time.perf_counter() - start)
     return GraphProfile(nodes=nodes, params=params, symbols=dict(traced.symbols), optimizer=opt)
-
-
-def _call_refs(call: EagerCall) -> tuple[Ref, ...]:
-    """References of the tensor arguments of an eager call, in the order the probe numbers them."""
-    flat, _ = pytree.tree_flatten((tuple(call.args), dict(call.kwargs)))
-    return tuple((a.name, 0) for a in flat if is_tensor_node(a))
 
 
 def elided_copies(traced: TracedGraph, probes: dict[str, OpProbe]) -> frozenset[str]:
@@ -164,14 +150,13 @@ def _real_contiguous(node, probes: dict[str, OpProbe]) -> bool:
     return True
 
 
-def _probe_node(node, facts: GraphFacts, eager: EagerGraph) -> OpProbe | None:
-    """Probe ops that take part in autograd; views save nothing and cost no FLOPs, so they are skipped,
-    and so are nodes eager runs inside another op or not at all."""
+def _probe_node(node, facts: GraphFacts) -> OpProbe | None:
+    """Probe ops that take part in autograd; views save nothing and cost no FLOPs, so they are skipped."""
     if node.op != "call_function" or node.target is operator.getitem or not facts.requires_grad.get(node.name):
         return None
-    if all(facts.aliases.get(node.name, (False,))) or node.name in eager.skipped:
+    if all(facts.aliases.get(node.name, (False,))):
         return None
-    return probe(node, facts.requires_grad, facts.used_outputs[node.name], eager.calls.get(node.name))
+    return probe(node, facts.requires_grad, facts.used_outputs[node.name])
 
 
 def _fwd_flops_no_grad(node) -> sympy.Expr:

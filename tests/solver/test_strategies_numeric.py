@@ -104,7 +104,7 @@ def verify_model(name: str) -> tuple[int, set[str]]:
     return verified, ops
 
 
-@pytest.mark.parametrize("name", ["gpt2", "llama", "mlp", "bert", "vit", "resnet"])
+@pytest.mark.parametrize("name", ["gpt2", "llama", "mlp", "bert", "vit", "resnet", "hf_llama"])
 def test_every_strategy_of_every_node_is_numerically_right(name):
     if not (EXAMPLES / f"{name}.py").exists():
         pytest.fail(f"examples/{name}.py is missing")
