@@ -3,6 +3,7 @@
     pm = ParallelModule(gm, traced, mesh, plan)
     loss = pm(**my_slice_of_the_batch)     # same call signature as the original model
     loss.backward()                         # grads of local shards, data-parallel sync included
+    pm.clip_grad_norm_(1.0)                 # optional: clipping by the norm of the FULL gradients
     opt.step()                              # any torch.optim optimizer over pm.parameters()
 
 Parameters are this rank's shards under their original FQNs (the lowered
@@ -23,6 +24,7 @@ from torch.utils import _pytree as pytree
 from autopar.codegen.lower import LoweringInfo
 from autopar.codegen.shapes import LoweringError
 from autopar.runtime.batch import batch_slice
+from autopar.runtime.grad_norm import clip_grad_norm_
 from autopar.runtime.grad_sync import GradSync
 from autopar.runtime.mesh import ProcessMesh
 from autopar.runtime.state_dict import full_state_dict, load_full_state_dict
@@ -72,6 +74,12 @@ class ParallelModule(nn.Module):
             raise LoweringError(f"called with inputs structured as {spec}; the model was traced with {self._in_spec}")
         outs = self.graph_module(*flat)
         return pytree.tree_unflatten(list(outs), self._out_spec)
+
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        """`torch.nn.utils.clip_grad_norm_` for this module: the norm of the full gradients across all
+        ranks' shards (a collective: call it on every rank, after backward), the same on every rank."""
+        grads = {fqn: p.grad for fqn, p in self.named_parameters() if p.grad is not None}
+        return clip_grad_norm_(grads, self.info.param_storage, self.mesh, max_norm, norm_type)
 
     # ------------------------------------------------------------ full state dicts
     def _specs(self) -> dict[str, Spec]:
