@@ -60,6 +60,7 @@ def _concrete_shape(val: torch.Tensor) -> tuple[int, ...]:
 def alternatives(plan: Plan, decision: NodeDecision, ctx: ExplainContext) -> list[dict[str, Any]]:
     """Every strategy of the node, priced: compute, in-strategy comm, resharding of inputs, saved bytes."""
     from autopar.solver.cost import strategy_cost  # the solver's own formulas, not a copy
+    from autopar.solver.problem import in_node_comm_s
     from autopar.solver.reshard import reshard_cost
     from autopar.solver.strategies import strategy_inputs
 
@@ -75,6 +76,7 @@ def alternatives(plan: Plan, decision: NodeDecision, ctx: ExplainContext) -> lis
     rows = []
     for strat in ctx.strategies.get(decision.node, ()):
         compute_s, comm_s = strategy_cost(cost, strat, out_shapes, mesh, in_bytes) if cost is not None else (0.0, 0.0)
+        comm_s += in_node_comm_s(node, strat, mesh)[0]
         reshard_s = 0.0
         for (src, idx), want, val in zip(inputs, strat.input_specs, in_vals):
             prod = chosen_by_name.get(src.name)
