@@ -196,6 +196,15 @@ def _param_root(node, params: Mapping[str, object]) -> str | None:
     return None
 
 
+def in_node_comm_s(node, strategy: Strategy, mesh: Mesh) -> tuple[float, float]:
+    """(step, forward) time of the collectives `node`'s lowering runs inside the node under `strategy`
+    (statistics exchanged by vocabulary-parallel log-softmax and batch-split batch norm); the
+    forward part is paid again when the node is recomputed."""
+    times = [(collective_time_s(c.kind, c.nbytes, mesh.axes[c.mesh_axis]), c.forward)
+             for c in in_node_collectives(node, strategy, mesh.shape)]
+    return sum(t for t, _ in times), sum(t for t, fwd in times if fwd)
+
+
 class _Pricer:
     """Option of one graph node under one strategy, cached by everything that determines it."""
 
@@ -216,11 +225,9 @@ class _Pricer:
         hit = self._cache.get(key)
         if hit is None:
             hit = self._cache[key] = self._price(role, cost, strat, outs, ins, param)
-        collectives = in_node_collectives(self.nodes[name], strat, self.mesh.shape)
-        if collectives:  # vocabulary-parallel log-softmax: depends on the node's dim, so not cached by shapes
-            times = [(collective_time_s(c.kind, c.nbytes, self.mesh.axes[c.mesh_axis]), c.forward) for c in collectives]
-            forward_s = sum(t for t, fwd in times if fwd)  # paid again when the node is recomputed
-            hit = replace(hit, comm_s=hit.comm_s + sum(t for t, _ in times), recompute_s=hit.recompute_s + forward_s)
+        total_s, forward_s = in_node_comm_s(self.nodes[name], strat, self.mesh)
+        if total_s:  # depends on the node's dim arguments, so not cached by shapes
+            hit = replace(hit, comm_s=hit.comm_s + total_s, recompute_s=hit.recompute_s + forward_s)
         if hit.zero is not None:  # the storage spec is per parameter, the price is shared
             self.storage[name, k] = _zero(strat.output_specs[0], outs[0], hit.param_bytes, self.mesh)[0]
         return hit
