@@ -48,3 +48,27 @@ def test_benchmark_core_two_ranks():
     table = format_model(result)
     for name in (*SYSTEMS, "autopar#0", "spearman"):
         assert name in table
+
+
+def test_calibrations_share_the_numbers_of_the_group_of_all_ranks():
+    """The 1-D axis of 4 and the 2x2 mesh's group over both axes are one group of ranks measured twice:
+    both get the mean of the two measurements (kind by kind), the 2-rank axes keep their own."""
+    from dataclasses import replace
+
+    from autopar.solver.mesh import AxisGroup, LinkCost, MeshAxis, make_mesh
+    from benchmarks.baselines.bench import _shared_device_numbers
+
+    def axis(name, size, alpha_s, beta):
+        return MeshAxis(name, size, alpha_s, beta, (LinkCost("all_reduce", alpha_s, beta), LinkCost("all_gather", 2 * alpha_s, beta)), alpha_s / 4)
+
+    one = replace(make_mesh(4, (4,), "cpu"), axes=(axis("dp", 4, 1.0e-3, 1e9),), op_overhead_s=1e-5)
+    two = replace(make_mesh(4, (2, 2), "cpu"), axes=(axis("dp", 2, 0.4e-3, 1e9), axis("tp", 2, 0.5e-3, 1e9)),
+                  groups=(AxisGroup((0, 1), axis("dp+tp", 4, 0.6e-3, 3e9)),), op_overhead_s=3e-5)
+    shared = _shared_device_numbers({"1d": one, "2d": two})
+    world = shared["1d"].axes[0]
+    assert world.name == "dp" and world.link("all_reduce") == (pytest.approx(0.8e-3), pytest.approx(2e9))
+    assert world.link("all_gather")[0] == pytest.approx(1.6e-3) and world.scalar_alpha_s == pytest.approx(0.2e-3)
+    group = shared["2d"].groups[0].link
+    assert group.name == "dp+tp" and group.link("all_reduce") == world.link("all_reduce")
+    assert shared["2d"].axes == two.axes  # 2-rank groups: other ranks, their own measurements
+    assert shared["1d"].op_overhead_s == shared["2d"].op_overhead_s == pytest.approx(2e-5)

@@ -1,7 +1,8 @@
 """Recompute decisions as checkpointed regions, using torch's own mechanism.
 
 Each maximal run (in graph order) of lowered nodes whose traced node the plan
-marks `recompute`, cut at layer boundaries, is outlined into a sub-GraphModule `recompute_<i>` and called
+marks `recompute`, cut at layer boundaries and bridging views and copies
+between them (`_runs`), is outlined into a sub-GraphModule `recompute_<i>` and called
 through `torch.utils.checkpoint.checkpoint(..., use_reentrant=False)`: its
 activations are freed after forward and rebuilt in backward (RNG state
 included, which torch's checkpoint restores). Backward rebuilds a whole region at
@@ -21,6 +22,8 @@ from typing import Mapping
 import torch.utils.checkpoint
 from torch import fx, nn
 
+from autopar.runtime import rng
+
 
 def checkpointed(region: fx.GraphModule, *args):
     """Run `region` under non-reentrant activation checkpointing (a named call in `gm.code`)."""
@@ -36,20 +39,58 @@ def layer_key(path: str) -> str:
     return parts[0]
 
 
+# Ops that only alias or copy their input: free to run again, so a region may take them in (see `_runs`).
+_COPY_OPS = frozenset({"view", "_unsafe_view", "reshape", "permute", "transpose", "t", "expand", "squeeze", "unsqueeze",
+                       "slice", "select", "alias", "clone", "split", "split_with_sizes", "unbind", "detach"})
+
+
+def _is_copy(node: fx.Node) -> bool:
+    if node.op != "call_function":
+        return False
+    if node.target is operator.getitem:
+        return True
+    packet = getattr(node.target, "overloadpacket", None)
+    return packet is not None and packet.__name__ in _COPY_OPS
+
+
 def _runs(graph: fx.Graph, recompute: set[str], origin: Mapping[str, str], layer: Mapping[str, str]) -> list[list[fx.Node]]:
+    """Maximal runs (graph order) of recomputed nodes of one layer, bridging views and copies between them
+    and stepping over kept nodes that do not read the run.
+
+    A view or a dropout-free clone the plan keeps sits between most recomputed ops (a linear is
+    `t(weight)` then `addmm`), and kept work interleaves with recomputed work (LLaMA's up projection
+    between `silu(gate)` and the product). Cutting the run there would make the run's output so far
+    the next region's input, which checkpoint saves: the region would free nothing of what the solver
+    priced it to free (`Problem.recompute_with` assumes one region per layer), and pay a region's
+    fixed cost per op (measured: gpt2-tiny's 22 recomputed ops made 13 regions and saved no memory).
+    So a kept node that reads nothing of the run stays outside it (the region is called where its last
+    node was, after it: `outline`); a copy of the run's values is taken into the region when a
+    recomputed node of the same layer follows; any other kept node that reads the run, or one that
+    draws random numbers (their order is part of the result), ends the run."""
     runs: list[list[fx.Node]] = []
     current: list[fx.Node] = []
+    bridge: list[fx.Node] = []  # copies after the run's last recomputed node, kept only if the run goes on
     for node in graph.nodes:
         traced = origin.get(node.name)
         if node.op == "call_function" and traced in recompute:
             if current and layer.get(traced) != layer.get(origin[current[-1].name]):
                 runs.append(current)  # one region per layer: backward rebuilds one layer's activations at a time
                 current = []
+            elif current:
+                current.extend(bridge)
+            bridge = []
             current.append(node)
+            continue
+        members = {*current, *bridge}
+        if current and node.op == "call_function" and node.target is not rng.random_op \
+                and not any(a in members for a in node.all_input_nodes):
+            continue  # independent kept work: stays before the region's call
+        if current and _is_copy(node) and layer.get(traced) == layer.get(origin[current[-1].name]):
+            bridge.append(node)  # a copy of the run: taken in if the run goes on
             continue
         if current:
             runs.append(current)
-            current = []
+            current, bridge = [], []
     if current:
         runs.append(current)
     return runs
@@ -72,7 +113,9 @@ def outline(graph: fx.Graph, root: nn.Module, run: list[fx.Node], name: str, run
         env[node] = sub.node_copy(node, lambda n: env[n])
     sub.output(tuple(env[n] for n in outputs))
     root.add_module(name, fx.GraphModule(nn.Module(), sub, class_name="Region"))
-    with graph.inserting_before(run[0]):
+    # at the run's last node: every outside input is defined by then (the run may step over kept nodes,
+    # `_runs`), and nothing outside the run reads it before then
+    with graph.inserting_before(run[-1]):
         region = graph.get_attr(name)
         call = graph.call_function(runner, (region, *inputs))
         results = [graph.call_function(operator.getitem, (call, i)) for i in range(len(outputs))]

@@ -12,8 +12,13 @@ not on one large op:
   all-reduce), timed inside that axis' groups: bandwidth from the kind's ring
   formula (`autopar.solver.cost`) between two sizes, latency from the small
   size issued right after some compute, as inside a step (`_fit_links`);
+- the same for every group spanning two or more axes (`Mesh.groups`: the
+  bucketed gradient sync of a parameter replicated over several axes runs on
+  one), since a ring's per-step latency depends on how many ranks it spans;
 - per device: the fixed cost of one op (`op_overhead_s`: a chain of tiny ops
-  run forward and backward, divided by the ops launched), the matmul rate over
+  run forward and backward, divided by the ops launched), what checkpointing
+  adds per recomputed op (`recompute_op_overhead_s`: the same kind of chain with
+  and without one checkpoint region around it), the matmul rate over
   a mix of layer-sized matmuls (net of that overhead) and the elementwise
   "bandwidth" in the cost model's own accounting (output bytes per second of
   elementwise ops, from the slope between two activation sizes).
@@ -22,6 +27,7 @@ over the world (the slowest rank sets the pace of a synchronous step).
 """
 from __future__ import annotations
 
+import itertools
 import logging
 import math
 import os
@@ -31,9 +37,10 @@ from typing import Callable, Sequence
 
 import torch
 import torch.distributed as dist
+import torch.utils.checkpoint
 
 from autopar.errors import AutoparError
-from autopar.solver.mesh import COLLECTIVE_KINDS, LinkCost, Mesh, MeshAxis, default_axis_names
+from autopar.solver.mesh import COLLECTIVE_KINDS, AxisGroup, LinkCost, Mesh, MeshAxis, default_axis_names
 
 log = logging.getLogger(__name__)
 
@@ -63,23 +70,34 @@ def calibrate(group: dist.ProcessGroup | None = None, mesh_shape: tuple[int, ...
         raise AutoparError(f"mesh shape {' * '.join(map(str, mesh_shape))} = {math.prod(mesh_shape)} != world size ({world})")
     device = _device(group)
     rank = dist.get_rank(group)
+    names = default_axis_names(len(mesh_shape))
     axes = []
-    for axis, name in enumerate(default_axis_names(len(mesh_shape))):
-        axis_group = _axis_group(mesh_shape, axis, rank, group)
+    for axis, name in enumerate(names):
         n = mesh_shape[axis]
-        if n == 1:
-            axes.append(MeshAxis(name, 1, 0.0, math.inf))
-            continue
-        links = _fit_links(n, axis_group, device, reps, group)
-        ar = links[0]
-        axes.append(MeshAxis(name, n, ar.alpha_s, ar.beta_bytes_per_s, links))
-    overhead, flops, bandwidth = _device_numbers(device, reps, group)  # times already MAX over ranks
+        axes.append(_measure_axis(name, mesh_shape, (axis,), rank, device, reps, group) if n > 1
+                    else MeshAxis(name, 1, 0.0, math.inf))
+    # every group over two or more axes of size > 1 (a size-1 axis adds no rank to a group)
+    wide = [a for a, n in enumerate(mesh_shape) if n > 1]
+    spans = [c for k in range(2, len(wide) + 1) for c in itertools.combinations(wide, k)]
+    groups = tuple(AxisGroup(span, _measure_axis("+".join(names[a] for a in span), mesh_shape, span, rank, device, reps, group))
+                   for span in spans)
+    overhead, recompute_overhead, flops, bandwidth = _device_numbers(device, reps, group)  # times already MAX over ranks
     memory = _reduce(_memory_bytes(device), dist.ReduceOp.MIN, device, group)
-    mesh = Mesh(tuple(axes), flops, bandwidth, memory, hardware_name, overhead)
-    log.info("calibrate: %s, %.1f GFLOP/s, %.1f GB/s memory, %.1f us per op; %s", mesh, flops / 1e9, bandwidth / 1e9,
-             overhead * 1e6, "; ".join(f"{a.name} {c.kind} {c.alpha_s * 1e6:.0f} us + {c.beta_bytes_per_s / 1e6:.0f} MB/s"
-                                       for a in axes for c in a.per_kind))
+    mesh = Mesh(tuple(axes), flops, bandwidth, memory, hardware_name, overhead, recompute_overhead, groups)
+    links = "; ".join(f"{a.name} {c.kind} {c.alpha_s * 1e6:.0f} us + {c.beta_bytes_per_s / 1e6:.0f} MB/s"
+                      for a in (*axes, *(g.link for g in groups)) for c in a.per_kind)
+    log.info("calibrate: %s, %.1f GFLOP/s, %.1f GB/s memory, %.1f us per op, %.1f us more per recomputed op; %s", mesh,
+             flops / 1e9, bandwidth / 1e9, overhead * 1e6, recompute_overhead * 1e6, links)
     return mesh
+
+
+def _measure_axis(name: str, mesh_shape: tuple[int, ...], span: tuple[int, ...], rank: int, device: torch.device,
+                  reps: int, group) -> MeshAxis:
+    """One group over the mesh axes `span`, measured as an axis (all of its groups at once)."""
+    size = math.prod(mesh_shape[a] for a in span)
+    links, scalar_alpha_s = _fit_links(size, _axis_group(mesh_shape, span, rank, group), device, reps, group)
+    ar = links[0]
+    return MeshAxis(name, size, ar.alpha_s, ar.beta_bytes_per_s, links, scalar_alpha_s)
 
 
 def _device(group) -> torch.device:
@@ -87,9 +105,12 @@ def _device(group) -> torch.device:
     return torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
 
 
-def _axis_group(mesh_shape: tuple[int, ...], axis: int, rank: int, group) -> dist.ProcessGroup:
-    """This rank's group along `axis` (row-major coordinates); every rank creates every group, as new_group requires."""
-    ranks = torch.arange(math.prod(mesh_shape)).reshape(mesh_shape).movedim(axis, -1).reshape(-1, mesh_shape[axis])
+def _axis_group(mesh_shape: tuple[int, ...], span: tuple[int, ...], rank: int, group) -> dist.ProcessGroup:
+    """This rank's group along the axes `span` (row-major coordinates, the order `ProcessMesh` flattens them in);
+    every rank creates every group, as new_group requires."""
+    size = math.prod(mesh_shape[a] for a in span)
+    tail = tuple(range(len(mesh_shape) - len(span), len(mesh_shape)))
+    ranks = torch.arange(math.prod(mesh_shape)).reshape(mesh_shape).movedim(span, tail).reshape(-1, size)
     mine = None
     global_ranks = dist.get_process_group_ranks(group) if group is not None else list(range(dist.get_world_size()))
     for row in ranks.tolist():
@@ -162,8 +183,9 @@ def model_bytes(kind: str, local_bytes: int, n: int) -> int:
     return 4 * numel * (n if kind in ("all_gather", "reduce_scatter") else 1)
 
 
-def _fit_links(n: int, axis_group, device: torch.device, reps: int, world_group) -> tuple[LinkCost, ...]:
-    """Alpha and beta of every collective kind from its ring formula t = steps * alpha + frac * bytes / beta.
+def _fit_links(n: int, axis_group, device: torch.device, reps: int, world_group) -> tuple[tuple[LinkCost, ...], float]:
+    """Alpha and beta of every collective kind from its ring formula t = steps * alpha + frac * bytes / beta,
+    and the latency per step of a one-element all-reduce (`MeshAxis.scalar_alpha_s`), measured the same way.
 
     Beta: the slope between two message sizes. Alpha: from the small message issued in situ,
     right after a layer's worth of compute (what a training step does), minus that compute
@@ -183,8 +205,11 @@ def _fit_links(n: int, axis_group, device: torch.device, reps: int, world_group)
     for kind in COLLECTIVE_KINDS:
         small, large = (collective_call(kind, size, n, axis_group, device) for size in (_SMALL_BYTES, _LARGE_BYTES))
         calls += [small, large, in_situ(small)]
-    times = time_ops(calls + [compute], device, reps, world_group)
+    one = torch.ones(1, device=device)
+    scalar = lambda: dist.all_reduce(one, group=axis_group)  # noqa: E731
+    times = time_ops(calls + [scalar, in_situ(scalar), compute], device, reps, world_group)
     t_compute = times[-1]
+    t_scalar, t_scalar_situ = times[-3:-1]
     links = []
     for i, kind in enumerate(COLLECTIVE_KINDS):
         frac = (n - 1) / n * (2 if kind == "all_reduce" else 1)
@@ -198,13 +223,18 @@ def _fit_links(n: int, axis_group, device: torch.device, reps: int, world_group)
         t_latency = max(t_small, t_situ - t_compute)
         alpha = max((t_latency - frac * small / beta) / steps, 1e-7)
         links.append(LinkCost(kind, alpha, beta))
-    return tuple(links)
+    scalar_alpha_s = max(max(t_scalar, t_scalar_situ - t_compute) / (2 * (n - 1)), 1e-7)
+    return tuple(links), scalar_alpha_s
 
 
-def _device_numbers(device: torch.device, reps: int, group) -> tuple[float, float, float]:
-    """(op_overhead_s, matmul flops/s, elementwise bytes/s), timed interleaved.
+def _device_numbers(device: torch.device, reps: int, group) -> tuple[float, float, float, float]:
+    """(op_overhead_s, recompute_op_overhead_s, matmul flops/s, elementwise bytes/s), timed interleaved.
 
     Overhead: a chain of tiny mul ops forward and backward, per op launched (one backward op each).
+    Recompute overhead: a chain of tiny ops that save a tensor for backward (as most ops do), run
+    inside one checkpoint region and plainly; the difference per op, less the op's own second launch
+    (`op_overhead_s`, which the cost model charges as the recompute's forward). The region's fixed
+    cost is spread over its _CHAIN_OPS ops, about a layer's worth, which is what codegen outlines.
     Matmuls: layer-sized ones, net of their launch. Elementwise: output bytes per second (the cost
     model's roofline accounting, see `cost.py`) from the slope between two activation sizes, so the
     launch cancels; a mix of a cheap (mul) and a transcendental (gelu) op, as activations and norms are."""
@@ -215,6 +245,19 @@ def _device_numbers(device: torch.device, reps: int, group) -> tuple[float, floa
         for _ in range(_CHAIN_OPS - 1):
             y = y * 1.0001
         y.sum().backward()  # sum is the last forward op
+
+    w = torch.ones(16, device=device)
+
+    def saving_chain(y: torch.Tensor) -> torch.Tensor:
+        for _ in range(_CHAIN_OPS):
+            y = y * w  # saves w for the gradient of y: checkpointing packs it
+        return y
+
+    def plain_chain() -> None:
+        saving_chain(x).sum().backward()
+
+    def checkpointed_chain() -> None:
+        torch.utils.checkpoint.checkpoint(saving_chain, x, use_reentrant=False).sum().backward()
 
     mats = [(torch.randn(m, k, device=device), torch.randn(k, n, device=device)) for m, k, n in _MATMULS]
 
@@ -228,12 +271,14 @@ def _device_numbers(device: torch.device, reps: int, group) -> tuple[float, floa
         return lambda: (a * b, torch.nn.functional.gelu(a))
 
     small, large = _ELEMENTWISE_NUMEL
-    t_chain, t_mm, t_small, t_large = time_ops([chain, matmuls, elementwise(small), elementwise(large)], device, reps, group)
+    t_chain, t_plain, t_ckpt, t_mm, t_small, t_large = time_ops(
+        [chain, plain_chain, checkpointed_chain, matmuls, elementwise(small), elementwise(large)], device, reps, group)
     overhead = t_chain / (2 * _CHAIN_OPS)
+    recompute_overhead = max((t_ckpt - t_plain) / _CHAIN_OPS - overhead, 0.0)
     flops = sum(2 * m * k * n for m, k, n in _MATMULS)
     rate = flops / max(t_mm - len(mats) * overhead, flops / 1e15)
     bandwidth = 2 * 4 * (large - small) / max(t_large - t_small, 1e-9)  # two ops per call
-    return overhead, rate, bandwidth
+    return overhead, recompute_overhead, rate, bandwidth
 
 
 def _memory_bytes(device: torch.device) -> float:

@@ -12,15 +12,22 @@ Compute (per training step, forward + backward) of a node under a strategy:
   those with backward FLOPs: an elementwise op's backward moves bytes too.
   Launches: one forward op per node and one backward op per node with a
   backward; Python-level nodes (`operator.getitem` on a tuple) launch nothing.
+Recompute of a node: its forward time again plus mesh.recompute_op_overhead_s
+per forward launch (torch.utils.checkpoint's per-op host cost).
 Communication inside a strategy: an input that is Replicate on an axis where
 the op is split gets a Partial gradient, which needs an all-reduce over that
 axis in backward (Megatron's "f" operator). When the input is a parameter the
 runtime does that all-reduce in buckets (`autopar.runtime.grad_sync`), over one
 group spanning all those axes, so it pays the bandwidth term in full and only
-its share of the latency term (its part of the bucket it travels in, see
-`bucket_latency_share`).
+its share of the latency term (its part of a full bucket, `bucket_latency_share`);
+every group that syncs any gradient also pays one bucket's latency once
+(`sync_latency_s`: its last, partly filled bucket), charged by the ILP on the
+groups the plan uses (`grad_sync_groups`). So a group holds
+B / bucket + 1 >= ceil(B / bucket) latencies, and splitting the gradients over
+two groups costs two buckets, as the runtime sends them.
 Ring formulas, with n ranks on the axis, (alpha, beta) the axis' numbers for
-that collective kind (`MeshAxis.link`):
+that collective kind (`MeshAxis.link`; a one-element all-reduce takes the
+axis' `scalar_alpha_s` where measured):
   all_reduce      2(n-1)/n * bytes / beta + 2(n-1) alpha   (bytes = local size)
   all_gather      (n-1)/n * bytes / beta + (n-1) alpha     (bytes = gathered size)
   reduce_scatter  (n-1)/n * bytes / beta + (n-1) alpha     (bytes = unreduced full size)
@@ -35,8 +42,8 @@ from autopar.profiler.types import NodeCost
 from autopar.solver.mesh import COLLECTIVE_KINDS, LinkCost, Mesh, MeshAxis
 from autopar.solver.spec import Replicate, Strategy
 
-__all__ = ["bucket_latency_share", "collective_time_s", "compute_time_s", "flat_axis", "forward_time_s", "launches",
-           "split_factor", "strategy_cost"]
+__all__ = ["bucket_latency_share", "collective_time_s", "compute_time_s", "flat_axis", "forward_time_s", "grad_sync_groups",
+           "launches", "recompute_time_s", "split_factor", "strategy_cost", "sync_latency_s"]
 
 
 def _ring(kind: str, n: int) -> tuple[float, int]:
@@ -47,12 +54,19 @@ def _ring(kind: str, n: int) -> tuple[float, int]:
     return (2 * frac, 2 * (n - 1)) if kind == "all_reduce" else (frac, n - 1)
 
 
+# An all-reduce of at most this many bytes is of one element (a loss sum, a token count): its latency is
+# `MeshAxis.scalar_alpha_s` per step where measured.
+SCALAR_BYTES = 8
+
+
 def collective_time_s(kind: str, nbytes: float, axis: MeshAxis, latency_share: float = 1.0) -> float:
     """Ring time of one collective; `latency_share` < 1 when it rides in a bucket with others."""
     frac, steps = _ring(kind, axis.size)
     if axis.size == 1 or nbytes == 0:
         return 0.0
     alpha, beta = axis.link(kind)
+    if kind == "all_reduce" and nbytes <= SCALAR_BYTES and axis.scalar_alpha_s is not None:
+        alpha = axis.scalar_alpha_s
     return frac * nbytes / beta + latency_share * steps * alpha
 
 
@@ -61,16 +75,21 @@ def collective_time_s(kind: str, nbytes: float, axis: MeshAxis, latency_share: f
 GRAD_BUCKET_BYTES = 25 * 2**20
 
 
-def bucket_latency_share(nbytes: float, total_bytes: float, bucket_bytes: float) -> float:
-    """Part of one bucketed all-reduce's latency a gradient of `nbytes` pays.
+def bucket_latency_share(nbytes: float, bucket_bytes: float) -> float:
+    """Part of one bucketed all-reduce's latency a gradient of `nbytes` pays: its part of a full bucket.
 
-    The runtime packs the gradients of `total_bytes` into ceil(total / bucket)
-    buckets; spread over the bytes, the shares of all gradients add up to the
-    number of buckets (exact when every parameter is synced, which is what data
-    parallel plans do; linear in between)."""
-    if nbytes <= 0 or total_bytes <= 0:
+    The runtime packs a group's B gradient bytes into ceil(B / bucket) buckets; the shares
+    add up to B / bucket and the group's last bucket is paid once (`sync_latency_s`)."""
+    return max(nbytes, 0.0) / bucket_bytes
+
+
+def sync_latency_s(mesh: Mesh, axes: tuple[int, ...]) -> float:
+    """Latency of one bucketed gradient all-reduce over the group spanning `axes` (`flat_axis`)."""
+    axis = flat_axis(mesh, axes)
+    if axis.size == 1:
         return 0.0
-    return nbytes / total_bytes * math.ceil(total_bytes / bucket_bytes)
+    _, steps = _ring("all_reduce", axis.size)
+    return steps * axis.link("all_reduce")[0]
 
 
 def split_axes(strategy: Strategy, mesh_ndim: int) -> tuple[int, ...]:
@@ -113,18 +132,29 @@ def forward_time_s(node_cost: NodeCost, strategy: Strategy, mesh: Mesh) -> float
     return compute_time_s(node_cost.fwd_flops / split_factor(strategy, mesh), out_bytes, mesh) + fwd_launches * mesh.op_overhead_s
 
 
+def recompute_time_s(node_cost: NodeCost, strategy: Strategy, mesh: Mesh) -> float:
+    """What recomputing the node in backward costs: its forward again, plus checkpointing's own host cost
+    per op (`Mesh.recompute_op_overhead_s`: saved-tensor hooks and the re-recorded autograd graph)."""
+    fwd_launches, _ = launches(node_cost)
+    return forward_time_s(node_cost, strategy, mesh) + fwd_launches * mesh.recompute_op_overhead_s
+
+
 def flat_axis(mesh: Mesh, axes: Sequence[int]) -> MeshAxis:
     """One group spanning `axes` (what the bucketed grad sync reduces over: one collective, not one per axis).
 
-    Its ring runs over the slowest link of those axes, kind by kind: the largest alpha and the
-    smallest beta among them."""
+    Its numbers as calibrate() measured that group (`Mesh.groups`), else its ring over the slowest
+    link of those axes, kind by kind: the largest alpha and the smallest beta among them."""
+    measured = mesh.group(tuple(sorted(axes))) if len(axes) > 1 else None
+    if measured is not None:
+        return measured
     links = []
     for kind in COLLECTIVE_KINDS:
         pairs = [mesh.axes[a].link(kind) for a in axes]
         links.append(LinkCost(kind, max(al for al, _ in pairs), min(be for _, be in pairs)))
     ar = links[0]
+    scalars = [mesh.axes[a].scalar_alpha_s for a in axes]
     return MeshAxis("+".join(mesh.axes[a].name for a in axes), math.prod(mesh.shape[a] for a in axes),
-                    ar.alpha_s, ar.beta_bytes_per_s, tuple(links))
+                    ar.alpha_s, ar.beta_bytes_per_s, tuple(links), None if None in scalars else max(scalars))
 
 
 def strategy_cost(
@@ -152,14 +182,34 @@ def strategy_cost(
     if _has_backward(node_cost):
         compute += compute_time_s(node_cost.bwd_flops / factor, 2 * out_local_bytes, mesh) + bwd_launches * mesh.op_overhead_s
     comm = 0.0
-    if in_bytes is not None and _has_backward(node_cost):
-        axes = split_axes(strategy, len(mesh.shape))
-        shares = param_share if param_share is not None else [None] * len(in_bytes)
-        for spec, nbytes, share in zip(strategy.input_specs, in_bytes, shares):
-            local = nbytes / spec.shard_factor(mesh.shape)
-            partial = [a for a in axes if isinstance(spec.placements[a], Replicate)]
-            if share is None:
-                comm += sum(collective_time_s("all_reduce", local, mesh.axes[a]) for a in partial)
-            elif partial:
-                comm += collective_time_s("all_reduce", local, flat_axis(mesh, partial), share)
+    for spec, nbytes, share, partial in _partial_grads(node_cost, strategy, mesh, in_bytes, param_share):
+        local = nbytes / spec.shard_factor(mesh.shape)
+        if share is None:
+            comm += sum(collective_time_s("all_reduce", local, mesh.axes[a]) for a in partial)
+        else:
+            comm += collective_time_s("all_reduce", local, flat_axis(mesh, partial), share)
     return compute, comm
+
+
+def grad_sync_groups(node_cost: NodeCost, strategy: Strategy, mesh: Mesh, in_bytes: Sequence[float] | None,
+                     param_share: Sequence[float | None] | None) -> frozenset[tuple[int, ...]]:
+    """The axis groups over which the bucketed sync all-reduces the node's parameter gradients (see
+    `strategy_cost`'s arguments): each group a plan uses pays `sync_latency_s` once."""
+    return frozenset(partial for _, _, share, partial in _partial_grads(node_cost, strategy, mesh, in_bytes, param_share)
+                     if share is not None)
+
+
+def _partial_grads(node_cost: NodeCost, strategy: Strategy, mesh: Mesh, in_bytes: Sequence[float] | None,
+                   param_share: Sequence[float | None] | None) -> list[tuple]:
+    """(input spec, global bytes, bucket share or None, axes its gradient is partial on) of every input
+    whose gradient needs an all-reduce: Replicate on an axis the node is split on."""
+    if in_bytes is None or not _has_backward(node_cost):
+        return []
+    axes = split_axes(strategy, len(mesh.shape))
+    shares = param_share if param_share is not None else [None] * len(in_bytes)
+    out = []
+    for spec, nbytes, share in zip(strategy.input_specs, in_bytes, shares):
+        partial = tuple(a for a in axes if isinstance(spec.placements[a], Replicate))
+        if partial:
+            out.append((spec, nbytes, share, partial))
+    return out

@@ -8,6 +8,8 @@ option groups g of v with equal recompute (resp. ZeRO) effect):
   y[v,g] in {0,1}   v runs an option of group g and its saved activations are recomputed
   z[v,g] in {0,1}   v (a parameter) runs an option of group g and is stored ZeRO-sharded
   T >= 0            the largest transient (temporary or gathered parameter)
+  u[g] in [0,1]     some gradient is bucket-synced over axis group g (continuous: its only
+                    rows push it up and its cost down, so it sits at max x of those options)
 One y (z) per group rather than per option: y <= sum_{s in g} x[v,s] is the per-option
 formulation summed over the group (the same LP bound) with far fewer binaries
 (Llama tiny on 2x2: 571 -> 72).
@@ -17,7 +19,12 @@ Constraint families (each PuLP constraint is named after its family):
   edge_src_{k}_{a}    sum_b e[k,a,b] = sum_{s in a} x[u,s]           (`_add_edges`: the equality
   edge_dst_{k}_{b}    sum_a e[k,a,b] = sum_{s in b} x[v,s]            form, not McCormick products)
   recompute_{v}_{g}   y[v,g] <= sum_{s in g} x[v,s]                  (`_add_recompute`)
+  together_{u}_{v}    sum_g y[u,g] <= sum_g y[v,g]  (v's backward keeps u's output: recomputing u
+                      alone frees nothing; `Problem.recompute_with`)
   zero_{v}_{g}        z[v,g] <= sum_{s in g} x[v,s]  (= under "always") (`_add_zero`)
+  sync_{g}_{v}        u[g] >= sum_{s syncs over g} x[v,s]            (`_add_sync_groups`)
+  rerun_{k}           w[k] >= sum_{a,b} forward[k,a,b] e[k,a,b] - M (1 - sum_g y[dst,g])   (`_add_reruns`:
+                      a recomputed node runs its input reshards again in backward; M = max forward[k])
   temp_{v}            T >= sum_s temp[v,s] x[v,s]                    (`_add_temp`)
   gather_{v}          T >= sum_g gathered[v,g] z[v,g]
   rebuild_{r}         T >= sum_{v in layer r, g} saved[v,g] / copies[v] y[v,g]   (backward rebuilds a
@@ -26,6 +33,8 @@ Constraint families (each PuLP constraint is named after its family):
                       + saved[v,s] x - sum_g saved[v,g] y + T <= budget   (`add_memory_limit`)
 Objective (time of one step):
   sum (compute + comm)[v,s] x + zero_comm[v,g] z + recompute[v,g] y + sum cost[k,a,b] e[k,a,b]
+  + sum_g sync_latency[g] u[g]   (one gradient bucket's latency per group used, `cost.sync_latency_s`)
+  + sum_k w[k]
   + 1 us per GiB of the memory expression (a tie-break: equally fast plans -> the leaner one)
 For the infeasible report the same model minimises the memory expression instead.
 
@@ -57,6 +66,7 @@ _MS = 1e3
 _GIB = float(2**30)
 # Tie-break: among equally fast plans prefer the leaner one (1 us per GiB: far below any real time difference).
 _TIE_MS_PER_GIB = 1e-3
+_MEMORY_SLACK_BYTES = 1024.0
 # HiGHS' own default relative MIP gap: "optimal" means within 0.01% of the best possible step time.
 DEFAULT_GAP = 1e-4
 
@@ -83,6 +93,7 @@ def evaluate(problem: Problem, a: Assignment) -> tuple[MemoryBreakdown, TimeBrea
     compute_s = comm_s = recompute_s = 0.0
     params = grads = opt = act = temp = 0.0
     rebuilt: dict[str, float] = {}  # layer -> its recomputed activations, alive together while backward rebuilds it
+    kept = {u for u, v in problem.recompute_with if not a.recompute[v]}  # a consumer that is not recomputed saves them
     for v, node in enumerate(problem.nodes):
         o = node.options[a.choice[v]]
         compute_s += o.compute_s
@@ -101,7 +112,9 @@ def evaluate(problem: Problem, a: Assignment) -> tuple[MemoryBreakdown, TimeBrea
             if not node.recomputable:
                 raise ValueError(f"node {node.name!r} cannot be recomputed (a placeholder, or it saves nothing)")
             recompute_s += o.recompute_s
-            if node.region is not None:
+            if v in kept:
+                act += o.saved_bytes
+            elif node.region is not None:
                 rebuilt[node.region] = rebuilt.get(node.region, 0.0) + o.saved_bytes / node.copies
         else:
             act += o.saved_bytes
@@ -109,6 +122,10 @@ def evaluate(problem: Problem, a: Assignment) -> tuple[MemoryBreakdown, TimeBrea
     temp = max(temp, *rebuilt.values()) if rebuilt else temp
     for e in problem.edges:
         comm_s += e.cost(a.choice[e.src], a.choice[e.dst])
+        if a.recompute[e.dst]:
+            recompute_s += e.forward_cost(a.choice[e.src], a.choice[e.dst])
+    used = frozenset().union(*(node.options[c].sync_groups for node, c in zip(problem.nodes, a.choice)))
+    comm_s += sum(latency_s for g, latency_s in problem.sync_latency_s if g in used)
     return (
         MemoryBreakdown(params, grads, opt, act, temp, problem.budget_bytes),
         TimeBreakdown(compute_s, comm_s, recompute_s),
@@ -135,7 +152,9 @@ class _Model:
         self._add_strategy_vars()
         self._add_edges()
         self._add_recompute()
+        self._add_reruns()
         self._add_zero()
+        self._add_sync_groups()
         self._add_temp()
         if objective == "time":
             terms = self.time_terms + [(var, c * _TIE_MS_PER_GIB) for var, c in self.memory_terms]
@@ -161,11 +180,13 @@ class _Model:
             self.x.append(xs)
 
     def _add_edges(self) -> None:
+        self.e: dict[int, list[list[pulp.LpVariable]]] = {}  # edge index -> e[k][a][b]
         for k, e in enumerate(self.problem.edges):
             if not any(c for row in e.cost_s for c in row):
                 continue  # free in every combination: no variables needed
             rows, cols = len(e.cost_s), len(e.cost_s[0])
             ev = [[pulp.LpVariable(f"e_{k}_{a}_{b}", lowBound=0, upBound=1) for b in range(cols)] for a in range(rows)]
+            self.e[k] = ev
             for a in range(rows):
                 members = [self.x[e.src][s] for s, c in enumerate(e.src_class) if c == a]
                 self.prob += pulp.lpSum(ev[a]) == pulp.lpSum(members), f"edge_src_{k}_{a}"
@@ -190,16 +211,41 @@ class _Model:
         self.y: dict[tuple[int, int], pulp.LpVariable] = {}  # (node, option) -> its group's variable
         if self.restrictions.recompute == "never":
             return
+        # a node that keeps another's output (recompute_with) may join its region though it saves nothing itself
+        keepers = {v for _, v in self.problem.recompute_with}
         for v, node in enumerate(self.problem.nodes):
             if not node.recomputable:
-                continue  # recomputing frees nothing when nothing is saved: pointless
-            groups = self._groups(v, lambda o: (o.saved_bytes, o.recompute_s) if o.saved_bytes > 0 else None)
+                continue
+            keeps = v in keepers  # else recomputing frees nothing when nothing is saved: pointless
+            groups = self._groups(v, lambda o: (o.saved_bytes, o.recompute_s) if o.saved_bytes > 0 or keeps else None)
             for g, ((saved, recompute_s), members) in enumerate(groups.items()):
                 y = pulp.LpVariable(f"y_{v}_{g}", cat=pulp.LpBinary)
                 self.prob += y <= pulp.lpSum(self.x[v][s] for s in members), f"recompute_{v}_{g}"
                 self.y.update(((v, s), y) for s in members)
                 self.time_terms.append((y, recompute_s * _MS))
                 self.memory_terms.append((y, -saved / _GIB))
+        for u, v in self.problem.recompute_with:
+            if self._recomputed(u):
+                self.prob += pulp.lpSum(self._recomputed(u)) <= pulp.lpSum(self._recomputed(v)), f"together_{u}_{v}"
+
+    def _recomputed(self, v: int) -> list[pulp.LpVariable]:
+        """Node v's recompute binaries (one per option group; their sum is 1 when v is recomputed)."""
+        return list({var: None for (m, _), var in self.y.items() if m == v})
+
+    def _add_reruns(self) -> None:
+        for k, ev in self.e.items():
+            e = self.problem.edges[k]
+            recomputed = self._recomputed(e.dst)
+            if e.forward_s is None or not recomputed:
+                continue
+            terms = [(ev[a][b], f * _MS) for a, row in enumerate(e.forward_s) for b, f in enumerate(row) if f > 0]
+            if not terms:
+                continue
+            # one variable per edge (big-M on the recompute flag), not one per class pair: ILP size
+            big_m = max(c for _, c in terms)
+            w = pulp.LpVariable(f"w_{k}", lowBound=0)
+            self.prob += w >= pulp.LpAffineExpression(terms) - big_m * (1 - pulp.lpSum(recomputed)), f"rerun_{k}"
+            self.time_terms.append((w, 1.0))
 
     def _add_zero(self) -> None:
         # Grouped like recompute: options with the same ZeRO saving, price and gathered size share a binary.
@@ -220,6 +266,15 @@ class _Model:
                 self.time_terms.append((z, comm_s * _MS))
                 self.memory_terms.append((z, -saving / _GIB))
                 self.gathered.setdefault(v, []).append((z, gathered / _GIB))
+
+    def _add_sync_groups(self) -> None:
+        for g, (axes, latency_s) in enumerate(self.problem.sync_latency_s):
+            u = pulp.LpVariable(f"u_{g}", lowBound=0, upBound=1)
+            self.time_terms.append((u, latency_s * _MS))
+            for v, node in enumerate(self.problem.nodes):
+                members = [s for s, o in enumerate(node.options) if axes in o.sync_groups]
+                if members:
+                    self.prob += u >= pulp.lpSum(self.x[v][s] for s in members), f"sync_{g}_{v}"
 
     def _add_temp(self) -> None:
         self.temp = pulp.LpVariable("T", lowBound=0)
@@ -242,7 +297,8 @@ class _Model:
     def add_memory_limit(self) -> None:
         """The budget row (kept out of the model until the unconstrained optimum is known not to fit)."""
         if self.problem.budget_bytes is not None:
-            self.prob += _affine(self.memory_terms) <= self.problem.budget_bytes / _GIB, "memory"
+            # HiGHS may overshoot a row by its feasibility tolerance (1e-7 GiB, ~100 bytes): ask for 1 KiB less
+            self.prob += _affine(self.memory_terms) <= (self.problem.budget_bytes - _MEMORY_SLACK_BYTES) / _GIB, "memory"
 
     def start(self, a: Assignment) -> dict[pulp.LpVariable, float]:
         """Values of the integer variables for assignment `a` (a MIP start; the solver derives the rest)."""

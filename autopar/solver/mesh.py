@@ -33,6 +33,10 @@ class MeshAxis:
     # Kinds measured separately (calibrate() fills all four); a kind not listed uses alpha_s/beta above.
     # Presets leave it empty: NCCL's ring collectives follow the one model closely.
     per_kind: tuple[LinkCost, ...] = ()
+    # Latency per ring step of an all-reduce of one element (a loss sum, a token count), when measured:
+    # with fewer elements than ranks most ring chunks are empty and gloo skips them, so it costs a
+    # fraction of the all_reduce alpha (measured over 4 CPU ranks: ~1-2 ms against ~6 ms from 256 B up).
+    scalar_alpha_s: float | None = None
 
     def __post_init__(self) -> None:
         kinds = [c.kind for c in self.per_kind]
@@ -49,6 +53,14 @@ class MeshAxis:
 
 
 @dataclass(frozen=True)
+class AxisGroup:
+    """One process group spanning several mesh axes, measured as a whole (see `Mesh.groups`)."""
+
+    axes: tuple[int, ...]  # the mesh axes it spans, ascending
+    link: MeshAxis  # its numbers, as one axis of size prod(sizes of those axes)
+
+
+@dataclass(frozen=True)
 class Mesh:
     axes: tuple[MeshAxis, ...]
     flops_per_s: float  # sustained matmul rate of one device (at the training dtype)
@@ -60,6 +72,17 @@ class Mesh:
     # contention, see benchmarks/calibration_accuracy.py). 0 in the GPU presets: launches there are
     # asynchronous and hide behind the kernels of any model worth sharding.
     op_overhead_s: float = 0.0
+    # Host cost activation checkpointing adds per recomputed op on top of running it again (`cost.recompute_time_s`):
+    # torch.utils.checkpoint packs every saved tensor in forward, unpacks it in backward and re-records the
+    # region's autograd graph, in Python. About 2x op_overhead_s on CPU; 0 in the GPU presets (it hides
+    # behind the kernels there, as op_overhead_s does).
+    recompute_op_overhead_s: float = 0.0
+    # Groups spanning several axes (the bucketed gradient sync of a parameter replicated over dp and tp
+    # runs on one such group), measured by calibrate(): a ring over 4 ranks is not a ring over 2 with
+    # the same per-step latency (on a CPU host with fewer cores than ranks every step waits for a peer
+    # to be scheduled: a 16 KB all-reduce took ~6 ms over 4 ranks, ~1 ms over 2, i.e. 2-3x per ring
+    # step). Unmeasured groups use the slowest axis' link.
+    groups: tuple[AxisGroup, ...] = ()
 
     def __post_init__(self) -> None:
         if not self.axes:
@@ -70,8 +93,19 @@ class Mesh:
         for a in self.axes:
             if a.size < 1:
                 raise ValueError(f"mesh axis {a.name!r} has size {a.size}; sizes must be >= 1")
-        if self.op_overhead_s < 0:
-            raise ValueError(f"op_overhead_s must be >= 0 seconds, got {self.op_overhead_s}")
+        if self.op_overhead_s < 0 or self.recompute_op_overhead_s < 0:
+            raise ValueError(f"op_overhead_s and recompute_op_overhead_s must be >= 0 seconds, "
+                             f"got {self.op_overhead_s} and {self.recompute_op_overhead_s}")
+        for g in self.groups:
+            if len(g.axes) < 2 or list(g.axes) != sorted(set(g.axes)) or g.axes[-1] >= len(self.axes):
+                raise ValueError(f"mesh group over axes {g.axes}: needs two or more distinct ascending axes of {names}")
+            if g.link.size != math.prod(self.axes[a].size for a in g.axes):
+                raise ValueError(f"mesh group over axes {g.axes} has size {g.link.size}, "
+                                 f"not the product of those axes' sizes {[self.axes[a].size for a in g.axes]}")
+
+    def group(self, axes: tuple[int, ...]) -> MeshAxis | None:
+        """The measured group spanning exactly `axes` (ascending), if calibrate() measured one."""
+        return next((g.link for g in self.groups if g.axes == axes), None)
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -109,7 +143,8 @@ class Mesh:
         for i, (name, size) in enumerate(zip(names, shape)):
             src = self.axes[min(i, len(self.axes) - 1)]
             axes.append(replace(src, name=name, size=size))
-        return replace(self, axes=tuple(axes))
+        groups = self.groups if tuple(shape) == self.shape else ()  # measured for this layout only
+        return replace(self, axes=tuple(axes), groups=groups)
 
 
 def default_axis_names(ndim: int) -> tuple[str, ...]:
@@ -175,7 +210,16 @@ def axis_to_json(a: MeshAxis) -> dict:
     out = {"name": a.name, "size": a.size, "alpha_s": a.alpha_s, "beta_bytes_per_s": a.beta_bytes_per_s}
     if a.per_kind:
         out["per_kind"] = [{"kind": c.kind, "alpha_s": c.alpha_s, "beta_bytes_per_s": c.beta_bytes_per_s} for c in a.per_kind]
+    if a.scalar_alpha_s is not None:
+        out["scalar_alpha_s"] = a.scalar_alpha_s
     return out
+
+
+def _axis_from_json(a: dict) -> MeshAxis:
+    return MeshAxis(a["name"], int(a["size"]), float(a["alpha_s"]), float(a["beta_bytes_per_s"]),
+                    tuple(LinkCost(str(c["kind"]), float(c["alpha_s"]), float(c["beta_bytes_per_s"]))
+                          for c in a.get("per_kind", ())),
+                    None if a.get("scalar_alpha_s") is None else float(a["scalar_alpha_s"]))
 
 
 def mesh_to_json(mesh: Mesh) -> dict:
@@ -186,18 +230,19 @@ def mesh_to_json(mesh: Mesh) -> dict:
         "memory_bytes": mesh.memory_bytes,
         "hardware": mesh.hardware,
         "op_overhead_s": mesh.op_overhead_s,
+        "recompute_op_overhead_s": mesh.recompute_op_overhead_s,
+        "groups": [{"axes": list(g.axes), **axis_to_json(g.link)} for g in mesh.groups],
     }
 
 
 def mesh_from_json(data: dict) -> Mesh:
-    """Inverse of `mesh_to_json`; files written before `per_kind` / `op_overhead_s` existed load with their defaults."""
+    """Inverse of `mesh_to_json`; files written before `per_kind`, the overheads or `groups` existed load
+    with their defaults."""
     try:
-        axes = tuple(MeshAxis(a["name"], int(a["size"]), float(a["alpha_s"]), float(a["beta_bytes_per_s"]),
-                              tuple(LinkCost(str(c["kind"]), float(c["alpha_s"]), float(c["beta_bytes_per_s"]))
-                                    for c in a.get("per_kind", ())))
-                     for a in data["axes"])
+        axes = tuple(_axis_from_json(a) for a in data["axes"])
+        groups = tuple(AxisGroup(tuple(int(i) for i in g["axes"]), _axis_from_json(g)) for g in data.get("groups", ()))
         return Mesh(axes, float(data["flops_per_s"]), float(data["mem_bandwidth_bytes_per_s"]),
                     float(data["memory_bytes"]), str(data.get("hardware", "custom")),
-                    float(data.get("op_overhead_s", 0.0)))
+                    float(data.get("op_overhead_s", 0.0)), float(data.get("recompute_op_overhead_s", 0.0)), groups)
     except (KeyError, TypeError) as err:
         raise ValueError(f"not a mesh description (missing or bad field {err}): {data!r}") from err

@@ -21,7 +21,7 @@ from typing import Any, Callable
 import torch
 
 from autopar.errors import PlanFormatError, PlanMismatchError
-from autopar.solver.mesh import LinkCost, Mesh, MeshAxis
+from autopar.solver.mesh import AxisGroup, LinkCost, Mesh, MeshAxis
 from autopar.solver.plan import (
     SCHEMA_VERSION,
     BaselineResult,
@@ -155,15 +155,22 @@ class _Field:
         return None if self.value is None else self.spec()
 
 
+def _axis_from(a: _Field) -> MeshAxis:
+    return MeshAxis(a["name"].of(str), int(a["size"].of(int)), a["alpha_s"].num(), a["beta_bytes_per_s"].num(),
+                    tuple(LinkCost(c["kind"].of(str), c["alpha_s"].num(), c["beta_bytes_per_s"].num())
+                          for c in a.get("per_kind", []).items()),
+                    a.get("scalar_alpha_s", None).opt_num())
+
+
 def _mesh_from(f: _Field) -> Mesh:
     try:
-        axes = tuple(MeshAxis(a["name"].of(str), int(a["size"].of(int)), a["alpha_s"].num(), a["beta_bytes_per_s"].num(),
-                              tuple(LinkCost(c["kind"].of(str), c["alpha_s"].num(), c["beta_bytes_per_s"].num())
-                                    for c in a.get("per_kind", []).items()))
-                     for a in f["axes"].items())
-        # op_overhead_s is optional: plan files written before it existed price ops without it
+        axes = tuple(_axis_from(a) for a in f["axes"].items())
+        groups = tuple(AxisGroup(tuple(int(i.of(int)) for i in g["axes"].items()), _axis_from(g))
+                       for g in f.get("groups", []).items())
+        # the overheads and groups are optional: plan files written before they existed price without them
         return Mesh(axes, f["flops_per_s"].num(), f["mem_bandwidth_bytes_per_s"].num(), f["memory_bytes"].num(),
-                    f["hardware"].of(str), f.get("op_overhead_s", 0.0).num())
+                    f["hardware"].of(str), f.get("op_overhead_s", 0.0).num(), f.get("recompute_op_overhead_s", 0.0).num(),
+                    groups)
     except ValueError as err:
         raise f.fail(f"field '{f.path}': {err}") from None
 

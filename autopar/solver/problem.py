@@ -20,7 +20,8 @@ import torch
 
 from autopar.profiler.types import ConcreteProfile
 from autopar.solver.cluster import Cluster, Grouping, group, singletons
-from autopar.solver.cost import GRAD_BUCKET_BYTES, bucket_latency_share, collective_time_s, forward_time_s, split_factor, strategy_cost
+from autopar.solver.cost import (GRAD_BUCKET_BYTES, bucket_latency_share, collective_time_s, grad_sync_groups, recompute_time_s,
+                                 split_factor, strategy_cost, sync_latency_s)
 from autopar.gc_pause import gc_paused
 from autopar.solver.mesh import Mesh
 from autopar.solver.reshard import reshard_cost
@@ -55,6 +56,9 @@ class Option:
     grad_bytes: float = 0.0
     optimizer_bytes: float = 0.0
     zero: ZeroOption | None = None  # None: storage must equal the use spec
+    # mesh-axis groups the bucketed sync all-reduces its parameter gradients over: each group a plan
+    # uses pays one bucket's latency once (`Problem.sync_latency_s`, `cost.sync_latency_s`)
+    sync_groups: frozenset[tuple[int, ...]] = frozenset()
 
     @property
     def static_bytes(self) -> float:
@@ -90,6 +94,9 @@ class Edge:
     src_class: tuple[int, ...]
     dst_class: tuple[int, ...]
     cost_s: tuple[tuple[float, ...], ...]
+    # The forward part of cost_s, paid again when dst is recomputed: codegen emits a node's input
+    # reshards inside its checkpoint region, so backward runs their collectives again. None: not priced.
+    forward_s: tuple[tuple[float, ...], ...] | None = None
 
     @staticmethod
     def dense(src: int, dst: int, cost_s: list[list[float]] | tuple[tuple[float, ...], ...]) -> "Edge":
@@ -100,12 +107,20 @@ class Edge:
     def cost(self, i: int, j: int) -> float:
         return self.cost_s[self.src_class[i]][self.dst_class[j]]
 
+    def forward_cost(self, i: int, j: int) -> float:
+        return self.forward_s[self.src_class[i]][self.dst_class[j]] if self.forward_s is not None else 0.0
+
 
 @dataclass(frozen=True)
 class Problem:
     nodes: tuple[Node, ...]
     edges: tuple[Edge, ...]
     budget_bytes: float | None = None  # per device; None: unconstrained
+    # (axes, seconds): latency of one gradient bucket over each group some option syncs over
+    sync_latency_s: tuple[tuple[tuple[int, ...], float], ...] = ()
+    # (u, v): v's backward keeps u's output (the profiler's saved_refs); recomputing u frees its activations
+    # only when v is recomputed too (one checkpoint region): else v keeps them alive
+    recompute_with: tuple[tuple[int, int], ...] = ()
 
     def __post_init__(self) -> None:
         for e in self.edges:
@@ -180,19 +195,20 @@ def _zero(spec: Spec, shape: tuple[int, ...], local_bytes: float, mesh: Mesh,
     return storage, ZeroOption(factor, comm_s, local_bytes)
 
 
-def _param_root(node, params: Mapping[str, object]) -> str | None:
-    """The parameter whose gradient `node`'s gradient flows into through single-input ops (t, view, cast...),
-    or None. Codegen lifts the all-reduce of such a gradient out of the graph into the bucketed grad
-    sync (`codegen.lower.partial_grad_axes`), which the pricing follows."""
+def _param_root(node, params: Mapping[str, object], costs: Mapping[str, object]) -> str | None:
+    """The parameter whose gradient `node`'s gradient flows into through ops with one gradient-carrying
+    input (t, view, cast, `embedding(weight, arange)`...), or None. Codegen lifts the all-reduce of such a
+    gradient out of the graph into the bucketed grad sync (`codegen.lower.partial_grad_axes`), which
+    the pricing follows."""
     while node is not None:
         if node.name in params:
             return node.name
         if node.op != "call_function" or node.target is operator.getitem:
             return None
-        ins = strategy_inputs(node)
+        ins = [p for p, _ in strategy_inputs(node) if costs[p.name].requires_grad]
         if len(ins) != 1:
             return None
-        node = ins[0][0]
+        node = ins[0]
     return None
 
 
@@ -214,7 +230,6 @@ class _Pricer:
         self.costs = profile.nodes
         self.params = {p.node: p for p in profile.params.values()}
         self.storage: dict[tuple[str, int], Spec] = {}
-        self._total_param_bytes = sum(p.param_bytes for p in profile.params.values())
         self._cache: dict[tuple, Option] = {}
         self._nodes: dict[str, tuple] = {}
 
@@ -244,7 +259,7 @@ class _Pricer:
                 # an input with no gradient (token ids, masks, buffers) needs no backward all-reduce
                 in_bytes = tuple(_tensor_bytes(output_vals(p)[i]) if self.costs[p.name].requires_grad else 0.0
                                  for p, i in producers)
-                shares = tuple(self._sync_share(root) if (root := _param_root(p, self.params)) else None
+                shares = tuple(self._sync_share(root) if (root := _param_root(p, self.params, self.costs)) else None
                                for p, _ in producers)
                 ins = (in_bytes, shares)
             param = self.params.get(name)
@@ -259,7 +274,7 @@ class _Pricer:
 
     def _sync_share(self, param_node: str) -> float:
         """Part of a grad-sync bucket's latency the gradient of `param_node` pays."""
-        return bucket_latency_share(self.params[param_node].param_bytes, self._total_param_bytes, GRAD_BUCKET_BYTES)
+        return bucket_latency_share(self.params[param_node].param_bytes, GRAD_BUCKET_BYTES)
 
     def _fed(self, node) -> tuple:
         """(global shape, itemsize) of a user input as fed: each rank its rows, Shard(0) on every mesh
@@ -291,7 +306,8 @@ class _Pricer:
         shards = [s.shard_factor(mesh.shape) for s in strat.output_specs] or [1]
         saved = sum(b / shards[min(i, len(shards) - 1)] for i, (b, s) in enumerate(zip(cost.output_bytes, cost.saved_outputs)) if s)
         saved += cost.extra_saved_bytes / shards[0]
-        return Option(str(strat), compute_s=compute_s, comm_s=comm_s, recompute_s=forward_time_s(cost, strat, mesh),
+        return Option(str(strat), compute_s=compute_s, comm_s=comm_s, recompute_s=recompute_time_s(cost, strat, mesh),
+                      sync_groups=grad_sync_groups(cost, strat, mesh, in_bytes, shares),
                       saved_bytes=saved, temp_bytes=cost.temp_bytes / split_factor(strat, mesh))
 
 
@@ -310,6 +326,7 @@ def _sum(options: list[Option], label: str) -> Option:
         recompute_s=sum(o.recompute_s for o in options), saved_bytes=sum(o.saved_bytes for o in options),
         temp_bytes=max(o.temp_bytes for o in options), param_bytes=sum(o.param_bytes for o in options),
         grad_bytes=sum(o.grad_bytes for o in options), optimizer_bytes=sum(o.optimizer_bytes for o in options), zero=zero,
+        sync_groups=frozenset().union(*(o.sync_groups for o in options)),
     )
 
 
@@ -356,11 +373,13 @@ def build_problem(
         pair_arcs.setdefault(key[:2], []).append(key[2:] + (mult,))
     edges = []
     for (a_cls, b_cls), items in pair_arcs.items():
-        def price(i: int, j: int) -> float:
-            return sum(m * reshard_cost(src[i], dst[j], shape, size, mesh, with_backward=fl) for src, dst, shape, size, fl, m in items)
+        def price(i: int, j: int, with_backward: bool = True) -> float:
+            return sum(m * reshard_cost(src[i], dst[j], shape, size, mesh, with_backward=fl and with_backward)
+                       for src, dst, shape, size, fl, m in items)
 
         if a_cls == b_cls:  # consecutive copies of a tied block: both ends take the same option
-            class_opts[a_cls] = [replace(o, comm_s=o.comm_s + price(i, i)) for i, o in enumerate(class_opts[a_cls])]
+            class_opts[a_cls] = [replace(o, comm_s=o.comm_s + price(i, i), recompute_s=o.recompute_s + price(i, i, False))
+                                 for i, o in enumerate(class_opts[a_cls])]
             continue
         src_keys = [tuple(it[0][i] for it in items) for i in range(len(class_opts[a_cls]))]
         dst_keys = [tuple(it[1][j] for it in items) for j in range(len(class_opts[b_cls]))]
@@ -368,13 +387,20 @@ def build_problem(
         first_src = [src_ids.index(c) for c in range(max(src_ids) + 1)]
         first_dst = [dst_ids.index(c) for c in range(max(dst_ids) + 1)]
         cost = tuple(tuple(price(i, j) for j in first_dst) for i in first_src)
-        edges.append(Edge(a_cls, b_cls, tuple(src_ids), tuple(dst_ids), cost))
+        forward = tuple(tuple(price(i, j, False) for j in first_dst) for i in first_src)
+        edges.append(Edge(a_cls, b_cls, tuple(src_ids), tuple(dst_ids), cost, forward))
     nodes = []
     for cls, members in enumerate(grouping.classes):
         leader = pricer.nodes[clusters[members[0]].leader]
         nodes.append(Node(leader.name, tuple(class_opts[cls]), recomputable=leader.op == "call_function",
                           region=_layer_of(module_path(leader)), copies=len(members)))
-    problem = Problem(tuple(nodes), tuple(edges), budget_bytes)
+    groups = sorted(frozenset().union(*(o.sync_groups for n in nodes for o in n.options)))
+    # a consumer whose backward keeps a producer's output (the profiler's saved_refs) must be recomputed with it
+    cls = {name: grouping.class_of[c] for name, c in grouping.cluster_of.items()}
+    together = {(cls[ref], cls[c.name]) for c in profile.nodes.values() if c.name in cls
+                for ref, _ in c.saved_refs if ref in cls and cls[ref] != cls[c.name]}
+    problem = Problem(tuple(nodes), tuple(edges), budget_bytes, tuple((g, sync_latency_s(mesh, g)) for g in groups),
+                      tuple(sorted(together)))
     return BuiltProblem(problem, grouping, strategies, dict(pricer.storage), len(grouping.cluster_of))
 
 

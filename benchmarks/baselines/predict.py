@@ -20,7 +20,11 @@ the ILP's ZeRO-3 plan's. (autopar's own ZeRO gathers each parameter on its own,
 which is what the ILP prices; FSDP2 gathers a block's parameters at once.) The
 "+ac" variants add the recompute time of every node inside a transformer block
 (what checkpointing each block does), priced with `fixed_plan`. tp adds DTensor's
-own per-module cost, measured on the live world (`overheads.py`).
+own per-module cost, measured on the live world (`overheads.py`). Every baseline
+leaves out the resharding of 0-d tensors (`scalar_reshard_s`): autopar's graph returns
+the global mean loss, reducing the loss sum and its token count over the data-parallel
+ranks in forward; the hand-written baselines return each rank's local mean and let
+the gradient averaging do the rest, so they run none of those collectives.
 """
 from __future__ import annotations
 
@@ -28,6 +32,7 @@ import logging
 from dataclasses import replace
 from typing import Any
 
+import torch
 from torch import nn
 
 from autopar.api import meta_copy, meta_sample
@@ -36,14 +41,15 @@ from autopar.profiler import profile
 from autopar.solver import fixed_plan, solve
 from autopar.solver.ilp import Restrictions, solve_problem
 from autopar.runtime.grad_sync import DEFAULT_BUCKET_BYTES
-from autopar.solver.cost import bucket_latency_share, collective_time_s
+from autopar.solver.cost import bucket_latency_share, collective_time_s, sync_latency_s
 from autopar.solver.mesh import Mesh
 from autopar.solver.plan import Plan, TimeBreakdown
 from autopar.solver.problem import build_problem
+from autopar.solver.reshard import reshard_cost
 from autopar.solver.search import batch_dependent, splits_batch, to_plan
 from autopar.solver.spec import Replicate, Shard, Spec
-from autopar.solver.strategies import enumerate_strategies
-from autopar.tracer import module_path, trace
+from autopar.solver.strategies import enumerate_strategies, strategy_inputs
+from autopar.tracer import TracedGraph, module_path, output_vals, trace
 
 from benchmarks.baselines.tensor_parallel import COL, PLANS
 
@@ -72,11 +78,8 @@ class Predictor:
 
     def baseline(self, system: str, ac: bool = False) -> Plan:
         """The cost model's plan (and price) for a hand-written baseline."""
-        if system not in self._baselines:
-            mesh, zero = BASELINE_OF[system]
-            self._baselines[system] = self.pinned_plan(self.meshes[mesh], tp_params=system == "tp", zero=zero)
-        plan = self._baselines[system]
-        timed = self.baseline("ddp") if system == "fsdp" else plan  # fsdp's strategies: ddp's, see the docstring
+        plan = self._pinned(system)
+        timed = self._pinned("ddp") if system == "fsdp" else plan  # fsdp's strategies: ddp's, see the docstring
         if ac:
             choices = {d.node: d.strategy for d in timed.nodes if d.op != "output"}
             timed = fixed_plan(self.traced, self.profile, timed.mesh, choices, recompute=self._recompute)
@@ -86,11 +89,20 @@ class Predictor:
                 plan = fixed_plan(self.traced, self.profile, plan.mesh, choices, recompute=self._recompute,
                                   zero_params=frozenset(p.fqn for p in plan.params if p.zero))
             t = timed.time
-            return replace(plan, time=TimeBreakdown(t.compute_s, t.comm_s + self._fsdp_extra_comm_s(plan.mesh), t.recompute_s))
+            comm_s = t.comm_s + self._fsdp_extra_comm_s(plan.mesh) - scalar_reshard_s(self.traced, timed)
+            return replace(plan, time=TimeBreakdown(t.compute_s, comm_s, t.recompute_s))
         if system == "tp":
             t = timed.time
-            return replace(timed, time=TimeBreakdown(t.compute_s + self._tp_overhead_s, t.comm_s, t.recompute_s))
-        return timed
+            timed = replace(timed, time=TimeBreakdown(t.compute_s + self._tp_overhead_s, t.comm_s, t.recompute_s))
+        t = timed.time
+        return replace(timed, time=TimeBreakdown(t.compute_s, t.comm_s - scalar_reshard_s(self.traced, timed), t.recompute_s))
+
+    def _pinned(self, system: str) -> Plan:
+        """The ILP's plan with what `system` fixes pinned (cached), before any baseline-specific price."""
+        if system not in self._baselines:
+            mesh, zero = BASELINE_OF[system]
+            self._baselines[system] = self.pinned_plan(self.meshes[mesh], tp_params=system == "tp", zero=zero)
+        return self._baselines[system]
 
     def _fsdp_extra_comm_s(self, mesh: Mesh) -> float:
         """FSDP2's collectives per step minus the ddp gradient all-reduce they replace (see the docstring)."""
@@ -100,7 +112,8 @@ class Predictor:
         fsdp = sum(2 * collective_time_s("all_gather", b, axis) + collective_time_s("reduce_scatter", b, axis) for b in units)
         fsdp += collective_time_s("all_gather", root, axis) + collective_time_s("reduce_scatter", root, axis)
         total = sum(self._param_bytes.values())
-        ddp_sync = collective_time_s("all_reduce", total, axis, bucket_latency_share(total, total, DEFAULT_BUCKET_BYTES))
+        ddp_sync = collective_time_s("all_reduce", total, axis, bucket_latency_share(total, DEFAULT_BUCKET_BYTES)) \
+            + sync_latency_s(mesh, (0,))
         return fsdp - ddp_sync
 
     def pinned_plan(self, mesh: Mesh, tp_params: bool, zero: str) -> Plan:
@@ -152,6 +165,23 @@ class Predictor:
             if best is None or plan.time.total_s < best.time.total_s:
                 best = plan
         return best
+
+
+def scalar_reshard_s(traced: TracedGraph, plan: Plan) -> float:
+    """Seconds `plan` spends resharding 0-d tensors between nodes (the loss sum and its token count),
+    forward and backward, as the ILP priced them (`reshard_cost`)."""
+    strategy = {d.node: d.strategy for d in plan.nodes}
+    total = 0.0
+    for node in traced.graph.nodes:
+        if node.op != "call_function" or node.name not in strategy:
+            continue
+        for a, (p, k) in enumerate(strategy_inputs(node)):
+            val = output_vals(p)[k]
+            if p.name not in strategy or not isinstance(val, torch.Tensor) or val.dim() != 0:
+                continue
+            total += reshard_cost(strategy[p.name].output_specs[k], strategy[node.name].input_specs[a], (),
+                                  val.element_size(), plan.mesh, with_backward=val.is_floating_point())
+    return total
 
 
 def _tp_param_specs(family: str, blocks: list[str]) -> dict[str, Shard | Replicate]:

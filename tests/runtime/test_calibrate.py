@@ -7,6 +7,8 @@ import math
 
 import pytest
 import torch
+import torch.distributed
+import torch.utils.checkpoint
 
 from autopar.runtime.calibrate import calibrate, collective_call, model_bytes, time_ops
 from autopar.runtime.launch import run_ranks
@@ -32,6 +34,13 @@ def _held_out(rank: int, world: int, _) -> tuple[dict, dict]:
             h = torch.sin(h)
         h.sum().backward()
 
+    def checkpointed() -> None:  # the same 49 sin in one checkpoint region: recomputed in backward
+        def body(h: torch.Tensor) -> torch.Tensor:
+            for _ in range(49):
+                h = torch.sin(h)
+            return h
+        torch.utils.checkpoint.checkpoint(body, x, use_reentrant=False).sum().backward()
+
     c, d = torch.randn(256, 192), torch.randn(192, 320)
 
     def compute() -> None:  # a layer's worth of work before each collective, as inside a step
@@ -41,10 +50,15 @@ def _held_out(rank: int, world: int, _) -> tuple[dict, dict]:
     nbytes = 256 * 1024  # between calibrate's two message sizes
     colls = {f"{kind} 256 KB": (collective_time_s(kind, model_bytes(kind, nbytes, world), mesh.axes[0]),
                                 collective_call(kind, nbytes, world, None, CPU)) for kind in ("all_reduce", "all_gather")}
-    fns = [lambda: a @ b, chain] + [lambda call=call: (compute(), call()) for _, call in colls.values()]
-    t_mm, t_chain, *t_colls = time_ops(fns, CPU, 5, None)
+    loss = torch.ones(1)  # a loss or a token count: one element, priced with the axis' scalar latency
+    colls["all_reduce of a scalar"] = (collective_time_s("all_reduce", 4, mesh.axes[0]),
+                                       lambda: torch.distributed.all_reduce(loss))
+    fns = [lambda: a @ b, chain, checkpointed] + [lambda call=call: (compute(), call()) for _, call in colls.values()]
+    t_mm, t_chain, t_ckpt, *t_colls = time_ops(fns, CPU, 5, None)
     ratios = {"mm 384x128x192": (compute_time_s(2 * 384 * 128 * 192, 4 * 384 * 192, mesh) + over) / t_mm,
-              "100 tiny ops": 100 * over / t_chain}
+              "100 tiny ops": 100 * over / t_chain,
+              # 100 ops forward and backward, and the 49 in the region again with checkpointing's own cost
+              "100 tiny ops, 49 recomputed": (100 * over + 49 * (over + mesh.recompute_op_overhead_s)) / t_ckpt}
     # compute + collective as a whole (a difference of two noisy times would be noise itself)
     pred_compute = 3 * (compute_time_s(2 * 256 * 192 * 320, 4 * 256 * 320, mesh) + over)
     for (name, (pred, _)), t in zip(colls.items(), t_colls):
@@ -65,8 +79,26 @@ def test_calibrate_predicts_held_out_ops_and_collectives():
         assert ax.size == 2 and mesh.hardware == "calibrated"
         assert {c.kind for c in ax.per_kind} == {"all_reduce", "all_gather", "reduce_scatter", "all_to_all"}
         assert 0 < mesh.op_overhead_s < 1e-3 and 1e8 < mesh.flops_per_s < 1e13
+        assert 0 <= mesh.recompute_op_overhead_s < 1e-3 and ax.scalar_alpha_s is not None
         ratios = results[0][1]
         attempts.append(ratios)
         if all(abs(math.log(r)) <= math.log(FACTOR) for r in ratios.values()):
             return
     pytest.fail(f"predicted / measured outside 1/{FACTOR}..{FACTOR} in all {ATTEMPTS} runs: {attempts}")
+
+
+def _groups_of(rank: int, world: int, _) -> dict:
+    from autopar.runtime.calibrate import _axis_group
+
+    return {span: torch.distributed.get_process_group_ranks(_axis_group((2, 2), span, rank, None))
+            for span in ((0,), (1,), (0, 1))}
+
+
+@pytest.mark.timeout(60)
+def test_calibration_groups_follow_the_mesh_layout():
+    # row-major 2x2: dp (axis 0) pairs ranks 2 apart, tp (axis 1) neighbours; the group calibrate() measures
+    # for both axes at once (what a gradient sync over dp+tp runs on) is all four ranks
+    results = run_ranks(_groups_of, 4, None, timeout_s=50)
+    assert [r[(0,)] for r in results] == [[0, 2], [1, 3], [0, 2], [1, 3]]
+    assert [r[(1,)] for r in results] == [[0, 1], [0, 1], [2, 3], [2, 3]]
+    assert all(r[(0, 1)] == [0, 1, 2, 3] for r in results)

@@ -8,9 +8,9 @@ import pytest
 import torch
 
 from autopar.profiler.types import NodeCost
-from autopar.solver.cost import (bucket_latency_share, collective_time_s, forward_time_s, launches,
-                                 strategy_cost)
-from autopar.solver.mesh import LinkCost, MeshAxis, make_mesh
+from autopar.solver.cost import (GRAD_BUCKET_BYTES, bucket_latency_share, collective_time_s, flat_axis, forward_time_s,
+                                 launches, recompute_time_s, strategy_cost, sync_latency_s)
+from autopar.solver.mesh import AxisGroup, LinkCost, MeshAxis, make_mesh
 from autopar.solver.spec import Spec, Strategy
 
 AX = MeshAxis("tp", 4, alpha_s=1e-5, beta_bytes_per_s=1e9)
@@ -40,12 +40,40 @@ def test_per_kind_links_override_the_axis_numbers():
         MeshAxis("x", 2, 1e-5, 1e9, (LinkCost("all_gather", 1e-5, 1e9),) * 2)
 
 
-def test_bucket_latency_share():
-    # 3 MB of grads in 25 MB buckets: one bucket; a 1 MB grad pays a third of its latency
-    assert bucket_latency_share(1e6, 3e6, 25e6) == pytest.approx(1 / 3)
-    # 60 MB in 25 MB buckets: 3 buckets; shares over all grads sum to 3
-    assert sum(bucket_latency_share(b, 60e6, 25e6) for b in (10e6, 20e6, 30e6)) == pytest.approx(3.0)
-    assert bucket_latency_share(0.0, 3e6, 25e6) == 0.0
+def test_bucket_latency_share_and_group_latency():
+    # a 1 MB grad in 25 MB buckets pays 1/25 of a bucket's latency; 60 MB of grads pay 2.4 buckets, and
+    # their group's last bucket once more (sync_latency_s): 3.4 >= ceil(60 / 25) = 3 buckets sent
+    assert bucket_latency_share(1e6, 25e6) == pytest.approx(1 / 25)
+    assert sum(bucket_latency_share(b, 25e6) for b in (10e6, 20e6, 30e6)) == pytest.approx(2.4)
+    assert bucket_latency_share(0.0, 25e6) == 0.0
+    mesh = make_mesh(8, (2, 4), "cpu")
+    assert sync_latency_s(mesh, (1,)) == pytest.approx(2 * 3 * mesh.axes[1].alpha_s)
+    assert sync_latency_s(replace(mesh, axes=(replace(mesh.axes[0], size=1), mesh.axes[1])), (0,)) == 0.0
+
+
+def test_scalar_all_reduce_uses_its_own_latency():
+    # a loss or a token count (one element, <= 8 bytes) pays scalar_alpha_s per ring step; anything larger
+    # pays the all_reduce alpha, and without a measured scalar latency so does the scalar
+    ax = replace(AX, scalar_alpha_s=2e-6)
+    assert collective_time_s("all_reduce", 4, ax) == pytest.approx(1.5 * 4 / 1e9 + 6 * 2e-6)
+    assert collective_time_s("all_reduce", 16, ax) == pytest.approx(1.5 * 16 / 1e9 + 6 * 1e-5)
+    assert collective_time_s("all_gather", 4, ax) == pytest.approx(0.75 * 4 / 1e9 + 3 * 1e-5)
+    assert collective_time_s("all_reduce", 4, AX) == pytest.approx(1.5 * 4 / 1e9 + 6 * 1e-5)
+
+
+def test_measured_groups_replace_the_slowest_link_guess():
+    mesh = make_mesh(4, (2, 2), "cpu")
+    guess = flat_axis(mesh, (0, 1))
+    assert (guess.size, guess.alpha_s) == (4, mesh.axes[0].alpha_s)
+    # calibrate() measured the 4-rank group: ~4x the 2-rank per-step latency on an oversubscribed CPU host
+    measured = MeshAxis("dp+tp", 4, 4 * mesh.axes[0].alpha_s, 1e9, scalar_alpha_s=1e-4)
+    m = replace(mesh, groups=(AxisGroup((0, 1), measured),))
+    assert flat_axis(m, (1, 0)) is measured and flat_axis(m, (0,)).size == 2
+    assert sync_latency_s(m, (0, 1)) == pytest.approx(6 * 4 * mesh.axes[0].alpha_s)
+    with pytest.raises(ValueError, match="has size 2, not the product"):
+        replace(mesh, groups=(AxisGroup((0, 1), replace(measured, size=2)),))
+    with pytest.raises(ValueError, match="two or more distinct ascending axes"):
+        replace(mesh, groups=(AxisGroup((1, 0), measured),))
 
 
 def _node(fwd: float, bwd: float, out_bytes: float, requires_grad: bool = True, op: str = "aten.mm.default") -> NodeCost:
@@ -105,8 +133,10 @@ def test_op_overhead_and_elementwise_backward_bytes():
     # getitem is Python: nothing launched, nothing moved
     item = _node(0.0, 0.0, 0.0, op="<built-in function getitem>")
     assert launches(item) == (0, 0) and strategy_cost(item, rep, [(1000,)], mesh)[0] == 0.0
-    # recompute pays the forward again: roofline + one launch
+    # recompute pays the forward again: roofline + one launch, plus checkpointing's own cost per op
     assert forward_time_s(gelu, split, mesh) == pytest.approx(0.5e6 / bw + 2e-5)
+    assert recompute_time_s(gelu, split, replace(mesh, recompute_op_overhead_s=3e-5)) == pytest.approx(0.5e6 / bw + 5e-5)
+    assert recompute_time_s(item, rep, replace(mesh, recompute_op_overhead_s=3e-5)) == 0.0
 
 
 class _Linear(torch.nn.Module):
@@ -141,8 +171,12 @@ def test_problem_prices_fed_inputs_and_bucketed_param_grads_by_hand():
     mm = next(n for n in nodes if n.startswith("mm"))
     opts = {o.label: o for o in nodes[mm].options}
     batch_split = opts["(S(0), R) -> S(0)"]
-    # backward: one all-reduce of w's gradient (32 x 16 fp32) with the whole bucket latency (w is every param)
-    assert batch_split.comm_s == pytest.approx(collective_time_s("all_reduce", 32 * 16 * 4, ax, latency_share=1.0))
+    # backward: one all-reduce of w's gradient (32 x 16 fp32) paying its part of a 25 MB bucket's latency;
+    # the bucket itself (w is every param: one bucket over dp) is charged once per group the plan uses
+    share = 32 * 16 * 4 / GRAD_BUCKET_BYTES
+    assert batch_split.comm_s == pytest.approx(collective_time_s("all_reduce", 32 * 16 * 4, ax, latency_share=share))
+    assert batch_split.sync_groups == {(0,)} and opts["(R, R) -> R"].sync_groups == frozenset()
+    assert built.problem.sync_latency_s == (((0,), pytest.approx(2 * 3 * ax.alpha_s)),)
     # compute: mm 2*64*32*16 forward and as much backward (only w needs a gradient: one mm), split 4 ways,
     # plus one forward and one backward launch
     flops = 2 * 64 * 32 * 16 / 4
@@ -150,3 +184,33 @@ def test_problem_prices_fed_inputs_and_bucketed_param_grads_by_hand():
     expect = max(flops / mesh.flops_per_s, out / mesh.mem_bandwidth_bytes_per_s) \
         + max(flops / mesh.flops_per_s, 2 * out / mesh.mem_bandwidth_bytes_per_s) + 2e-5
     assert batch_split.compute_s == pytest.approx(expect)
+
+
+class _PositionEmbedding(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.pos = torch.nn.Embedding(16, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return (x + self.pos(torch.arange(16, device=x.device))).square().mean()  # (B, 16, 8) + (16, 8)
+
+
+def test_gradient_through_an_embedding_of_arange_rides_the_bucket():
+    """`embedding(weight, arange)` has one gradient-carrying input: codegen lifts the all-reduce of the
+    position table's partial gradient under a batch-split add into the bucketed sync, so the add pays
+    its bucket share (512 B of 25 MB) and names the dp group, not an in-graph all-reduce of 2(n-1) alphas."""
+    from autopar.profiler import profile
+    from autopar.solver.problem import build_problem
+    from autopar.solver.strategies import enumerate_strategies
+    from autopar.tracer import trace
+
+    with torch.device("meta"):
+        model, x = _PositionEmbedding(), torch.randn(8, 16, 8)
+    traced = trace(model, (x,))
+    mesh = make_mesh(4, (4,), "cpu")
+    built = build_problem(traced, profile(traced).evaluate(), mesh, enumerate_strategies(traced, mesh), None, grouped=False)
+    add = next(n for n in built.problem.nodes if n.name.startswith("add"))
+    split = next(o for o in add.options if o.label == "(S(0), R) -> S(0)")
+    table = 16 * 8 * 4
+    assert split.comm_s == pytest.approx(collective_time_s("all_reduce", table, mesh.axes[0], table / GRAD_BUCKET_BYTES))
+    assert split.sync_groups == {(0,)}

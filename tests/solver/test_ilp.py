@@ -243,3 +243,45 @@ def test_a_loose_gap_stays_within_it():
         sol = solve_problem(p, mip_rel_gap=0.2)
         assert ref[0] - 1e-9 <= sol.time.total_s <= ref[0] * 1.2 + 1e-6
         assert sol.report.gap is None or 1e-4 < sol.report.gap <= 0.2
+
+
+def test_each_gradient_sync_group_used_pays_one_bucket_latency():
+    """Two weights' consumers may sync over dp (2 ranks) or over the flat dp+tp group (4 ranks, a bit cheaper
+    per byte here). Each group used sends its own bucket: splitting the grads costs both latencies, so the
+    best plan keeps both on dp: 1 + 1 ms + 2 ms (one dp bucket), not 0.8 + 0.8 + 5 or 1 + 0.8 + 2 + 5."""
+    dp, flat = (0,), (0, 1)
+    options = (Option("dp", comm_s=1e-3, sync_groups=frozenset({dp})), Option("flat", comm_s=0.8e-3, sync_groups=frozenset({flat})))
+    problem = Problem((Node("a", options), Node("b", options)), (), None, ((dp, 2e-3), (flat, 5e-3)))
+    sol = solve_problem(problem)
+    assert sol.assignment.choice == (0, 0)
+    assert sol.time.comm_s == pytest.approx(4e-3)
+    assert evaluate(problem, Assignment.of([0, 1]))[1].comm_s == pytest.approx(1.8e-3 + 7e-3)
+    assert brute_force(problem)[0] == pytest.approx(4e-3)
+    # without the group latencies the flat group wins on bytes alone
+    assert solve_problem(dataclasses.replace(problem, sync_latency_s=())).assignment.choice == (1, 1)
+
+
+def test_recomputing_a_producer_frees_nothing_while_its_consumer_keeps_its_output():
+    """b's backward keeps a's 100 MB output (recompute_with): recomputing a alone still holds it (evaluate
+    counts it), so fitting 60 MB needs a and b in one region: 1 ms + 0.1 ms of recompute, by hand."""
+    a = Node("a", (Option("a", compute_s=1e-3, recompute_s=1e-3, saved_bytes=100 * MB),), recomputable=True)
+    b = Node("b", (Option("b", compute_s=1e-3, recompute_s=0.1e-3),), recomputable=True)
+    problem = Problem((a, b), (), 60 * MB, recompute_with=((0, 1),))
+    alone = evaluate(problem, Assignment.of([0, 0], recompute=[0]))
+    assert alone[0].activations_bytes == 100 * MB and alone[1].recompute_s == pytest.approx(1e-3)
+    sol = solve_problem(problem)
+    assert sol.assignment.recompute == (True, True)
+    assert sol.time.recompute_s == pytest.approx(1.1e-3) and sol.memory.activations_bytes == 0.0
+
+
+def test_a_recomputed_node_pays_its_input_reshards_forward_again():
+    """b's input reshard (2 ms: 1 ms forward, 1 ms backward) sits in b's checkpoint region: recomputing b
+    (the only way to fit) runs its forward again, 0.5 + 1 ms of recompute by hand."""
+    a = Node("a", (Option("a", compute_s=1e-3),))
+    b = Node("b", (Option("b", compute_s=1e-3, recompute_s=0.5e-3, saved_bytes=100 * MB),), recomputable=True)
+    edge = Edge((0), 1, (0,), (0,), ((2e-3,),), ((1e-3,),))
+    problem = Problem((a, b), (edge,), 60 * MB)
+    sol = solve_problem(problem)
+    assert sol.assignment.recompute == (False, True)
+    assert sol.time.recompute_s == pytest.approx(1.5e-3) and sol.time.comm_s == pytest.approx(2e-3)
+    assert evaluate(problem, Assignment.of([0, 0]))[1].recompute_s == 0.0
