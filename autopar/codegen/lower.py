@@ -36,6 +36,7 @@ from torch.utils import _pytree as pytree
 from autopar.codegen import random as random_ops
 from autopar.codegen.edges import Edge, Step, edge_for, is_float, plan_steps, sharded_axes
 from autopar.codegen.recompute import layer_key, outline_recompute_regions
+from autopar.codegen.schedule import start_collectives_early
 from autopar.codegen.shapes import LoweringError, local_block, localize_call
 from autopar.codegen.zero import regather_zero_params
 from autopar.runtime import collectives as C
@@ -204,13 +205,17 @@ class _Lowerer:
         return zero_steps, sync_axes
 
     # ------------------------------------------------------------ emission
-    def collective(self, x: fx.Node, step: Step) -> fx.Node:
+    def collective(self, x: fx.Node, step: Step, needs_grad: bool = True) -> fx.Node:
         s, g = step.step, self.mesh.group_name(step.step.mesh_axis)
+        if self.mesh.shape[s.mesh_axis] == 1:
+            return x  # one rank on the axis: every step is the identity
         if s.kind == "all_gather":
             fn = C.all_gather_rs if step.reduce_scatter_grad else C.all_gather
             return self.graph.call_function(fn, (x, s.src_dim, g))
         if s.kind == "reduce_scatter":
             return self.graph.call_function(C.reduce_scatter, (x, s.dst_dim, g))
+        if s.kind == "all_reduce" and not needs_grad:  # started early, waited here (`codegen.schedule`)
+            return self.graph.call_function(C.wait, (self.graph.call_function(C.all_reduce_start, (x, g)),))
         if s.kind == "all_reduce":
             return self.graph.call_function(C.all_reduce, (x, g))
         if s.kind == "all_to_all":
@@ -221,21 +226,22 @@ class _Lowerer:
             return self.graph.call_function(C.replicate_to_partial, (x, g))
         raise LoweringError(f"no collective lowers resharding step {s}")
 
-    def emit_steps(self, x: fx.Node, steps: tuple[Step, ...], grad_axes: tuple[int, ...]) -> fx.Node:
-        key = (x.name, steps, grad_axes)
+    def emit_steps(self, x: fx.Node, steps: tuple[Step, ...], grad_axes: tuple[int, ...], needs_grad: bool = True) -> fx.Node:
+        key = (x.name, steps, grad_axes, needs_grad)
         if key in self.cache:
             return self.cache[key]
         out = x
         for step in steps:
-            out = self.collective(out, step)
+            out = self.collective(out, step, needs_grad)
         for k in grad_axes:
-            out = self.graph.call_function(C.grad_all_reduce, (out, self.mesh.group_name(k)))
+            if self.mesh.shape[k] > 1:
+                out = self.graph.call_function(C.grad_all_reduce, (out, self.mesh.group_name(k)))
         self.cache[key] = out
         return out
 
     def edge_value(self, consumer: fx.Node, index: int) -> fx.Node:
         e = self.edges[(consumer.name, index)]
-        return self.emit_steps(self.env[e.producer], e.steps, e.grad_reduce_axes)
+        return self.emit_steps(self.env[e.producer], e.steps, e.grad_reduce_axes, e.producer in self.grad_carrying)
 
     def reshard(self, x: fx.Node, producer: fx.Node, src: Spec, dst: Spec) -> fx.Node:
         steps, _ = plan_steps(src, dst, tuple(producer.meta["val"].shape), self.plan.mesh, set())
@@ -306,6 +312,7 @@ class _Lowerer:
         regather_zero_params(self.graph, self.root, zero_nodes, recompute, self.origin)
         layers = {n.name: layer_key(module_path(n)) for n in self.traced.graph.nodes}
         outline_recompute_regions(self.graph, self.root, recompute, self.origin, layers)
+        start_collectives_early(self.graph)
         gm = fx.GraphModule(self.root, self.graph, class_name="ParallelGraph")
         gm.meta["autopar"] = LoweringInfo(storage, sync_axes, buffer_specs, tuple(fed_specs), dp_axes, aliases, self.input_layout)
         log.info("codegen: %d nodes, %d collectives", len(gm.graph.nodes), _count_collectives(gm))

@@ -231,8 +231,20 @@ def replicate_to_partial(x: torch.Tensor, group: str) -> torch.Tensor:
     return _ReplicateToPartial.apply(x, group)
 
 
+def all_reduce_start(x: torch.Tensor, group: str) -> torch.Tensor:
+    """P -> R for a value without gradient (a token count), issued without waiting: the result may
+    only be read after `wait(result)`, so codegen can start it early and overlap it with compute."""
+    return _funcol.all_reduce(x.detach().contiguous(), "sum", group)
+
+
+def wait(x: torch.Tensor) -> torch.Tensor:
+    """Block until the collective that produces `x` (`all_reduce_start`) has finished."""
+    return _funcol.wait_tensor(x)
+
+
 # Every collective codegen may emit, by name (codegen maps CollectiveStep.kind onto these).
 COLLECTIVES = {
     f.__name__: f
-    for f in (all_gather, all_gather_rs, reduce_scatter, all_reduce, grad_all_reduce, all_to_all, local_slice, replicate_to_partial)
+    for f in (all_gather, all_gather_rs, reduce_scatter, all_reduce, grad_all_reduce, all_to_all, local_slice, replicate_to_partial,
+              all_reduce_start)
 }

@@ -92,3 +92,23 @@ def test_gpt2_pure_dp_syncs_every_grad_outside_the_graph():
     assert in_graph == []
     owners = {fqn for fqn, p in model.named_parameters()}  # named_parameters drops the tied lm_head twin
     assert set(sync_axes) == owners and all(a == (0,) for a in sync_axes.values()), sync_axes
+
+
+def _order(rank, world, traced, plan):
+    gm = lower(traced, plan, ProcessMesh((2,)))
+    return [(n.op, n.target if n.op != "call_function" else getattr(n.target, "__name__", str(n.target))) for n in gm.graph.nodes]
+
+
+@pytest.mark.timeout(120)
+def test_token_count_all_reduce_starts_before_the_forward_and_is_waited_at_the_loss():
+    """The loss's token count depends only on the labels: its all-reduce overlaps the whole forward."""
+    model, sample = load_zoo("gpt2").build(batch_size=4, seq_len=8, size="tiny", device="cpu")
+    traced = trace_model(model, sample)
+    plan = greedy_plan(traced, cpu_mesh((2,)), {name: "S(0)" for name in traced.input_names})
+    order = [name for _, name in run_ranks(_order, 2, traced, plan, timeout_s=60)[0]]
+    start, wait = order.index("all_reduce_start"), order.index("wait")
+    assert start < order.index("embedding.default"), order  # before any model compute
+    assert wait > max(i for i, name in enumerate(order) if name == "mm.default"), order  # after the LM head
+    assert order[wait + 1] == "div.Tensor"  # waited where the mean needs it
+    results = run_ranks(run_plans, 2, (2,), [("dp", model, sample, traced, plan, reference(model, sample, 2), 2)], timeout_s=60)
+    assert all(r[0][1]["loss"] < 1e-5 for r in results)

@@ -18,11 +18,13 @@ from autopar.runtime.collectives import (
     all_gather,
     all_gather_rs,
     all_reduce,
+    all_reduce_start,
     all_to_all,
     grad_all_reduce,
     local_slice,
     reduce_scatter,
     replicate_to_partial,
+    wait,
 )
 from autopar.runtime.mesh import ProcessMesh
 
@@ -96,7 +98,11 @@ def _all_collectives(rank: int, world_size: int, mesh_shape: tuple[int, ...], ax
     (y * W[0]).sum().backward()
     _check("replicate_to_partial", y, X if r == 0 else torch.zeros_like(X), x, W[0])
     assert_close(all_reduce(y.detach(), g), X, rtol=0, atol=1e-12)
-    checked += ["all_reduce", "grad_all_reduce", "replicate_to_partial"]
+
+    # P -> R without gradient, issued early and waited for later (a token count)
+    pending = all_reduce_start(T[r], g)
+    assert_close(wait(pending), T.sum(0), rtol=0, atol=1e-12)
+    checked += ["all_reduce", "grad_all_reduce", "replicate_to_partial", "all_reduce_start"]
     return sorted(set(checked))
 
 
