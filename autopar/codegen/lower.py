@@ -209,6 +209,9 @@ class _Lowerer:
         s, g = step.step, self.mesh.group_name(step.step.mesh_axis)
         if self.mesh.shape[s.mesh_axis] == 1:
             return x  # one rank on the axis: every step is the identity
+        if s.kind == "all_gather" and not needs_grad:  # started early, waited here (`codegen.schedule`)
+            started = self.graph.call_function(C.all_gather_start, (x, g))
+            return self.graph.call_function(C.wait_all_gather, (started, x, s.src_dim, g))
         if s.kind == "all_gather":
             fn = C.all_gather_rs if step.reduce_scatter_grad else C.all_gather
             return self.graph.call_function(fn, (x, s.src_dim, g))

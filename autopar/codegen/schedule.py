@@ -3,7 +3,8 @@
 The traced graph computes a loss's token count (`sum(labels != -100)`) right
 before the division that needs it, so its all-reduce would stop every rank at
 the end of forward until the slowest one arrives. The count depends only on the
-labels: codegen emits it as `all_reduce_start` + `wait` (`runtime.collectives`),
+labels: codegen emits it as `all_reduce_start` + `wait` (`runtime.collectives`; the
+labels themselves, when a plan gathers them, as `all_gather_start` + `wait_all_gather`),
 and this pass moves the start, with the ops computing its input, to just after
 those ops' own inputs (for the count: right after the labels placeholder). The
 collective then runs in the background during the forward, and the `wait`
@@ -21,10 +22,13 @@ from torch import fx
 from autopar.runtime import collectives as C
 
 
+_STARTS = (C.all_reduce_start, C.all_gather_start)
+
+
 def start_collectives_early(graph: fx.Graph) -> int:
-    """Hoist every `all_reduce_start` and the chain feeding it; returns how many were moved."""
+    """Hoist every started collective and the chain feeding it; returns how many were moved."""
     moved = 0
-    for start in [n for n in graph.nodes if n.op == "call_function" and n.target is C.all_reduce_start]:
+    for start in [n for n in graph.nodes if n.op == "call_function" and n.target in _STARTS]:
         chain = _feeding_chain(start)
         if chain is None:
             continue

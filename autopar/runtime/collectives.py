@@ -231,9 +231,12 @@ def replicate_to_partial(x: torch.Tensor, group: str) -> torch.Tensor:
     return _ReplicateToPartial.apply(x, group)
 
 
+# Collectives on values without gradient (token counts, labels), issued without waiting: the result
+# may only be read after its wait, so codegen can start them early and overlap them with compute
+# (`autopar.codegen.schedule`).
+
 def all_reduce_start(x: torch.Tensor, group: str) -> torch.Tensor:
-    """P -> R for a value without gradient (a token count), issued without waiting: the result may
-    only be read after `wait(result)`, so codegen can start it early and overlap it with compute."""
+    """P -> R, started; `wait(result)` gives the sum."""
     return _funcol.all_reduce(x.detach().contiguous(), "sum", group)
 
 
@@ -242,9 +245,23 @@ def wait(x: torch.Tensor) -> torch.Tensor:
     return _funcol.wait_tensor(x)
 
 
+def all_gather_start(x: torch.Tensor, group: str) -> torch.Tensor:
+    """S(dim) -> R, started: the ranks' flat buffers, stacked; `wait_all_gather` lays them out."""
+    size, _ = _group(group)
+    return _funcol.all_gather_into_tensor(x.detach().contiguous().view(-1), size, group)
+
+
+def wait_all_gather(buf: torch.Tensor, x: torch.Tensor, dim: int, group: str) -> torch.Tensor:
+    """The gathered tensor of `all_gather_start(x, group)`, concatenated along `dim`."""
+    size, _ = _group(group)
+    shape = list(x.shape)
+    shape[dim % x.ndim] *= size
+    return leading_to_dim(_funcol.wait_tensor(buf), dim % x.ndim, size, shape)
+
+
 # Every collective codegen may emit, by name (codegen maps CollectiveStep.kind onto these).
 COLLECTIVES = {
     f.__name__: f
     for f in (all_gather, all_gather_rs, reduce_scatter, all_reduce, grad_all_reduce, all_to_all, local_slice, replicate_to_partial,
-              all_reduce_start)
+              all_reduce_start, all_gather_start)
 }

@@ -18,6 +18,7 @@ from autopar.runtime.collectives import (
     all_gather,
     all_gather_rs,
     all_reduce,
+    all_gather_start,
     all_reduce_start,
     all_to_all,
     grad_all_reduce,
@@ -25,6 +26,7 @@ from autopar.runtime.collectives import (
     reduce_scatter,
     replicate_to_partial,
     wait,
+    wait_all_gather,
 )
 from autopar.runtime.mesh import ProcessMesh
 
@@ -102,7 +104,10 @@ def _all_collectives(rank: int, world_size: int, mesh_shape: tuple[int, ...], ax
     # P -> R without gradient, issued early and waited for later (a token count)
     pending = all_reduce_start(T[r], g)
     assert_close(wait(pending), T.sum(0), rtol=0, atol=1e-12)
-    checked += ["all_reduce", "grad_all_reduce", "replicate_to_partial", "all_reduce_start"]
+    for d in range(len(SHAPE)):  # S(d) -> R without gradient, started early (labels a plan gathers)
+        x = chunk(X, d)
+        assert_close(wait_all_gather(all_gather_start(x, g), x, d, g), X, rtol=0, atol=0)
+    checked += ["all_reduce", "grad_all_reduce", "replicate_to_partial", "all_reduce_start", "all_gather_start"]
     return sorted(set(checked))
 
 
