@@ -77,6 +77,20 @@ def _child(
         conn.close()
 
 
+def _reports(conns: dict, timeout_s: float) -> list[tuple[float, int, str, str]]:
+    """Error reports that arrive from the ranks still connected within `timeout_s` (read ones are dropped)."""
+    found = []
+    for conn in mp.connection.wait(list(conns), timeout=timeout_s):
+        rank = conns.pop(conn)
+        try:
+            msg = pickle.loads(conn.recv_bytes())
+        except EOFError:  # died without a word: the other reports say more
+            continue
+        if msg[0] == "error":
+            found.append((msg[3], rank, msg[1], msg[2]))
+    return found
+
+
 def run_ranks(
     fn: Callable[..., Any],
     world_size: int,
@@ -117,8 +131,9 @@ def run_ranks(
         listener.close()  # rank 0 holds its own copy; if it dies, the other ranks' connects fail fast
         results: dict[int, Any] = {}
         errors: list[tuple[float, int, str, str]] = []  # (time, rank, message, traceback)
+        dead: list[int] = []  # ranks whose connection closed without a message
         deadline = time.monotonic() + timeout_s
-        while conns and not errors:
+        while conns and not errors and not dead:
             left_s = deadline - time.monotonic()
             ready = mp.connection.wait(list(conns), timeout=max(left_s, 0.0))
             if not ready:
@@ -129,21 +144,24 @@ def run_ranks(
                 try:
                     msg = pickle.loads(conn.recv_bytes())
                 except EOFError:
-                    code = procs[rank].join(1.0) or procs[rank].exitcode
-                    raise RankError(f"rank {rank} died without a result (exit code {code})", rank=rank) from None
+                    dead.append(rank)
+                    continue
                 if msg[0] == "error":
                     errors.append((msg[3], rank, msg[1], msg[2]))
                 else:
                     results[rank] = msg[1]
+            if dead and not errors:
+                # A rank that died without a word (a signal, an abort inside a collective) may be the echo
+                # of a peer that failed just before and closed its connections: take that peer's report if
+                # it is stamped before the death was seen; later reports are echoes of the death.
+                died_at = time.time()
+                errors += [e for e in _reports(conns, timeout_s=1.0) if e[0] <= died_at]
+                if not errors:
+                    rank = dead[0]
+                    code = procs[rank].join(1.0) or procs[rank].exitcode
+                    raise RankError(f"rank {rank} died without a result (exit code {code})", rank=rank)
         if errors:
-            # Give the peers a moment to report too, then blame the earliest failure.
-            for conn in mp.connection.wait(list(conns), timeout=1.0):
-                try:
-                    msg = pickle.loads(conn.recv_bytes())
-                except EOFError:  # died without a word: the earlier reports say more
-                    continue
-                if msg[0] == "error":
-                    errors.append((msg[3], conns[conn], msg[1], msg[2]))
+            errors += _reports(conns, timeout_s=1.0)  # give the peers a moment to report too; blame the earliest
             _, rank, text, tb = min(errors)
             others = sorted(r for _, r, _, _ in errors if r != rank)
             echo = f" (ranks {others} failed after it)" if others else ""

@@ -39,6 +39,18 @@ def test_exception_carries_rank_and_traceback():
     assert time.monotonic() - start < 10
 
 
+def _abort_on_rank_1(rank: int, world_size: int) -> None:
+    import os
+    if rank == 1:
+        os.abort()  # what a gloo worker does on a broken connection: dies by a signal, without a word
+    time.sleep(30)
+
+
+def test_a_silent_death_is_reported_with_its_exit_code():
+    with pytest.raises(RankError, match=r"rank 1 died without a result \(exit code -6\)"):
+        run_ranks(_abort_on_rank_1, 2, timeout_s=30)
+
+
 def _sleep_on_rank_0(rank: int, world_size: int) -> None:
     if rank == 0:
         time.sleep(60)
