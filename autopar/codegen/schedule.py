@@ -21,7 +21,6 @@ from torch import fx
 
 from autopar.runtime import collectives as C
 
-
 _STARTS = (C.all_reduce_start, C.all_gather_start)
 
 
@@ -67,4 +66,4 @@ def _movable(node: fx.Node, start: fx.Node) -> bool:
     target = node.target
     if not isinstance(target, torch._ops.OpOverload):
         return False  # collectives, checkpointed regions, Python helpers
-    return not target._schema.is_mutable and not torch.Tag.nondeterministic_seeded in target.tags
+    return not target._schema.is_mutable and torch.Tag.nondeterministic_seeded not in target.tags

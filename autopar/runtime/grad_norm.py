@@ -41,9 +41,10 @@ def total_grad_norm(grads: Mapping[str, torch.Tensor], storage: Mapping[str, Spe
     # every rank walks the same groups in the same order: each is a collective
     total = torch.zeros((), dtype=torch.float64)
     for axes in sorted(by_axes):
-        local = [g.abs().max() if is_inf else g.double().pow(norm_type).sum() for g in by_axes[axes] if g.numel()]
-        part = torch.stack(local).max() if is_inf else torch.stack(local).sum() if local else torch.zeros(())
-        part = part.double().reshape(1).to(by_axes[axes][0].device)
+        grads_here = [g.double() for g in by_axes[axes] if g.numel()]
+        part = torch.zeros(1, dtype=torch.float64, device=by_axes[axes][0].device)
+        for g in grads_here:  # this rank's share of the group: a max, or a sum of |g|^p
+            part = torch.maximum(part, g.abs().max()) if is_inf else part + g.abs().pow(norm_type).sum()
         if axes:
             part = _funcol.wait_tensor(_funcol.all_reduce(part, "max" if is_inf else "sum", mesh.flat_group_name(axes)))
         part = part.cpu().reshape(())

@@ -65,11 +65,16 @@ def reduced_dims(op: Any, args: Sequence, kwargs: dict, ndim: int) -> frozenset[
     return frozenset(int(d) % max(ndim, 1) for d in dims)
 
 
+def _local_indices(indices: torch.Tensor, lo: int, hi: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(indices into this rank's block [lo, hi), with 0 where outside; the outside mask)."""
+    outside = aten.logical_or.default(aten.lt.Scalar(indices, lo), aten.ge.Scalar(indices, hi))
+    return aten.masked_fill.Scalar(aten.sub.Scalar(indices, lo), outside, 0), outside
+
+
 def masked_embedding(weight: torch.Tensor, indices: torch.Tensor, lo: int, hi: int, padding_idx: int = -1) -> torch.Tensor:
     """This rank's term of a lookup into rows [lo, hi) of a table: indices outside the range give
     zero rows (and, through masked_fill's backward, no gradient), so the ranks' terms sum to the lookup."""
-    outside = aten.logical_or.default(aten.lt.Scalar(indices, lo), aten.ge.Scalar(indices, hi))
-    local = aten.masked_fill.Scalar(aten.sub.Scalar(indices, lo), outside, 0)
+    local, outside = _local_indices(indices, lo, hi)
     local_pad = padding_idx - lo if lo <= padding_idx < hi else -1
     rows = aten.embedding.default(weight, local, local_pad)
     return aten.masked_fill.Scalar(rows, aten.unsqueeze.default(outside, -1), 0.0)
@@ -78,8 +83,7 @@ def masked_embedding(weight: torch.Tensor, indices: torch.Tensor, lo: int, hi: i
 def masked_gather(x: torch.Tensor, dim: int, index: torch.Tensor, lo: int, hi: int) -> torch.Tensor:
     """This rank's term of `gather(full_x, dim, index)` when it holds positions [lo, hi) of `dim`:
     indices outside its block give zeros (and no gradient), so the ranks' terms sum to the lookup."""
-    outside = aten.logical_or.default(aten.lt.Scalar(index, lo), aten.ge.Scalar(index, hi))
-    local = aten.masked_fill.Scalar(aten.sub.Scalar(index, lo), outside, 0)
+    local, outside = _local_indices(index, lo, hi)
     return aten.masked_fill.Scalar(aten.gather.default(x, dim, local), outside, 0.0)
 
 
