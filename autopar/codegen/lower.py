@@ -16,7 +16,8 @@ Parameters and buffers are `get_attr` nodes on this rank's shards, stored under
 their original FQNs; ZeRO parameters hold the storage shard and are gathered to
 their use spec in the graph (gradients reduce-scattered on the way back).
 The loss is all-reduced to Replicate (every rank returns the global loss, so no
-gradient needs a 1/N); other outputs come back in the input convention.
+gradient needs a 1/N), in the background: backward does not wait for the sum
+(`runtime.deferred_loss`); other outputs come back in the input convention.
 Finally each ZeRO parameter's gather moves next to each of its consumers, to be
 re-gathered in backward rather than kept (`zero.py`), and runs of recomputed
 nodes become checkpointed regions (`recompute.py`).
@@ -41,9 +42,10 @@ from autopar.codegen.shapes import LoweringError, local_block, localize_call
 from autopar.codegen.zero import regather_zero_params
 from autopar.runtime import collectives as C
 from autopar.runtime.batch import batch_size_of, check_divisible, fed_spec
+from autopar.runtime.deferred_loss import deferred_all_reduce, deferred_mean
 from autopar.runtime.mesh import ProcessMesh
 from autopar.solver.plan import Plan
-from autopar.solver.spec import Replicate, Shard, Spec
+from autopar.solver.spec import Partial, Replicate, Shard, Spec
 from autopar.tracer import TracedGraph, tensor_args
 from autopar.tracer.nodes import is_tensor_node as _is_tensor_node
 from autopar.tracer.nodes import module_path
@@ -248,7 +250,7 @@ class _Lowerer:
 
     def reshard(self, x: fx.Node, producer: fx.Node, src: Spec, dst: Spec) -> fx.Node:
         steps, _ = plan_steps(src, dst, tuple(producer.meta["val"].shape), self.plan.mesh, set())
-        return self.emit_steps(x, steps, ())
+        return self.emit_steps(x, steps, (), producer.name in self.grad_carrying)
 
     def get_attr(self, fqn: str, value: torch.Tensor, is_param: bool) -> fx.Node:
         _set_nested(self.root, fqn, nn.Parameter(value, requires_grad=value.is_floating_point()) if is_param else value, is_param)
@@ -393,9 +395,51 @@ class _Lowerer:
             if name is None:
                 raise LoweringError(f"user output {i} is a constant, not a graph value; return tensors only")
             node = self.nodes[name]
-            dst = Spec.replicate(len(self.mesh.shape)) if i == self.traced.loss_index else self.fed_spec(node)
-            outs.append(self.reshard(self.env[name], node, self.src_spec(node), dst))
+            if i == self.traced.loss_index:
+                outs.append(self.emit_loss(self.env[name], node))
+            else:
+                outs.append(self.reshard(self.env[name], node, self.src_spec(node), self.fed_spec(node)))
         self.graph.output(tuple(outs))
+
+    def emit_loss(self, x: fx.Node, node: fx.Node) -> fx.Node:
+        """The loss, summed over the axes where it is Partial by one all-reduce over a group spanning them,
+        which backward does not wait for (`runtime.deferred_loss`): no synchronisation point ends the forward.
+        A mean over a global count (sum / count, the count all-reduced without gradient) sends the
+        local sum and count together instead, and the count's own all-reduce goes."""
+        src = self.src_spec(node)
+        if any(not isinstance(p, (Partial, Replicate)) for p in src.placements):
+            return self.reshard(x, node, src, Spec.replicate(len(self.mesh.shape)))  # not a scalar: gathered as usual
+        axes = [k for k, p in enumerate(src.placements) if isinstance(p, Partial) and self.mesh.shape[k] > 1]
+        if not axes:
+            return x
+        group = self.mesh.flat_group_name(axes)
+        mean = _mean_over_count(x, {self.mesh.group_name(k) for k in axes})
+        if mean is None:
+            return self.graph.call_function(deferred_all_reduce, (x, group))
+        total, count, dead = mean
+        out = self.graph.call_function(deferred_mean, (total, count, group))
+        for n in dead:  # the division and the count's all-reduces, now done by deferred_mean
+            self.graph.erase_node(n)
+        return out
+
+
+def _mean_over_count(x: fx.Node, groups: set[str]) -> tuple[fx.Node, fx.Node, list[fx.Node]] | None:
+    """(sum, local count, nodes to drop) when `x` is div(sum, count) and count is the local count
+    all-reduced, without gradient, over exactly `groups` (a chain of started all-reduces); else None."""
+    if x.op != "call_function" or x.target is not aten.div.Tensor or len(x.users) or len(x.args) != 2:
+        return None
+    total, c = x.args
+    dead, seen = [x], set()
+    while isinstance(c, fx.Node) and c.target is C.wait and len(c.users) == 1:
+        start = c.args[0]
+        if start.target is not C.all_reduce_start or len(start.users) != 1:
+            return None
+        dead += [c, start]
+        seen.add(start.args[1])
+        c = start.args[0]
+    if not isinstance(total, fx.Node) or not isinstance(c, fx.Node) or seen != groups:
+        return None
+    return total, c, dead
 
 
 def _grad_carrying(traced: TracedGraph, targs) -> set[str]:

@@ -114,5 +114,9 @@ def _make_grad_sync(module: nn.Module, info: LoweringInfo, mesh: ProcessMesh) ->
     """Bucketed sync of the grads the graph leaves partial: one group spanning all of a parameter's axes."""
     params = dict(module.named_parameters())
     # every rank builds the flattened groups in the same (graph) order: group creation is collective
-    entries = [(fqn, params[fqn], (mesh.flat_group_name(axes),)) for fqn, axes in info.grad_sync_axes.items() if axes]
+    entries = []
+    for fqn, axes in info.grad_sync_axes.items():
+        axes = tuple(k for k in axes if mesh.shape[k] > 1)  # a one-rank axis has nothing to sum
+        if axes:
+            entries.append((fqn, params[fqn], (mesh.flat_group_name(axes),)))
     return GradSync(entries)

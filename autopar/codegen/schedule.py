@@ -1,14 +1,16 @@
 """Start collectives on gradient-free values as early as their inputs allow, wait where they are used.
 
-The traced graph computes a loss's token count (`sum(labels != -100)`) right
-before the division that needs it, so its all-reduce would stop every rank at
-the end of forward until the slowest one arrives. The count depends only on the
-labels: codegen emits it as `all_reduce_start` + `wait` (`runtime.collectives`; the
-labels themselves, when a plan gathers them, as `all_gather_start` + `wait_all_gather`),
-and this pass moves the start, with the ops computing its input, to just after
-those ops' own inputs (for the count: right after the labels placeholder). The
-collective then runs in the background during the forward, and the `wait`
-stays where the value is first needed.
+A value without gradient that a plan reduces or gathers (labels a plan needs
+whole, a token count the loss does not take along in its own all-reduce,
+`runtime.deferred_loss`) is emitted as `all_reduce_start` + `wait` or
+`all_gather_start` + `wait_all_gather` (`runtime.collectives`). It usually
+depends on the inputs alone, yet sits where the traced graph computes it, near
+the loss: a blocking collective there would stop every rank at the end of the
+forward until the slowest arrives. This pass moves each start, with the ops
+computing its input, to just after those ops' own inputs (for labels: right
+after their placeholder). The
+collective then runs in the background during the forward, and each wait
+moves to just before the value's first use.
 
 Only plain ATen ops and views are moved (no checkpointed region, no random op,
 no collective): moving them changes no value, since each still runs after its
@@ -22,6 +24,7 @@ from torch import fx
 from autopar.runtime import collectives as C
 
 _STARTS = (C.all_reduce_start, C.all_gather_start)
+_WAITS = (C.wait, C.wait_all_gather)
 
 
 def start_collectives_early(graph: fx.Graph) -> int:
@@ -40,7 +43,20 @@ def start_collectives_early(graph: fx.Graph) -> int:
                 latest.append(node)
                 index = {n: i for i, n in enumerate(graph.nodes)}
         moved += 1
+    for wait in [n for n in graph.nodes if n.op == "call_function" and n.target in _WAITS]:
+        _sink_to_first_user(graph, wait)
     return moved
+
+
+def _sink_to_first_user(graph: fx.Graph, node: fx.Node) -> None:
+    """Move `node` to just before its first user: a wait emitted where its value was made (a
+    placeholder's reshard) then blocks only where the value is needed."""
+    if not node.users:
+        return
+    index = {n: i for i, n in enumerate(graph.nodes)}
+    first = min(node.users, key=index.__getitem__)
+    if index[first] > index[node] + 1:
+        first.prepend(node)
 
 
 def _feeding_chain(start: fx.Node) -> list[fx.Node] | None:

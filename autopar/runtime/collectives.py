@@ -27,6 +27,7 @@ from __future__ import annotations
 import torch
 from torch.distributed.distributed_c10d import _resolve_process_group
 
+from autopar.runtime.deferred_loss import deferred_all_reduce, deferred_mean
 from kernels import chunk_to_leading, leading_to_dim
 
 _funcol = torch.ops._c10d_functional
@@ -263,5 +264,5 @@ def wait_all_gather(buf: torch.Tensor, x: torch.Tensor, dim: int, group: str) ->
 COLLECTIVES = {
     f.__name__: f
     for f in (all_gather, all_gather_rs, reduce_scatter, all_reduce, grad_all_reduce, all_to_all, local_slice, replicate_to_partial,
-              all_reduce_start, all_gather_start)
+              all_reduce_start, all_gather_start, deferred_all_reduce, deferred_mean)
 }

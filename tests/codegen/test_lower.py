@@ -59,10 +59,9 @@ def test_pure_dp_plan_communicates_only_the_loss_in_forward():
     model, sample, traced = _mlp()
     plan = _dp_plan(traced)
     (kinds, code), _ = run_ranks(_forward_collectives, 2, traced, plan, timeout_s=60)
-    # forward: one collective on the loss path (an all_gather before the MSE's mean: the strategies have no
-    # Partial rule for mean over a sharded dim yet; with it this becomes the loss all-reduce);
+    # forward: one collective, the loss's sum over the ranks (started, waited only when the loss is read);
     # parameter gradients are synced by the bucketed grad sync outside the graph, so no grad_all_reduce
-    assert len(kinds) == 1 and kinds[0] in ("all_reduce", "all_gather"), code
+    assert kinds == ["deferred_all_reduce"], code
     assert "grad_all_reduce" not in code
 
 
@@ -100,15 +99,31 @@ def _order(rank, world, traced, plan):
 
 
 @pytest.mark.timeout(120)
-def test_token_count_all_reduce_starts_before_the_forward_and_is_waited_at_the_loss():
-    """The loss's token count depends only on the labels: its all-reduce overlaps the whole forward."""
+def test_token_count_rides_with_the_loss_sum_in_one_deferred_all_reduce():
+    """The global mean needs the loss sum and the kept-token count over all ranks: one two-element
+    all-reduce started at the end of the forward, no collective waited in the forward."""
     model, sample = load_zoo("gpt2").build(batch_size=4, seq_len=8, size="tiny", device="cpu")
+    sample["labels"][0, :5] = -100  # ignored labels, all on rank 0: the count differs between ranks
     traced = trace_model(model, sample)
     plan = greedy_plan(traced, cpu_mesh((2,)), {name: "S(0)" for name in traced.input_names})
     order = [name for _, name in run_ranks(_order, 2, traced, plan, timeout_s=60)[0]]
-    start, wait = order.index("all_reduce_start"), order.index("wait")
+    names = set(C.COLLECTIVES)
+    assert [name for name in order if name in names or name == "wait"] == ["deferred_mean"], order
+    assert order[-2:] == ["deferred_mean", "output"], order
+    results = run_ranks(run_plans, 2, (2,), [("dp", model, sample, traced, plan, reference(model, sample, 2), 2)], timeout_s=60)
+    assert all(r[0][1]["loss"] < 1e-5 and r[0][1]["grad"] < 1e-4 for r in results), results
+
+
+@pytest.mark.timeout(120)
+def test_gathered_labels_start_before_the_forward_and_are_waited_where_used():
+    """Labels a plan needs whole depend only on the input: their all-gather overlaps the forward."""
+    model, sample = load_zoo("gpt2").build(batch_size=4, seq_len=8, size="tiny", device="cpu")
+    traced = trace_model(model, sample)
+    pins = {name: "S(0)" for name in traced.input_names if name != "labels"}  # labels replicated: gathered
+    plan = greedy_plan(traced, cpu_mesh((2,)), pins)
+    order = [name for _, name in run_ranks(_order, 2, traced, plan, timeout_s=60)[0]]
+    start, wait = order.index("all_gather_start"), order.index("wait_all_gather")
     assert start < order.index("embedding.default"), order  # before any model compute
     assert wait > max(i for i, name in enumerate(order) if name == "mm.default"), order  # after the LM head
-    assert order[wait + 1] == "div.Tensor"  # waited where the mean needs it
-    results = run_ranks(run_plans, 2, (2,), [("dp", model, sample, traced, plan, reference(model, sample, 2), 2)], timeout_s=60)
+    results = run_ranks(run_plans, 2, (2,), [("gathered", model, sample, traced, plan, reference(model, sample, 2), 2)], timeout_s=60)
     assert all(r[0][1]["loss"] < 1e-5 for r in results)

@@ -20,6 +20,8 @@ from autopar.runtime.collectives import (
     all_reduce,
     all_gather_start,
     all_reduce_start,
+    deferred_all_reduce,
+    deferred_mean,
     all_to_all,
     grad_all_reduce,
     local_slice,
@@ -28,6 +30,7 @@ from autopar.runtime.collectives import (
     wait,
     wait_all_gather,
 )
+from autopar.runtime.deferred_loss import DeferredSum
 from autopar.runtime.mesh import ProcessMesh
 
 SHAPE = (4, 8, 12)  # every dim divides by 4
@@ -88,6 +91,27 @@ def _all_collectives(rank: int, world_size: int, mesh_shape: tuple[int, ...], ax
     y = all_reduce(x, g)
     (y * W[0]).sum().backward()
     _check("all_reduce", y, T.sum(0), x, W[0])
+
+    # P -> R, waited when read (the loss): backward seeds without the sum, reading the value waits
+    x = _leaf(T[r].sum())
+    y = deferred_all_reduce(x, g)
+    assert isinstance(y, DeferredSum), type(y)
+    y.backward()
+    assert_close(x.grad, torch.ones_like(x), rtol=0, atol=0)
+    assert_close(y.item(), T.sum().item(), rtol=1e-12, atol=1e-12)
+    x = _leaf(T[r])
+    y = deferred_all_reduce(x, g)
+    (y * W[0]).sum().backward()  # an op on the value before backward waits, then differentiates through it
+    _check("deferred_all_reduce", y, T.sum(0), x, W[0])
+    # (sum P, count P) -> sum / count R: one all-reduce of both; backward scales by the global count
+    counts = torch.arange(1, len(T) + 1, dtype=torch.int64)  # rank r kept r + 1 tokens
+    x = _leaf(T[r].sum())
+    y = deferred_mean(x, counts[r], g)
+    assert isinstance(y, DeferredSum), type(y)
+    y.backward()
+    assert_close(x.grad, 1 / counts.sum().to(x.dtype), rtol=1e-12, atol=0)
+    assert_close(y.item(), (T.sum() / counts.sum()).item(), rtol=1e-12, atol=0)
+    checked += ["all_reduce", "deferred_all_reduce", "deferred_mean"]
 
     x = _leaf(X)
     y = grad_all_reduce(x, g)

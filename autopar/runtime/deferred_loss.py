@@ -1,0 +1,147 @@
+"""A loss whose all-reduce finishes in the background: the forward does not stop for it.
+
+    loss = deferred_all_reduce(partial_loss, group)       # codegen emits this for the model's loss...
+    loss = deferred_mean(loss_sum, token_count, group)     # ...or this, for a mean over a global count
+    loss.backward()                                       # does not wait for the sum (a mean: its first op does)
+    loss.item()                                           # waits here (or during backward) for the global value
+
+The generated graph computes each rank's term of the global loss (Partial) and
+must return the sum (Replicate). A blocking all-reduce there makes every rank
+wait for the slowest at the end of the forward: a synchronisation point DDP
+does not have (it returns each rank's local loss). Yet backward never needs the
+sum: the gradient of a sum with respect to each term is the output gradient
+itself. So the loss is returned as a `DeferredSum`, a tensor subclass that
+holds the in-flight all-reduce and
+- seeds backward without waiting: `loss.backward()` asks for `ones_like(loss)`,
+  which needs only the shape (torch's `AsyncCollectiveTensor` would wait here);
+- waits on first use of its value (`item()`, printing, arithmetic, `detach()`:
+  every other op), then behaves as the plain summed tensor;
+- is waited at the latest when its backward's graph task ends (an autograd
+  engine callback), so no collective is left in flight across steps.
+
+A mean over a global count (cross-entropy with ignored labels: sum of the
+kept tokens' losses / number of kept tokens over all ranks) would need a
+second all-reduce for the count, waited in the forward. `deferred_mean` sends
+(local sum, local count) as one two-element all-reduce instead; its backward
+waits for it (the gradient of sum / count is grad / count) at its first step.
+Every rank issues these collectives at the same point of its forward, so a
+rank that reads the loss early (or never) cannot desynchronise the others.
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+from torch.utils import _pytree as pytree
+
+_funcol = torch.ops._c10d_functional
+_aten = torch.ops.aten
+
+
+class _Pending:
+    """An in-flight all-reduce's output, shared by the loss tensor and its autograd node (no cycle
+    between them: a loss dropped without backward frees its graph at once)."""
+
+    __slots__ = ("tensor", "waited")
+
+    def __init__(self, tensor: torch.Tensor):
+        self.tensor, self.waited = tensor, False
+
+    def summed(self) -> torch.Tensor:
+        """The all-reduced tensor, waiting for it the first time."""
+        if not self.waited:
+            self.tensor, self.waited = _funcol.wait_tensor(self.tensor), True
+        return self.tensor
+
+
+class DeferredSum(torch.Tensor):
+    """A Replicate value whose all-reduce may still be in flight; any use of its value waits for it."""
+
+    _pending: _Pending
+    _finish: Callable[[torch.Tensor], torch.Tensor] | None  # summed buffer -> value (None: the buffer itself)
+
+    @staticmethod
+    def __new__(cls, pending: _Pending, like: torch.Tensor, finish: Callable[[torch.Tensor], torch.Tensor] | None = None):
+        return torch.Tensor._make_wrapper_subclass(cls, like.shape, dtype=like.dtype, device=like.device)
+
+    def __init__(self, pending: _Pending, like: torch.Tensor, finish: Callable[[torch.Tensor], torch.Tensor] | None = None):
+        self._pending, self._like, self._finish = pending, like, finish
+
+    def value(self) -> torch.Tensor:
+        """The global value (a plain tensor), waiting for the all-reduce the first time."""
+        summed = self._pending.summed()
+        return summed if self._finish is None else self._finish(summed)
+
+    def __repr__(self) -> str:  # printing reads the value
+        return f"DeferredSum({self.value()!r})"
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func in _SHAPE_ONLY:
+            # autograd's seed for loss.backward(): only shape, dtype and device are read, never the data
+            self, *rest = args
+            return func(self._like, *rest, **kwargs)
+        args, kwargs = pytree.tree_map_only(DeferredSum, DeferredSum.value, (args, kwargs))
+        return func(*args, **kwargs)
+
+
+_SHAPE_ONLY = (_aten.ones_like.default, _aten.zeros_like.default, _aten.empty_like.default)
+
+
+class _DeferredAllReduce(torch.autograd.Function):
+    """P -> R started, not waited; backward: identity (and the sum is waited when backward ends)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group: str) -> DeferredSum:
+        ctx.pending = _Pending(_funcol.all_reduce(x.detach().contiguous(), "sum", group))
+        return DeferredSum(ctx.pending, x.detach())
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        torch.autograd.Variable._execution_engine.queue_callback(ctx.pending.summed)
+        return grad, None
+
+
+class _DeferredMean(torch.autograd.Function):
+    """(sum P, count P) -> sum / count R, one all-reduce started; backward waits for it: grad / count."""
+
+    @staticmethod
+    def forward(ctx, total: torch.Tensor, count: torch.Tensor, group: str) -> DeferredSum:
+        ctx.pending = _Pending(_start_pair(total, count, group))
+        ctx.dtype = total.dtype
+        return DeferredSum(ctx.pending, total.detach(), lambda summed, dtype=total.dtype: _mean(summed, dtype))
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        count = ctx.pending.summed()[1].to(ctx.dtype)
+        return grad / count, None, None
+
+
+def deferred_all_reduce(x: torch.Tensor, group: str) -> torch.Tensor:
+    """P -> R whose result is waited when first read: the loss, returned without a synchronisation point.
+
+    Without autograd (no grad mode, or `x` needs none) there is no backward to overlap with: a plain
+    all-reduce, waited now, keeps eval loops simple."""
+    if not (torch.is_grad_enabled() and x.requires_grad):
+        return _funcol.wait_tensor(_funcol.all_reduce(x.contiguous(), "sum", group))
+    return _DeferredAllReduce.apply(x, group)
+
+
+def deferred_mean(total: torch.Tensor, count: torch.Tensor, group: str) -> torch.Tensor:
+    """sum(total) / sum(count) over `group` (total: a scalar Partial sum, count: the Partial number of
+    its terms, no gradient), one all-reduce started now and waited when the value or its gradient is
+    first needed."""
+    if not (torch.is_grad_enabled() and total.requires_grad):
+        return _mean(_funcol.wait_tensor(_start_pair(total, count, group)), total.dtype)
+    return _DeferredMean.apply(total, count, group)
+
+
+def _start_pair(total: torch.Tensor, count: torch.Tensor, group: str) -> torch.Tensor:
+    """The all-reduce of (sum, count), started; float64 keeps both exact (float32 terms; counts to 2**53)."""
+    pair = torch.stack([total.detach().to(torch.float64), count.detach().to(torch.float64)])
+    return _funcol.all_reduce(pair, "sum", group)
+
+
+def _mean(summed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    return (summed[0] / summed[1]).to(dtype)
