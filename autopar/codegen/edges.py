@@ -27,6 +27,7 @@ from autopar.solver.mesh import Mesh
 from autopar.solver.reshard import reshard_steps
 from autopar.solver.reshard_types import CollectiveStep
 from autopar.solver.spec import Partial, Replicate, Spec
+from autopar.tracer.nodes import is_float
 
 
 @dataclass(frozen=True)
@@ -48,11 +49,6 @@ class Edge:
     dst: Spec
     steps: tuple[Step, ...]
     grad_reduce_axes: tuple[int, ...]  # mesh axes whose partial grads must be all-reduced at this use
-
-
-def is_float(node: fx.Node) -> bool:
-    val = node.meta.get("val")
-    return isinstance(val, torch.Tensor) and val.is_floating_point()
 
 
 def sharded_axes(specs: Sequence[Spec | None]) -> frozenset[int]:

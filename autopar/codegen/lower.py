@@ -35,7 +35,7 @@ from torch import fx, nn
 from torch.utils import _pytree as pytree
 
 from autopar.codegen import random as random_ops
-from autopar.codegen.edges import Edge, Step, edge_for, is_float, plan_steps, sharded_axes
+from autopar.codegen.edges import Edge, Step, edge_for, plan_steps, sharded_axes
 from autopar.codegen.recompute import layer_key, outline_recompute_regions
 from autopar.codegen.schedule import start_collectives_early
 from autopar.codegen.shapes import LoweringError, local_block, localize_call
@@ -48,7 +48,7 @@ from autopar.solver.plan import Plan
 from autopar.solver.spec import Partial, Replicate, Shard, Spec
 from autopar.tracer import TracedGraph, tensor_args
 from autopar.tracer.nodes import is_tensor_node as _is_tensor_node
-from autopar.tracer.nodes import module_path
+from autopar.tracer.nodes import grad_carrying, is_float, module_path
 
 log = logging.getLogger(__name__)
 aten = torch.ops.aten
@@ -139,7 +139,7 @@ class _Lowerer:
 
     # ------------------------------------------------------------ analysis
     def analyse_edges(self) -> None:
-        self.grad_carrying = _grad_carrying(self.traced, self.tensor_args)
+        self.grad_carrying = grad_carrying(self.traced.graph, set(self.traced.buffer_fqns), self.tensor_args)
         for node in self.traced.graph.nodes:
             if node.op != "call_function" or node.target is operator.getitem:
                 continue
@@ -404,8 +404,9 @@ class _Lowerer:
     def emit_loss(self, x: fx.Node, node: fx.Node) -> fx.Node:
         """The loss, summed over the axes where it is Partial by one all-reduce over a group spanning them,
         which backward does not wait for (`runtime.deferred_loss`): no synchronisation point ends the forward.
-        A mean over a global count (sum / count, the count all-reduced without gradient) sends the
-        local sum and count together instead, and the count's own all-reduce goes."""
+        A mean over a global count (sum / count, the count gradient-free, all-reduced over some of those
+        axes or replicated) sends the local sum and count together instead, and the count's own
+        all-reduce goes (the solver prices it so: `problem.rides_with_loss`)."""
         src = self.src_spec(node)
         if any(not isinstance(p, (Partial, Replicate)) for p in src.placements):
             return self.reshard(x, node, src, Spec.replicate(len(self.mesh.shape)))  # not a scalar: gathered as usual
@@ -413,19 +414,24 @@ class _Lowerer:
         if not axes:
             return x
         group = self.mesh.flat_group_name(axes)
-        mean = _mean_over_count(x, {self.mesh.group_name(k) for k in axes})
+        groups = {self.mesh.group_name(k): self.mesh.shape[k] for k in axes}
+        divisor = node.args[1] if node.target is aten.div.Tensor and len(node.args) == 2 else None
+        count = isinstance(divisor, fx.Node) and divisor.name not in self.grad_carrying  # a count of labels
+        mean = _mean_over_count(x, set(groups)) if count else None
         if mean is None:
             return self.graph.call_function(deferred_all_reduce, (x, group))
-        total, count, dead = mean
-        out = self.graph.call_function(deferred_mean, (total, count, group))
+        total, count, dead, count_groups = mean
+        replicas = math.prod(n for g, n in groups.items() if g not in count_groups)  # ranks sharing a count term
+        out = self.graph.call_function(deferred_mean, (total, count, group, replicas))
         for n in dead:  # the division and the count's all-reduces, now done by deferred_mean
             self.graph.erase_node(n)
         return out
 
 
-def _mean_over_count(x: fx.Node, groups: set[str]) -> tuple[fx.Node, fx.Node, list[fx.Node]] | None:
-    """(sum, local count, nodes to drop) when `x` is div(sum, count) and count is the local count
-    all-reduced, without gradient, over exactly `groups` (a chain of started all-reduces); else None."""
+def _mean_over_count(x: fx.Node, groups: set[str]) -> tuple[fx.Node, fx.Node, list[fx.Node], set[str]] | None:
+    """(sum, local count, nodes to drop, the count's groups) when `x` is div(sum, count) and count is
+    the local count all-reduced, without gradient, over some of `groups` (a chain of started
+    all-reduces, the sum's Partial axes); else None."""
     if x.op != "call_function" or x.target is not aten.div.Tensor or len(x.users) or len(x.args) != 2:
         return None
     total, c = x.args
@@ -437,26 +443,9 @@ def _mean_over_count(x: fx.Node, groups: set[str]) -> tuple[fx.Node, fx.Node, li
         dead += [c, start]
         seen.add(start.args[1])
         c = start.args[0]
-    if not isinstance(total, fx.Node) or not isinstance(c, fx.Node) or seen != groups:
+    if not isinstance(total, fx.Node) or not isinstance(c, fx.Node) or not seen <= groups:
         return None
-    return total, c, dead
-
-
-def _grad_carrying(traced: TracedGraph, targs) -> set[str]:
-    """Names of nodes whose value can carry a gradient: float values computed from a float parameter or
-    user input. Others (integer tensors, `arange`, a float count of labels, constants) get no grad all-reduce."""
-    out: set[str] = set()
-    for node in traced.graph.nodes:
-        if node.op == "placeholder":
-            if node.name not in traced.buffer_fqns and is_float(node):
-                out.add(node.name)
-        elif node.op == "call_function":
-            val = node.meta.get("val")
-            floating = is_float(node) or isinstance(val, (tuple, list))  # a tuple's elements are checked at the getitem
-            ins = (node.args[0],) if node.target is operator.getitem else targs(node)  # tensor_args skips tuple producers
-            if floating and any(a.name in out for a in ins):
-                out.add(node.name)
-    return out
+    return total, c, dead, seen
 
 
 def _without_axes(e: Edge, axes: set[int]) -> Edge:

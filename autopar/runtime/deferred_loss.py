@@ -107,15 +107,15 @@ class _DeferredMean(torch.autograd.Function):
     """(sum P, count P) -> sum / count R, one all-reduce started; backward waits for it: grad / count."""
 
     @staticmethod
-    def forward(ctx, total: torch.Tensor, count: torch.Tensor, group: str) -> DeferredSum:
-        ctx.pending = _Pending(_start_pair(total, count, group))
+    def forward(ctx, total: torch.Tensor, count: torch.Tensor, group: str, replicas: int) -> DeferredSum:
+        ctx.pending = _Pending(_start_pair(total, count, group, replicas))
         ctx.dtype = total.dtype
         return DeferredSum(ctx.pending, total.detach(), lambda summed, dtype=total.dtype: _mean(summed, dtype))
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         count = ctx.pending.summed()[1].to(ctx.dtype)
-        return grad / count, None, None
+        return grad / count, None, None, None
 
 
 def deferred_all_reduce(x: torch.Tensor, group: str) -> torch.Tensor:
@@ -128,18 +128,19 @@ def deferred_all_reduce(x: torch.Tensor, group: str) -> torch.Tensor:
     return _DeferredAllReduce.apply(x, group)
 
 
-def deferred_mean(total: torch.Tensor, count: torch.Tensor, group: str) -> torch.Tensor:
+def deferred_mean(total: torch.Tensor, count: torch.Tensor, group: str, replicas: int = 1) -> torch.Tensor:
     """sum(total) / sum(count) over `group` (total: a scalar Partial sum, count: the Partial number of
     its terms, no gradient), one all-reduce started now and waited when the value or its gradient is
-    first needed."""
+    first needed. `replicas`: how many ranks of `group` hold each count term (the count is Partial over
+    fewer axes than the sum, Replicate over the rest): each sends count / replicas."""
     if not (torch.is_grad_enabled() and total.requires_grad):
-        return _mean(_funcol.wait_tensor(_start_pair(total, count, group)), total.dtype)
-    return _DeferredMean.apply(total, count, group)
+        return _mean(_funcol.wait_tensor(_start_pair(total, count, group, replicas)), total.dtype)
+    return _DeferredMean.apply(total, count, group, replicas)
 
 
-def _start_pair(total: torch.Tensor, count: torch.Tensor, group: str) -> torch.Tensor:
+def _start_pair(total: torch.Tensor, count: torch.Tensor, group: str, replicas: int) -> torch.Tensor:
     """The all-reduce of (sum, count), started; float64 keeps both exact (float32 terms; counts to 2**53)."""
-    pair = torch.stack([total.detach().to(torch.float64), count.detach().to(torch.float64)])
+    pair = torch.stack([total.detach().to(torch.float64), count.detach().to(torch.float64) / replicas])
     return _funcol.all_reduce(pair, "sum", group)
 
 

@@ -17,6 +17,7 @@ from dataclasses import dataclass, replace
 from typing import Mapping
 
 import torch
+from torch import fx
 
 from autopar.profiler.types import ConcreteProfile
 from autopar.solver.cluster import Cluster, Grouping, group, singletons
@@ -29,6 +30,7 @@ from autopar.solver.spec import Replicate, Shard, Spec, Strategy
 from autopar.solver.strategies import strategy_inputs
 from autopar.solver.strategies.localize import in_node_collectives
 from autopar.tracer import TracedGraph, module_path, output_vals
+from autopar.tracer.nodes import grad_carrying
 
 
 
@@ -331,6 +333,19 @@ def _sum(options: list[Option], label: str) -> Option:
 
 
 @gc_paused
+def rides_with_loss(traced: TracedGraph) -> set[tuple[str, int]]:
+    """(node, input index) of a loss's gradient-free divisor: a mean's global token count. Codegen sends
+    it in the loss's own all-reduce (`runtime.deferred_loss.deferred_mean`), so its reshard is free."""
+    if traced.loss_index is None or traced.output_names[traced.loss_index] is None:
+        return set()
+    loss = traced.node(traced.output_names[traced.loss_index])
+    if loss.target is not torch.ops.aten.div.Tensor or len(loss.args) != 2 or not isinstance(loss.args[1], fx.Node):
+        return set()
+    if loss.args[1].name in grad_carrying(traced.graph, set(traced.buffer_fqns)):
+        return set()  # a divisor with a gradient is an input of the loss like any other
+    return {(loss.name, 1)}
+
+
 def build_problem(
     traced: TracedGraph,
     profile: ConcreteProfile,
@@ -355,14 +370,15 @@ def build_problem(
         class_opts.append([_sum([cluster_option(c, i) for c in members], label(i)) for i in range(n_opts)])
     # arcs between classes, deduplicated: (src class, dst class, src spec per option, dst spec per option, shape, itemsize, float)
     arcs: dict[tuple, int] = {}
+    free = rides_with_loss(traced)
     for node in traced.graph.nodes:
         if node.op != "call_function" or node.name not in strategies:
             continue
         v = grouping.cluster_of[node.name]
         for a, (p, k) in enumerate(strategy_inputs(node)):
             u = grouping.cluster_of[p.name]
-            if u == v:
-                continue  # a follower and its producer: consistent by construction
+            if u == v or (node.name, a) in free:
+                continue  # a follower and its producer: consistent by construction; or sent with the loss
             val = output_vals(p)[k]
             src = tuple(strategies[p.name][grouping_choice(clusters[u], p.name, i)].output_specs[k] for i in range(len(clusters[u].choices)))
             dst = tuple(strategies[node.name][grouping_choice(clusters[v], node.name, j)].input_specs[a] for j in range(len(clusters[v].choices)))

@@ -7,6 +7,9 @@ the stages consistent (a strategy's `input_specs[i]` is about
 """
 from __future__ import annotations
 
+import operator
+from typing import Callable
+
 import torch
 from torch import fx
 from torch.utils import _pytree as pytree
@@ -44,3 +47,25 @@ def module_path(node: fx.Node) -> str:
     # export records paths like "L['self'].transformer.h[0].attn" in some versions; normalise to FQN style.
     path = path.replace("L['self'].", "").replace("L['self']", "")
     return path.replace("[", ".").replace("]", "")
+
+
+def is_float(node: fx.Node) -> bool:
+    val = node.meta.get("val")
+    return isinstance(val, torch.Tensor) and val.is_floating_point()
+
+
+def grad_carrying(graph: fx.Graph, buffers: set[str], targs: Callable[[fx.Node], tuple[fx.Node, ...]] = tensor_args) -> set[str]:
+    """Names of nodes whose value can carry a gradient: float values computed from a float parameter or
+    user input. Others (integer tensors, `arange`, a float count of labels, constants) get no grad all-reduce."""
+    out: set[str] = set()
+    for node in graph.nodes:
+        if node.op == "placeholder":
+            if node.name not in buffers and is_float(node):
+                out.add(node.name)
+        elif node.op == "call_function":
+            val = node.meta.get("val")
+            floating = is_float(node) or isinstance(val, (tuple, list))  # a tuple's elements are checked at the getitem
+            ins = (node.args[0],) if node.target is operator.getitem else targs(node)  # tensor_args skips tuple producers
+            if floating and any(a.name in out for a in ins):
+                out.add(node.name)
+    return out

@@ -14,7 +14,8 @@ from torch import nn
 from autopar.profiler import profile
 from autopar.solver.cost import collective_time_s
 from autopar.solver.mesh import Mesh, MeshAxis
-from autopar.solver.problem import _Pricer
+from autopar.solver.problem import _Pricer, rides_with_loss
+from autopar.solver.search import solve
 from autopar.solver.spec import Spec, Strategy
 from autopar.solver.strategies import enumerate_strategies
 from autopar.solver.strategies.localize import in_node_collectives
@@ -111,3 +112,24 @@ def test_communication_volume_counts_the_row_exchanges(monkeypatch):
     monkeypatch.setattr(comm_volume, "in_node_collectives", lambda *a: ())
     without = dict(comm_volume.comm_bytes_by_kind(traced, plan))
     assert with_exchange["all_reduce"] - without.get("all_reduce", 0.0) == 3 * ROWS * 4
+
+
+def test_the_mean_s_token_count_is_priced_as_sent_with_the_loss():
+    """Codegen sends the global token count in the loss's own all-reduce (`deferred_mean`): the solver
+    prices the count's reshard as free, and only for a gradient-free divisor of the loss."""
+    traced = _traced()
+    prof = profile(traced)
+    loss = traced.node(traced.output_names[traced.loss_index])
+    assert loss.target is torch.ops.aten.div.Tensor
+    assert rides_with_loss(traced) == {(loss.name, 1)}
+
+    class Ratio(nn.Module):  # a divisor computed from an input carries a gradient: priced as usual
+        def forward(self, x, y):
+            return x.sum() / y.sum()
+
+    ratio = trace(Ratio(), (torch.empty(4, device="meta", requires_grad=True), torch.empty(4, device="meta", requires_grad=True)))
+    assert rides_with_loss(ratio) == set()
+    # with the count's arc free, the solver on two ranks counts local labels (Partial) rather than gathering them
+    plan = solve(traced, prof, _mesh((2,)), memory_budget_bytes=1e9)
+    labels_spec = next(d.strategy.output_specs[0] for d in plan.nodes if d.node == traced.input_names[1])
+    assert str(labels_spec) == "S(0)", plan
