@@ -8,9 +8,8 @@ depends on the inputs alone, yet sits where the traced graph computes it, near
 the loss: a blocking collective there would stop every rank at the end of the
 forward until the slowest arrives. This pass moves each start, with the ops
 computing its input, to just after those ops' own inputs (for labels: right
-after their placeholder). The
-collective then runs in the background during the forward, and each wait
-moves to just before the value's first use.
+after their placeholder). The collective then runs in the background during
+the forward, and each wait moves to just before the value's first use.
 
 Only plain ATen ops and views are moved (no checkpointed region, no random op,
 no collective): moving them changes no value, since each still runs after its
