@@ -13,30 +13,21 @@ Gradient conventions (all reductions are sums; the loss is the global loss):
 - a "partial grad" (a rank holds one term of the gradient) arises when a
   Replicate tensor feeds a computation sharded over the axis.
 
-Collectives go through torch's functional collectives (`torch.ops._c10d_functional`),
-which take the group name directly and run on NCCL and gloo alike: on torch 2.13
-gloo implements all_gather_into_tensor, reduce_scatter_tensor and
-all_to_all_single, so no fallbacks are needed. They also appear as ops under
-`TorchDispatchMode`, so a selective-checkpoint policy can refuse to recompute them.
-All three move flat buffers split along dim 0; for another tensor dim the data is
-laid out with the fused `kernels.chunk_to_leading` / `kernels.leading_to_dim`
-(one pass each, Triton on GPU, a strided torch copy on CPU).
+The data moves through `runtime.comm` (c10d calls on named groups; why not torch's
+functional collectives is said there). All of them move flat buffers split along
+dim 0; for another tensor dim the data is laid out with the fused
+`kernels.chunk_to_leading` / `kernels.leading_to_dim` (one pass each, Triton on
+GPU, a strided torch copy on CPU).
 """
 from __future__ import annotations
 
 import torch
-from torch.distributed.distributed_c10d import _resolve_process_group
 
+from autopar.runtime import comm
+from autopar.runtime.comm import Started
+from autopar.runtime.comm import group_size_rank as _group
 from autopar.runtime.deferred_loss import deferred_all_reduce, deferred_mean
 from kernels import chunk_to_leading, leading_to_dim
-
-_funcol = torch.ops._c10d_functional
-
-
-def _group(group: str) -> tuple[int, int]:
-    """(size, this rank's index) of the group named `group`."""
-    pg = _resolve_process_group(group)
-    return pg.size(), pg.rank()
 
 
 def _check_even(x: torch.Tensor, dim: int, size: int, group: str) -> None:
@@ -52,7 +43,7 @@ def _local_chunk(x: torch.Tensor, dim: int, group: str) -> torch.Tensor:
 
 def _gather(x: torch.Tensor, dim: int, group: str) -> torch.Tensor:
     size, _ = _group(group)
-    buf = _funcol.wait_tensor(_funcol.all_gather_into_tensor(x.contiguous().view(-1), size, group))
+    buf = comm.all_gather(x.contiguous().view(-1), group)
     shape = list(x.shape)
     shape[dim] *= size
     return leading_to_dim(buf, dim, size, shape)
@@ -62,27 +53,25 @@ def _reduce_scatter(x: torch.Tensor, dim: int, group: str) -> torch.Tensor:
     size, _ = _group(group)
     _check_even(x, dim, size, group)
     send = chunk_to_leading(x, dim, size)  # (size, *chunk_shape)
-    out = _funcol.wait_tensor(_funcol.reduce_scatter_tensor(send.reshape(-1), "sum", size, group))
+    out = comm.reduce_scatter(send.reshape(-1), group)
     return out.view(send.shape[1:])
 
 
 def _all_reduce(x: torch.Tensor, group: str) -> torch.Tensor:
-    return _funcol.wait_tensor(_funcol.all_reduce(x.contiguous(), "sum", group))
+    return comm.all_reduce(x, group)
 
 
 def all_reduce_max(x: torch.Tensor, group: str) -> torch.Tensor:
     """Elementwise max over `group`, outside autograd: for values that only steady a computation
     (the row max that keeps a sharded softmax's exponentials in range), never differentiated."""
-    return _funcol.wait_tensor(_funcol.all_reduce(x.detach().contiguous(), "max", group))
+    return comm.all_reduce(x, group, "max")
 
 
 def _all_to_all(x: torch.Tensor, src_dim: int, dst_dim: int, group: str) -> torch.Tensor:
     """Chunk j of `x` along dst_dim goes to rank j; chunks received from rank i are stacked along src_dim."""
     size, _ = _group(group)
     _check_even(x, dst_dim, size, group)
-    send = chunk_to_leading(x, dst_dim, size).reshape(-1)
-    splits = [send.numel() // size] * size
-    recv = _funcol.wait_tensor(_funcol.all_to_all_single(send, splits, splits, group))
+    recv = comm.all_to_all(chunk_to_leading(x, dst_dim, size).reshape(-1), group)
     shape = list(x.shape)
     shape[src_dim] *= size
     shape[dst_dim] //= size
@@ -236,28 +225,27 @@ def replicate_to_partial(x: torch.Tensor, group: str) -> torch.Tensor:
 # may only be read after its wait, so codegen can start them early and overlap them with compute
 # (`autopar.codegen.schedule`).
 
-def all_reduce_start(x: torch.Tensor, group: str) -> torch.Tensor:
+def all_reduce_start(x: torch.Tensor, group: str) -> Started:
     """P -> R, started; `wait(result)` gives the sum."""
-    return _funcol.all_reduce(x.detach().contiguous(), "sum", group)
+    return comm.all_reduce(x, group, async_op=True)
 
 
-def wait(x: torch.Tensor) -> torch.Tensor:
-    """Block until the collective that produces `x` (`all_reduce_start`) has finished."""
-    return _funcol.wait_tensor(x)
+def wait(started: Started) -> torch.Tensor:
+    """Block until the collective `started` (`all_reduce_start`) has finished; its result."""
+    return started.wait()
 
 
-def all_gather_start(x: torch.Tensor, group: str) -> torch.Tensor:
+def all_gather_start(x: torch.Tensor, group: str) -> Started:
     """S(dim) -> R, started: the ranks' flat buffers, stacked; `wait_all_gather` lays them out."""
-    size, _ = _group(group)
-    return _funcol.all_gather_into_tensor(x.detach().contiguous().view(-1), size, group)
+    return comm.all_gather(x.reshape(-1), group, async_op=True)
 
 
-def wait_all_gather(buf: torch.Tensor, x: torch.Tensor, dim: int, group: str) -> torch.Tensor:
+def wait_all_gather(started: Started, x: torch.Tensor, dim: int, group: str) -> torch.Tensor:
     """The gathered tensor of `all_gather_start(x, group)`, concatenated along `dim`."""
     size, _ = _group(group)
     shape = list(x.shape)
     shape[dim % x.ndim] *= size
-    return leading_to_dim(_funcol.wait_tensor(buf), dim % x.ndim, size, shape)
+    return leading_to_dim(started.wait(), dim % x.ndim, size, shape)
 
 
 # Every collective codegen may emit, by name (codegen maps CollectiveStep.kind onto these).

@@ -34,42 +34,28 @@ from typing import Callable
 import torch
 from torch.utils import _pytree as pytree
 
-_funcol = torch.ops._c10d_functional
+from autopar.runtime import comm
+from autopar.runtime.comm import Started
+
 _aten = torch.ops.aten
-
-
-class _Pending:
-    """An in-flight all-reduce's output, shared by the loss tensor and its autograd node (no cycle
-    between them: a loss dropped without backward frees its graph at once)."""
-
-    __slots__ = ("tensor", "waited")
-
-    def __init__(self, tensor: torch.Tensor):
-        self.tensor, self.waited = tensor, False
-
-    def summed(self) -> torch.Tensor:
-        """The all-reduced tensor, waiting for it the first time."""
-        if not self.waited:
-            self.tensor, self.waited = _funcol.wait_tensor(self.tensor), True
-        return self.tensor
 
 
 class DeferredSum(torch.Tensor):
     """A Replicate value whose all-reduce may still be in flight; any use of its value waits for it."""
 
-    _pending: _Pending
+    _pending: Started  # the all-reduce, shared with the autograd node (no cycle: a loss dropped without backward frees its graph)
     _finish: Callable[[torch.Tensor], torch.Tensor] | None  # summed buffer -> value (None: the buffer itself)
 
     @staticmethod
-    def __new__(cls, pending: _Pending, like: torch.Tensor, finish: Callable[[torch.Tensor], torch.Tensor] | None = None):
+    def __new__(cls, pending: Started, like: torch.Tensor, finish: Callable[[torch.Tensor], torch.Tensor] | None = None):
         return torch.Tensor._make_wrapper_subclass(cls, like.shape, dtype=like.dtype, device=like.device)
 
-    def __init__(self, pending: _Pending, like: torch.Tensor, finish: Callable[[torch.Tensor], torch.Tensor] | None = None):
+    def __init__(self, pending: Started, like: torch.Tensor, finish: Callable[[torch.Tensor], torch.Tensor] | None = None):
         self._pending, self._like, self._finish = pending, like, finish
 
     def value(self) -> torch.Tensor:
         """The global value (a plain tensor), waiting for the all-reduce the first time."""
-        summed = self._pending.summed()
+        summed = self._pending.wait()
         return summed if self._finish is None else self._finish(summed)
 
     def __repr__(self) -> str:  # printing reads the value
@@ -94,12 +80,12 @@ class _DeferredAllReduce(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, group: str) -> DeferredSum:
-        ctx.pending = _Pending(_funcol.all_reduce(x.detach().contiguous(), "sum", group))
+        ctx.pending = comm.all_reduce(x, group, async_op=True)
         return DeferredSum(ctx.pending, x.detach())
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        torch.autograd.Variable._execution_engine.queue_callback(ctx.pending.summed)
+        torch.autograd.Variable._execution_engine.queue_callback(ctx.pending.wait)
         return grad, None
 
 
@@ -108,13 +94,13 @@ class _DeferredMean(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, total: torch.Tensor, count: torch.Tensor, group: str, replicas: int) -> DeferredSum:
-        ctx.pending = _Pending(_start_pair(total, count, group, replicas))
+        ctx.pending = _start_pair(total, count, group, replicas)
         ctx.dtype = total.dtype
         return DeferredSum(ctx.pending, total.detach(), lambda summed, dtype=total.dtype: _mean(summed, dtype))
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        count = ctx.pending.summed()[1].to(ctx.dtype)
+        count = ctx.pending.wait()[1].to(ctx.dtype)
         return grad / count, None, None, None
 
 
@@ -124,7 +110,7 @@ def deferred_all_reduce(x: torch.Tensor, group: str) -> torch.Tensor:
     Without autograd (no grad mode, or `x` needs none) there is no backward to overlap with: a plain
     all-reduce, waited now, keeps eval loops simple."""
     if not (torch.is_grad_enabled() and x.requires_grad):
-        return _funcol.wait_tensor(_funcol.all_reduce(x.contiguous(), "sum", group))
+        return comm.all_reduce(x, group)
     return _DeferredAllReduce.apply(x, group)
 
 
@@ -134,14 +120,14 @@ def deferred_mean(total: torch.Tensor, count: torch.Tensor, group: str, replicas
     first needed. `replicas`: how many ranks of `group` hold each count term (the count is Partial over
     fewer axes than the sum, Replicate over the rest): each sends count / replicas."""
     if not (torch.is_grad_enabled() and total.requires_grad):
-        return _mean(_funcol.wait_tensor(_start_pair(total, count, group, replicas)), total.dtype)
+        return _mean(_start_pair(total, count, group, replicas).wait(), total.dtype)
     return _DeferredMean.apply(total, count, group, replicas)
 
 
-def _start_pair(total: torch.Tensor, count: torch.Tensor, group: str, replicas: int) -> torch.Tensor:
+def _start_pair(total: torch.Tensor, count: torch.Tensor, group: str, replicas: int) -> Started:
     """The all-reduce of (sum, count), started; float64 keeps both exact (float32 terms; counts to 2**53)."""
     pair = torch.stack([total.detach().to(torch.float64), count.detach().to(torch.float64) / replicas])
-    return _funcol.all_reduce(pair, "sum", group)
+    return comm.all_reduce(pair, group, async_op=True)
 
 
 def _mean(summed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

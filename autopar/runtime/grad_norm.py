@@ -21,11 +21,11 @@ from typing import Mapping
 
 import torch
 
+from autopar.runtime import comm
 from autopar.runtime.mesh import ProcessMesh
 from autopar.solver.spec import Shard, Spec
 
 _EPS = 1e-6  # torch.nn.utils.clip_grad_norm_'s
-_funcol = torch.ops._c10d_functional
 
 
 def total_grad_norm(grads: Mapping[str, torch.Tensor], storage: Mapping[str, Spec], mesh: ProcessMesh,
@@ -46,7 +46,7 @@ def total_grad_norm(grads: Mapping[str, torch.Tensor], storage: Mapping[str, Spe
         for g in grads_here:  # this rank's share of the group: a max, or a sum of |g|^p
             part = torch.maximum(part, g.abs().max()) if is_inf else part + g.abs().pow(norm_type).sum()
         if axes:
-            part = _funcol.wait_tensor(_funcol.all_reduce(part, "max" if is_inf else "sum", mesh.flat_group_name(axes)))
+            part = comm.all_reduce(part, mesh.flat_group_name(axes), "max" if is_inf else "sum")
         part = part.cpu().reshape(())
         total = torch.maximum(total, part) if is_inf else total + part
     return (total if is_inf else total.pow(1.0 / norm_type)).float()

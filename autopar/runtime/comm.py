@@ -1,0 +1,87 @@
+"""The raw collectives on named process groups, issued through c10d (`torch.distributed`).
+
+    summed = all_reduce(x, "3")                    # a new tensor: x summed over group "3"
+    started = all_reduce(x, "3", async_op=True)    # a `Started`: the sum runs in the background...
+    summed = started.wait()                        # ...and is read after its wait
+
+Every function takes the group's c10d name (what `ProcessMesh.group_name` gives and
+what codegen writes into `gm.code`), moves flat contiguous buffers and never
+writes into its input. `collectives.py` builds the autograd-aware operators on
+these, `deferred_loss.py` the loss that is summed in the background.
+
+Why c10d and not torch's functional collectives (`torch.ops._c10d_functional`):
+on torch 2.13 with gloo, a functional collective left in flight while this
+thread goes on issuing others corrupts the heap now and then (measured: two
+ranks, a started all-gather or all-reduce plus three waited collectives per
+round: a segfault or `malloc(): unaligned tcache chunk` within 5,000 rounds in
+about one run of three, one worker thread per group or two). The same rounds
+through c10d's calls, the way DDP's reducer issues its buckets, ran 40,000
+rounds clean. Both run on NCCL and gloo, and both are dispatcher ops
+(`c10d.allreduce_`, ...), so torch's `LocalTensorMode` simulates either.
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch.distributed.distributed_c10d import _resolve_process_group
+
+_OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}
+
+
+class Started:
+    """A collective in flight: its result buffer and the c10d work writing into it."""
+
+    __slots__ = ("_tensor", "_work")
+
+    def __init__(self, tensor: torch.Tensor, work: dist.Work | None):
+        self._tensor, self._work = tensor, work
+
+    def wait(self) -> torch.Tensor:
+        """The result, blocking until the collective is complete (once; later calls return at once)."""
+        if self._work is not None:
+            self._work.wait()
+            self._work = None
+        return self._tensor
+
+
+def group_size_rank(group: str) -> tuple[int, int]:
+    """(size, this rank's index) of the group named `group`."""
+    pg = _resolve_process_group(group)
+    return pg.size(), pg.rank()
+
+
+def _finish(out: torch.Tensor, work: dist.Work | None, async_op: bool) -> torch.Tensor | Started:
+    return Started(out, work) if async_op else out
+
+
+def all_reduce(x: torch.Tensor, group: str, op: str = "sum", async_op: bool = False) -> torch.Tensor | Started:
+    """Elementwise `op` ("sum" or "max") of `x` over `group`, into a new tensor."""
+    out = x.detach().contiguous().clone()
+    work = dist.all_reduce(out, op=_OPS[op], group=_resolve_process_group(group), async_op=async_op)
+    return _finish(out, work, async_op)
+
+
+def all_gather(flat: torch.Tensor, group: str, async_op: bool = False) -> torch.Tensor | Started:
+    """The group's 1-D buffers back to back, rank order (size * numel elements)."""
+    pg = _resolve_process_group(group)
+    flat = flat.detach().contiguous()
+    out = flat.new_empty(pg.size() * flat.numel())
+    work = dist.all_gather_into_tensor(out, flat, group=pg, async_op=async_op)
+    return _finish(out, work, async_op)
+
+
+def reduce_scatter(flat: torch.Tensor, group: str) -> torch.Tensor:
+    """Chunk r (of size numel / group size) of the group's summed 1-D buffers, on rank r."""
+    pg = _resolve_process_group(group)
+    flat = flat.detach().contiguous()
+    out = flat.new_empty(flat.numel() // pg.size())
+    dist.reduce_scatter_tensor(out, flat, op=dist.ReduceOp.SUM, group=pg)
+    return out
+
+
+def all_to_all(flat: torch.Tensor, group: str) -> torch.Tensor:
+    """Equal chunks of a 1-D buffer exchanged: chunk j goes to rank j, chunk i received comes from rank i."""
+    flat = flat.detach().contiguous()
+    out = torch.empty_like(flat)
+    dist.all_to_all_single(out, flat, group=_resolve_process_group(group))
+    return out
