@@ -66,7 +66,7 @@ def all_gather(flat: torch.Tensor, group: str, async_op: bool = False) -> torch.
     pg = _resolve_process_group(group)
     flat = flat.detach().contiguous()
     out = flat.new_empty(pg.size() * flat.numel())
-    work = dist.all_gather_into_tensor(out, flat, group=pg, async_op=async_op)
+    work = dist.all_gather_single(out, flat, group=pg, async_op=async_op)
     return _finish(out, work, async_op)
 
 
@@ -75,7 +75,7 @@ def reduce_scatter(flat: torch.Tensor, group: str) -> torch.Tensor:
     pg = _resolve_process_group(group)
     flat = flat.detach().contiguous()
     out = flat.new_empty(flat.numel() // pg.size())
-    dist.reduce_scatter_tensor(out, flat, op=dist.ReduceOp.SUM, group=pg)
+    dist.reduce_scatter_single(out, flat, op=dist.ReduceOp.SUM, group=pg)
     return out
 
 
