@@ -1,0 +1,90 @@
+"""A mean loss's division by the global token count leaves backward for the gradient sync only when exact.
+
+GPT-2 tiny, data parallel on 2 gloo ranks, ignored labels all on rank 0 (the two
+ranks' counts differ). Each case is checked against the single-device gradients
+of the same global batch, and the test records what `GradSync.defer_scale`
+decided, so a case that silently took the other path fails too.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.codegen.harness import loss_of, reference, trace_model
+from tests.codegen.plans import cpu_mesh, greedy_plan, load_zoo
+
+from autopar.codegen import ParallelModule, lower
+from autopar.runtime.batch import batch_slice
+from autopar.runtime.launch import run_ranks
+from autopar.runtime.mesh import ProcessMesh
+from autopar.tracer import split_sample_input
+
+
+def _module(model, traced, plan) -> tuple[ParallelModule, list[bool]]:
+    mesh = ProcessMesh((2,))
+    pm = ParallelModule(lower(traced, plan, mesh, params=dict(model.named_parameters(remove_duplicate=False))),
+                        traced, mesh, plan)
+    decisions: list[bool] = []
+    take = pm._sync.defer_scale
+
+    def recorded(pending):
+        decisions.append(take(pending))
+        return decisions[-1]
+
+    pm._sync.defer_scale = recorded
+    return pm, decisions
+
+
+def _grads(pm: ParallelModule) -> dict[str, torch.Tensor]:
+    return {fqn: p.grad.clone() for fqn, p in pm.named_parameters()}
+
+
+def _close(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor], what: str) -> None:
+    for fqn, g in want.items():
+        torch.testing.assert_close(got[fqn], g, rtol=1e-4, atol=1e-5, msg=lambda m: f"{what}: grad of {fqn}: {m}")
+
+
+def _cases(rank, world, model, sample, traced, plan, want):
+    pm, decisions = _module(model, traced, plan)
+    args, kwargs = batch_slice(split_sample_input(sample), rank, world)
+
+    def step():
+        return loss_of(pm(*args, **kwargs))
+
+    step().backward()  # fresh grads, one loss: the sync divides
+    assert decisions == [True], decisions
+    _close(_grads(pm), want, "deferred")
+
+    step().backward()  # accumulation: the grads exist, backward divides
+    assert decisions == [True, False], decisions
+    _close(_grads(pm), {k: 2 * v for k, v in want.items()}, "accumulated")
+
+    pm.zero_grad(set_to_none=True)
+    (step() + step()).backward()  # two losses in one backward: each keeps its own division
+    assert decisions == [True, False, False, False], decisions
+    _close(_grads(pm), {k: 2 * v for k, v in want.items()}, "two losses")
+
+    # no_sync: each rank's own (unreduced) term, divided by the global count either way
+    pm.zero_grad(set_to_none=True)
+    with pm._sync.no_sync():
+        step().backward()
+    deferred = _grads(pm)
+    pm.zero_grad(set_to_none=True)
+    with pm._sync.no_sync():
+        loss = step()
+        pm._sync.forbid_deferral()
+        loss.backward()
+    assert decisions[-2:] == [True, False], decisions
+    _close(deferred, _grads(pm), "no_sync")
+    return decisions
+
+
+@pytest.mark.timeout(120)
+def test_the_count_division_moves_to_the_grad_sync_only_when_exact():
+    model, sample = load_zoo("gpt2").build(batch_size=4, seq_len=8, size="tiny", device="cpu")
+    sample["labels"][0, :5] = -100  # all on rank 0: the ranks' token counts differ
+    traced = trace_model(model, sample)
+    plan = greedy_plan(traced, cpu_mesh((2,)), {name: "S(0)" for name in traced.input_names})
+    want = reference(model, sample, 1).grads[0]
+    results = run_ranks(_cases, 2, model, sample, traced, plan, want, timeout_s=100)
+    assert results[0] == results[1]
