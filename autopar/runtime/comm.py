@@ -50,15 +50,11 @@ def group_size_rank(group: str) -> tuple[int, int]:
     return pg.size(), pg.rank()
 
 
-def _finish(out: torch.Tensor, work: dist.Work | None, async_op: bool) -> torch.Tensor | Started:
-    return Started(out, work) if async_op else out
-
-
 def all_reduce(x: torch.Tensor, group: str, op: str = "sum", async_op: bool = False) -> torch.Tensor | Started:
     """Elementwise `op` ("sum" or "max") of `x` over `group`, into a new tensor."""
-    out = x.detach().contiguous().clone()
+    out = x.detach().clone(memory_format=torch.contiguous_format)  # one copy, dense whatever x's layout
     work = dist.all_reduce(out, op=_OPS[op], group=_resolve_process_group(group), async_op=async_op)
-    return _finish(out, work, async_op)
+    return Started(out, work) if async_op else out
 
 
 def all_gather(flat: torch.Tensor, group: str, async_op: bool = False) -> torch.Tensor | Started:
@@ -67,7 +63,7 @@ def all_gather(flat: torch.Tensor, group: str, async_op: bool = False) -> torch.
     flat = flat.detach().contiguous()
     out = flat.new_empty(pg.size() * flat.numel())
     work = dist.all_gather_single(out, flat, group=pg, async_op=async_op)
-    return _finish(out, work, async_op)
+    return Started(out, work) if async_op else out
 
 
 def reduce_scatter(flat: torch.Tensor, group: str) -> torch.Tensor:

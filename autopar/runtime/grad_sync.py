@@ -36,8 +36,8 @@ the grads of the summed losses, with or without `no_sync()`.
 
 A mean loss's division by its global token count (`runtime.deferred_loss`) can be
 taken over (`defer_scale`): backward then carries the gradient of the sum, and
-`finish` divides this backward's gradients by the count, in the unpack of each
-synced bucket and in place for the other parameters. It is exact only when every
+`finish` divides this backward's gradients by the count: each synced bucket
+before its unpack, the other parameters' grads in place. It is exact only when every
 gradient the module's parameters get in this backward came through that one loss,
 so it is accepted only when: one such loss was computed since the last backward
 ended (two losses summed into one backward keep their own divisions), nothing
