@@ -17,11 +17,14 @@ bucket order, whatever order the hooks fire in, so that every rank issues the sa
 collectives in the same order. A callback queued on the autograd engine waits for all
 of them when backward ends (or call `finish()`); a bucket some of whose grads were
 never produced is launched there with zeros for them, since the peers may have them.
-Packing into the flat bucket and back is `kernels.pack` / `kernels.unpack` (one
-fused pass each, optional cast for the wire). A bucket's flat buffer exists only from
-its launch until its grads are unpacked: kept between steps it would be a second copy
-of every synced grad alive through forward (3.2 MB of 22 MB on a small GPT-2), which
-the solver's memory model does not (and should not) count.
+Packing into the flat bucket is `kernels.pack` (one fused pass, optional cast for
+the wire). Once summed, the bucket becomes the grads: each `.grad` is set to a view
+of it and the local grads are freed (like DDP's `gradient_as_bucket_view`, but for
+the synced result only); a bucket cast for the wire is unpacked instead
+(`kernels.unpack`). A bucket's flat buffer is allocated at its launch: kept between
+steps it would be a second copy of every synced grad alive through forward (3.2 MB
+of 22 MB on a small GPT-2), which the solver's memory model does not (and should
+not) count; as the grads' storage it lives exactly as long as they do.
 
 Gradient accumulation: a grad is SUMMED over ranks, so a backward may only reduce its
 own contribution (DDP averages, for which re-reducing an already-synced grad is
@@ -77,9 +80,15 @@ class _Bucket:
     numel: int
     dtype: torch.dtype  # the wire dtype
     device: torch.device
+    sizes: list[int] = field(default_factory=list)  # each param's numel, in `params` order
     buffer: torch.Tensor | None = None  # flat; allocated at launch, dropped once unpacked
     ready: set[int] = field(default_factory=set)  # positions in `params` whose grad is accumulated
     work: dist.Work | None = None  # the in-flight all-reduce over groups[0]
+
+    @property
+    def as_grads(self) -> bool:
+        """The summed buffer can be the grads themselves: same dtype, and views of it are laid out like the params."""
+        return all(p.dtype == self.dtype and p.is_contiguous() for p in self.params)
 
 
 class GradSync:
@@ -141,6 +150,7 @@ class GradSync:
             self._where[id(p)] = (b, len(b.params))
             b.names.append(name)
             b.params.append(p)
+            b.sizes.append(p.numel())
             b.numel += p.numel()
             self._handles.append(p.register_hook(self._before_accumulate_hook(p)))
             self._handles.append(p.register_post_accumulate_grad_hook(self._on_grad))
@@ -252,12 +262,17 @@ class GradSync:
             # threads, so the next sum can only start once the previous one is complete.
             for g in b.groups[1:]:
                 dist.all_reduce(b.buffer, group=_resolve_process_group(g))
-            for p in b.params:
-                if p.grad is None:
-                    p.grad = torch.empty_like(p)
             if scale is not None:
                 b.buffer.mul_(scale)
-            unpack(b.buffer, [p.grad for p in b.params])
+            if b.as_grads:
+                # The summed bucket becomes the grads' storage (no copy back; the local grads are freed).
+                for p, view in zip(b.params, b.buffer.split(b.sizes)):
+                    p.grad = view.view(p.shape)
+            else:
+                for p in b.params:
+                    if p.grad is None:
+                        p.grad = torch.empty_like(p)
+                unpack(b.buffer, [p.grad for p in b.params])
             for p in b.params:
                 written.add(id(p))
                 held = self._held.pop(id(p), None)

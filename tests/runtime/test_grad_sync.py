@@ -96,3 +96,26 @@ def _bucket_layout(rank: int, world_size: int) -> list[list[str]]:
 def test_buckets_fill_in_reverse_order(spmd):
     names = spmd(_bucket_layout, 2)[0]
     assert names == [["4.bias", "4.weight", "2.bias"], ["2.weight", "0.bias"], ["0.weight"]]
+
+
+def _bucket_storage(rank: int, world_size: int, reduce_dtype: torch.dtype | None) -> tuple[int, float]:
+    """Distinct grad storages after a synced backward (one bucket), and the largest error against one process."""
+    mesh = ProcessMesh((world_size,))
+    model, ref = _model(), _model()
+    GradSync([(n, p, mesh.group_names) for n, p in model.named_parameters()], reduce_dtype=reduce_dtype)
+    gen = torch.Generator().manual_seed(1)
+    x, y = torch.randn(GLOBAL_BATCH, 8, generator=gen), torch.randn(GLOBAL_BATCH, 4, generator=gen)
+    _loss(model, x.chunk(world_size)[rank], y.chunk(world_size)[rank]).backward()
+    _loss(ref, x, y).backward()
+    storages = {p.grad.untyped_storage().data_ptr() for p in model.parameters()}
+    error = max((p.grad - q.grad).abs().max().item() for p, q in zip(model.parameters(), ref.parameters()))
+    return len(storages), error
+
+
+def test_summed_bucket_becomes_the_grads(spmd):
+    # The grads' own dtype on the wire: every grad is a view of the one summed bucket (no copy back).
+    storages, error = spmd(_bucket_storage, 2, None)[0]
+    assert storages == 1 and error < 1e-6
+    # A bf16 wire: the bucket is unpacked into each fp32 grad, within bf16 rounding of the reference.
+    storages, error = spmd(_bucket_storage, 2, torch.bfloat16)[0]
+    assert storages == 6 and 0 < error < 1e-2
