@@ -24,7 +24,7 @@ from torch.utils import _pytree as pytree
 from autopar.codegen.lower import LoweringInfo
 from autopar.codegen.shapes import LoweringError
 from autopar.runtime.batch import batch_slice
-from autopar.runtime.deferred_loss import grads_scaled_by
+from autopar.runtime.deferred_loss import grads_scaled_by, other_output
 from autopar.runtime.grad_norm import clip_grad_norm_
 from autopar.runtime.grad_sync import GradSync
 from autopar.runtime.mesh import ProcessMesh
@@ -75,11 +75,14 @@ class ParallelModule(nn.Module):
         if spec != self._in_spec:
             raise LoweringError(f"called with inputs structured as {spec}; the model was traced with {self._in_spec}")
         with grads_scaled_by(self._sync):  # a mean loss may leave its division by the count to the sync
-            outs = self.graph_module(*flat)
-        others = [*flat, *(out for i, out in enumerate(outs) if i != self._loss_index)]
-        if torch.is_grad_enabled() and any(isinstance(t, torch.Tensor) and t.requires_grad for t in others):
-            self._sync.forbid_deferral()  # gradient may also enter through these: the loss keeps its division
-        return pytree.tree_unflatten(list(outs), self._out_spec)
+            outs = list(self.graph_module(*flat))
+        if torch.is_grad_enabled():
+            if any(isinstance(t, torch.Tensor) and t.requires_grad for t in flat):
+                self._sync.forbid_deferral()  # their grads would be those of the loss's sum: it keeps its division
+            for i, out in enumerate(outs):
+                if i != self._loss_index and isinstance(out, torch.Tensor) and out.requires_grad:
+                    outs[i] = other_output(out, self._sync)  # gradient entering there stays exact
+        return pytree.tree_unflatten(outs, self._out_spec)
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """`torch.nn.utils.clip_grad_norm_` for this module: the norm of the full gradients across all

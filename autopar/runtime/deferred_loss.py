@@ -34,7 +34,11 @@ backward may instead pass on the gradient of the SUM and leave the division to
 the taker (`GradSync`), which divides every gradient that backward gives the
 module's parameters by the count once the all-reduce is waited at the end of
 backward. The taker accepts only when that is exact (`GradSync.defer_scale`);
-otherwise backward waits and divides here, as before.
+otherwise backward waits and divides here, as before. The module's other outputs
+(a Hugging Face model's logits) are passed through `other_output`: gradient
+entering there is multiplied by the count if the division was already taken
+over, or else makes the taker leave the division in backward, whichever of the
+two backward steps the engine runs first.
 """
 from __future__ import annotations
 
@@ -60,6 +64,10 @@ class ScaleTaker(Protocol):
     def defer_scale(self, pending: Started) -> bool:
         """Called at the loss's backward: True when the taker will divide every gradient this backward
         gives its parameters by the count in `pending.wait()[1]`; False: divide here."""
+
+    def gradient_enters(self) -> torch.Tensor | None:
+        """Called when gradient enters through another output of the module in this backward: the
+        count to multiply it by if the division was taken over, else None (and it stays in backward)."""
 
 
 _SCALE_TAKER: ContextVar[ScaleTaker | None] = ContextVar("autopar_scale_taker", default=None)
@@ -143,6 +151,29 @@ class _DeferredMean(torch.autograd.Function):
             return grad, None, None, None  # the gradient of the sum: the taker divides by the count
         count = ctx.pending.wait()[1].to(ctx.dtype)
         return grad / count, None, None, None
+
+
+class _EntersScaled(torch.autograd.Function):
+    """Identity on a module output other than the loss. Backward: the gradient entering there, times
+    the global count when the division by it was taken over (the taker's division then restores it);
+    otherwise unchanged, and the taker leaves the division in backward for the rest of this backward."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, taker: ScaleTaker) -> torch.Tensor:
+        ctx.taker = taker
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        count = ctx.taker.gradient_enters()
+        return (grad if count is None else grad * count.to(grad.dtype)), None
+
+
+def other_output(x: torch.Tensor, taker: ScaleTaker) -> torch.Tensor:
+    """`x`, an output of the module besides its loss, marked so that gradient entering through it in a
+    backward whose division by the count was taken over is scaled back (see `_EntersScaled`). Without
+    such gradient, which is every `loss.backward()`, the mark costs nothing in backward."""
+    return _EntersScaled.apply(x, taker)
 
 
 def deferred_all_reduce(x: torch.Tensor, group: str) -> torch.Tensor:

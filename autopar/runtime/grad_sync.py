@@ -44,9 +44,11 @@ before its unpack, the other parameters' grads in place. It is exact only when e
 gradient the module's parameters get in this backward came through that one loss,
 so it is accepted only when: one such loss was computed since the last backward
 ended (two losses summed into one backward keep their own divisions), nothing
-forbade it (`forbid_deferral`: inputs that require grad, other outputs that carry
-gradient), and no parameter holds a gradient yet (accumulation keeps the division
-in backward). A parameter of this module also used outside it in the same
+forbade it (`forbid_deferral`: inputs that require grad, whose gradients would be
+those of the sum), and no parameter holds a gradient yet (accumulation keeps the
+division in backward). Gradient entering through another output of the module
+(`gradient_enters`) is multiplied by the count if the division was taken over, and
+otherwise keeps the division in backward. A parameter of this module also used outside it in the same
 backward would have that outside gradient divided too: the module's parameters are
 its own local shards, so that takes reaching into the module on purpose.
 """
@@ -198,6 +200,17 @@ class GradSync:
     def forbid_deferral(self) -> None:
         """Gradient may enter the module other than through its loss until the next backward ends."""
         self._forbidden = True
+
+    def gradient_enters(self) -> torch.Tensor | None:
+        """Gradient enters through another output of the module in this backward (`deferred_loss.other_output`).
+        If the division by a mean loss's count was taken over, returns that count: the caller multiplies
+        what enters by it, so that `finish`'s division leaves it as it was. Otherwise the division stays
+        in backward for the rest of this backward."""
+        self._queue_finish()
+        if self._count is not None:
+            return self._count.wait()[1]
+        self._forbidden = True
+        return None
 
     def defer_scale(self, pending: Started) -> bool:
         """Take over the division by the count of `pending` (a (sum, count) all-reduce) when it is exact."""

@@ -7,6 +7,8 @@ decided, so a case that silently took the other path fails too.
 """
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 
@@ -88,3 +90,34 @@ def test_the_count_division_moves_to_the_grad_sync_only_when_exact():
     want = reference(model, sample, 1).grads[0]
     results = run_ranks(_cases, 2, model, sample, traced, plan, want, timeout_s=100)
     assert results[0] == results[1]
+
+
+def _hf_cases(rank, world, model, sample, traced, plan, want, want_aux, w):
+    pm, decisions = _module(model, traced, plan)
+    args, kwargs = batch_slice(split_sample_input(sample), rank, world)
+    out = pm(*args, **kwargs)
+    assert out.logits.requires_grad
+    out.loss.backward()  # the logits carry no gradient: the division is taken over all the same
+    assert decisions == [True], decisions
+    _close(_grads(pm), want, "loss with logits returned")
+    pm.zero_grad(set_to_none=True)
+    out = pm(*args, **kwargs)  # gradient through the logits as well: still exact
+    torch.autograd.backward([out.loss, (out.logits * batch_slice(w, rank, world)).sum()])
+    _close(_grads(pm), want_aux, "loss and logits")
+    return decisions
+
+
+@pytest.mark.timeout(180)
+def test_a_model_returning_logits_keeps_the_division_out_of_backward():
+    """A Hugging Face causal LM returns its logits (requiring grad) next to the loss."""
+    model, sample = load_zoo("hf_gpt2").build(batch_size=4, seq_len=8, size="tiny", device="cpu")
+    sample["labels"][0, :5] = -100
+    traced = trace_model(model, sample)
+    plan = greedy_plan(traced, cpu_mesh((2,)), {name: "S(0)" for name in traced.input_names})
+    want = reference(model, sample, 1).grads[0]
+    ref = copy.deepcopy(model)
+    out = ref(**sample)
+    w = torch.randn(out.logits.shape, generator=torch.Generator().manual_seed(3))
+    (out.loss + (out.logits * w).sum()).backward()
+    want_aux = {n: p.grad.clone() for n, p in ref.named_parameters()}
+    run_ranks(_hf_cases, 2, model, sample, traced, plan, want, want_aux, w, timeout_s=150)
