@@ -293,14 +293,31 @@ def cmd_profile(args: Any) -> int:
 
 
 def cmd_calibrate(args: Any) -> int:
-    from autopar.runtime.calibrate import calibrate
     from autopar.runtime.launch import init_from_env
+
+    import torch.distributed as dist
+
+    owned = not dist.is_initialized()
+    if owned:
+        init_from_env()
+    try:
+        _calibrate_and_report(args)
+        if owned:
+            dist.barrier()  # no rank tears the group down while another still uses it
+    finally:
+        if owned:
+            # Torn down before exit: left to interpreter shutdown, gloo's threads die with it and
+            # a rank now and then aborts ("terminate called without an active exception").
+            dist.destroy_process_group()
+    return 0
+
+
+def _calibrate_and_report(args: Any) -> None:
+    from autopar.runtime.calibrate import calibrate
     from autopar.solver.plan_io import mesh_to_json
 
     import torch.distributed as dist
 
-    if not dist.is_initialized():
-        init_from_env()
     if dist.get_world_size() != args.gpus:
         raise UsageError(f"--gpus {args.gpus} but the process group has {dist.get_world_size()} ranks\n  fix: launch with `torchrun --nproc_per_node {args.gpus} -m autopar.cli calibrate --gpus {args.gpus}`")
     mesh = calibrate()
@@ -314,5 +331,4 @@ def cmd_calibrate(args: Any) -> int:
             out_console().print(f"  compute {mesh.flops_per_s / 1e12:.2f} TFLOP/s, memory bandwidth {mesh.mem_bandwidth_bytes_per_s / 1e9:.1f} GB/s, memory {fmt_bytes(mesh.memory_bytes)}")
         if args.save:
             Path(args.save).write_text(mesh_to_json(mesh) + "\n")
-    return 0
 

@@ -169,10 +169,10 @@ def collective_call(kind: str, local_bytes: int, n: int, axis_group, device: tor
         return lambda: dist.all_reduce(x, group=axis_group)
     if kind == "all_gather":
         full = torch.empty(numel * n, dtype=torch.float32, device=device)
-        return lambda: dist.all_gather_into_tensor(full, x, group=axis_group)
+        return lambda: dist.all_gather_single(full, x, group=axis_group)
     if kind == "reduce_scatter":
         full = torch.ones(numel * n, dtype=torch.float32, device=device)
-        return lambda: dist.reduce_scatter_tensor(x, full, group=axis_group)
+        return lambda: dist.reduce_scatter_single(x, full, group=axis_group)
     out = torch.empty_like(x)
     return lambda: dist.all_to_all_single(out, x, group=axis_group)
 

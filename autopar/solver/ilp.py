@@ -29,6 +29,9 @@ Constraint families (each PuLP constraint is named after its family):
   gather_{v}          T >= sum_g gathered[v,g] z[v,g]
   rebuild_{r}         T >= sum_{v in layer r, g} saved[v,g] / copies[v] y[v,g]   (backward rebuilds a
                       recomputed layer's activations together; a tied class counts one layer's share)
+                      + sum_{p in layer r, g} gathered[p,g] q[p,g]: the layer's ZeRO parameters, gathered
+                      again by the rebuild and saved by it, where q >= z + R_r - 1, R_r >= each y of
+                      layer r (continuous, pushed down by the memory row: q = z AND "r rebuilt")
   memory              sum_{v,s} static[v,s] x - sum_g (1 - 1/f[v,g]) static[v,g] z
                       + saved[v,s] x - sum_g saved[v,g] y + T <= budget   (`add_memory_limit`)
 Objective (time of one step):
@@ -93,6 +96,7 @@ def evaluate(problem: Problem, a: Assignment) -> tuple[MemoryBreakdown, TimeBrea
     compute_s = comm_s = recompute_s = 0.0
     params = grads = opt = act = temp = 0.0
     rebuilt: dict[str, float] = {}  # layer -> its recomputed activations, alive together while backward rebuilds it
+    regathered: dict[str, float] = {}  # layer -> its ZeRO parameters' gathered bytes (saved by the rebuild)
     kept = {u for u, v in problem.recompute_with if not a.recompute[v]}  # a consumer that is not recomputed saves them
     for v, node in enumerate(problem.nodes):
         o = node.options[a.choice[v]]
@@ -105,6 +109,8 @@ def evaluate(problem: Problem, a: Assignment) -> tuple[MemoryBreakdown, TimeBrea
             factor = o.zero.factor
             comm_s += o.zero.comm_s
             temp = max(temp, o.zero.gathered_bytes)
+            if node.region is not None:
+                regathered[node.region] = regathered.get(node.region, 0.0) + o.zero.gathered_bytes
         params += o.param_bytes / factor
         grads += o.grad_bytes / factor
         opt += o.optimizer_bytes / factor
@@ -119,7 +125,7 @@ def evaluate(problem: Problem, a: Assignment) -> tuple[MemoryBreakdown, TimeBrea
         else:
             act += o.saved_bytes
         temp = max(temp, o.temp_bytes)
-    temp = max(temp, *rebuilt.values()) if rebuilt else temp
+    temp = max(temp, *(b + regathered.get(r, 0.0) for r, b in rebuilt.items())) if rebuilt else temp
     for e in problem.edges:
         comm_s += e.cost(a.choice[e.src], a.choice[e.dst])
         if a.recompute[e.dst]:
@@ -285,14 +291,26 @@ class _Model:
                 self.prob += self.temp >= pulp.LpAffineExpression(terms), f"temp_{v}"
         for v, terms in self.gathered.items():  # at most one of a node's z is 1: one row per node
             self.prob += self.temp >= pulp.LpAffineExpression(terms), f"gather_{v}"
-        # a recomputed layer's activations are rebuilt together in backward (one row per layer; see `evaluate`)
+        # a recomputed layer's activations are rebuilt together in backward (one row per layer; see `evaluate`),
+        # and its ZeRO parameters, gathered again by the rebuild, are saved by it: alive alongside
         rebuilt: dict[str, dict[pulp.LpVariable, float]] = {}  # layer -> y -> rebuilt GiB per layer
         for (v, s), y in self.y.items():  # the options of one y's group save the same bytes
             node = self.problem.nodes[v]
             if node.region is not None:
                 rebuilt.setdefault(node.region, {})[y] = node.options[s].saved_bytes / node.copies / _GIB
-        for r, terms in enumerate(rebuilt.values()):
-            self.prob += self.temp >= pulp.LpAffineExpression(list(terms.items())), f"rebuild_{r}"
+        for r, (region, terms) in enumerate(rebuilt.items()):
+            row = list(terms.items())
+            gathered = [(z, b) for v, zs in self.gathered.items() if self.problem.nodes[v].region == region for z, b in zs]
+            if gathered:
+                # "layer rebuilt" and "z and layer rebuilt", linearised from below: the memory row pushes them down
+                any_y = pulp.LpVariable(f"rebuilt_{r}", lowBound=0, upBound=1)
+                for j, y in enumerate(terms):
+                    self.prob += any_y >= y, f"rebuilt_{r}_{j}"
+                for j, (z, b) in enumerate(gathered):
+                    both = pulp.LpVariable(f"regather_{r}_{j}", lowBound=0)
+                    self.prob += both >= z + any_y - 1, f"regather_{r}_{j}"
+                    row.append((both, b))
+            self.prob += self.temp >= pulp.LpAffineExpression(row), f"rebuild_{r}"
 
     def add_memory_limit(self) -> None:
         """The budget row (kept out of the model until the unconstrained optimum is known not to fit)."""

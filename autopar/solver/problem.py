@@ -408,8 +408,10 @@ def build_problem(
     nodes = []
     for cls, members in enumerate(grouping.classes):
         leader = pricer.nodes[clusters[members[0]].leader]
+        # a parameter's layer is its FQN's: the ILP counts a ZeRO parameter as gathered while its layer is rebuilt
+        path = traced.param_fqns.get(leader.name) or module_path(leader)
         nodes.append(Node(leader.name, tuple(class_opts[cls]), recomputable=leader.op == "call_function",
-                          region=_layer_of(module_path(leader)), copies=len(members)))
+                          region=_layer_of(path), copies=len(members)))
     groups = sorted(frozenset().union(*(o.sync_groups for n in nodes for o in n.options)))
     # a consumer whose backward keeps a producer's output (the profiler's saved_refs) must be recomputed with it
     cls = {name: grouping.class_of[c] for name, c in grouping.cluster_of.items()}
