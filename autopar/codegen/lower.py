@@ -348,6 +348,7 @@ class _Lowerer:
                 else:
                     new_flat.append(leaf)
             args, kwargs = pytree.tree_unflatten(new_flat, spec)
+            target, kwargs = _as_eager_runs(node, target, kwargs)
             target, args, kwargs = random_ops.wrap(target, tuple(args), kwargs, self.out_specs(node), self.mesh)
             out = self.graph.create_node("call_function", target, tuple(args), kwargs, name=node.name)
         new = before.next if before is not None else next(iter(self.graph.nodes))
@@ -426,6 +427,25 @@ class _Lowerer:
         for n in dead:  # the division and the count's all-reduces, now done by deferred_mean
             self.graph.erase_node(n)
         return out
+
+
+def _as_eager_runs(node: fx.Node, target: Any, kwargs: dict) -> tuple[Any, dict]:
+    """Layout ops as eager runs them, whatever layout the kernels that run give their outputs.
+
+    A traced `view` was valid for the strides the trace saw, and export writes `.contiguous()` as a
+    copy (`clone`) whenever the traced strides were not already contiguous. Some kernels' output
+    layout depends on the backend that runs: SDPA's CPU flash kernel returns its output laid out
+    (B, T, H, D), its math backend (B, H, T, D), on the meta device of a trace too. So `view` is
+    lowered as `reshape` (the same view where one exists, a copy where the running layout needs one)
+    and `clone(memory_format=contiguous_format)` as `contiguous` (no copy when already contiguous,
+    which is what the profiler priced: `profile.elided_copies`), except for a graph output, which
+    must not alias another tensor."""
+    if target is aten.view.default:
+        return aten.reshape.default, kwargs
+    if (target is aten.clone.default and kwargs.get("memory_format") == torch.contiguous_format
+            and all(u.op != "output" for u in node.users)):
+        return aten.contiguous.default, kwargs
+    return target, kwargs
 
 
 def _mean_over_count(x: fx.Node, groups: set[str]) -> tuple[fx.Node, fx.Node, list[fx.Node], set[str]] | None:

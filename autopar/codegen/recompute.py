@@ -41,7 +41,7 @@ def layer_key(path: str) -> str:
 
 # Ops that only alias or copy their input: free to run again, so a region may take them in (see `_runs`).
 _COPY_OPS = frozenset({"view", "_unsafe_view", "reshape", "permute", "transpose", "t", "expand", "squeeze", "unsqueeze",
-                       "slice", "select", "alias", "clone", "split", "split_with_sizes", "unbind", "detach"})
+                       "slice", "select", "alias", "clone", "contiguous", "split", "split_with_sizes", "unbind", "detach"})
 
 
 def _is_copy(node: fx.Node) -> bool:

@@ -1,6 +1,7 @@
 """The generated code reads like Megatron: one all-reduce per MLP block, none for pure DP, local shapes."""
 from __future__ import annotations
 
+import copy
 
 import pytest
 import torch
@@ -127,3 +128,37 @@ def test_gathered_labels_start_before_the_forward_and_are_waited_where_used():
     assert wait > max(i for i, name in enumerate(order) if name == "mm.default"), order  # after the LM head
     results = run_ranks(run_plans, 2, (2,), [("gathered", model, sample, traced, plan, reference(model, sample, 2), 2)], timeout_s=60)
     assert all(r[0][1]["loss"] < 1e-5 for r in results)
+
+
+def _math_attention(rank, world, model, sample, traced, plan, want_grads):
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    from autopar.codegen import ParallelModule
+    from autopar.runtime.batch import batch_slice
+    from autopar.tracer import split_sample_input
+
+    mesh = ProcessMesh((2,))
+    pm = ParallelModule(lower(traced, plan, mesh, params=dict(model.named_parameters(remove_duplicate=False))), traced, mesh, plan)
+    args, kwargs = batch_slice(split_sample_input(sample), rank, world)
+    with sdpa_kernel([SDPBackend.MATH]):  # attention output laid out (B, H, T, D), not as traced
+        pm(*args, **kwargs).backward()
+    for fqn, p in pm.named_parameters():
+        torch.testing.assert_close(p.grad, want_grads[fqn], rtol=1e-4, atol=1e-5, msg=lambda m: f"grad of {fqn}: {m}")
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("traced_on", ["cpu", "meta"])
+def test_the_generated_module_runs_whatever_attention_backend_lays_out_its_output(traced_on):
+    """Traced on CPU tensors, export sees SDPA's flash kernel, whose output is contiguous once permuted
+    back, and drops the model's `.contiguous()` before merging the heads; the math backend (and GPU
+    backends that fall back to it) lay the output out otherwise, where a `view` cannot merge them.
+    Traced on meta, the `.contiguous()` stays (as a clone) and must still run as one."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    from autopar.tracer import trace
+
+    model, sample = load_zoo("gpt2").build(batch_size=4, seq_len=8, size="tiny", device="cpu")
+    traced = trace(copy.deepcopy(model), sample) if traced_on == "cpu" else trace_model(model, sample)
+    with sdpa_kernel([SDPBackend.MATH]):
+        want = reference(model, sample, 1).grads[0]
+    run_ranks(_math_attention, 2, model, sample, traced, _dp_plan(traced), want, timeout_s=100)
