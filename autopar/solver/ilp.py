@@ -32,6 +32,9 @@ Constraint families (each PuLP constraint is named after its family):
                       + sum_{p in layer r, g} gathered[p,g] q[p,g]: the layer's ZeRO parameters, gathered
                       again by the rebuild and saved by it, where q >= z + R_r - 1, R_r >= each y of
                       layer r (continuous, pushed down by the memory row: q = z AND "r rebuilt")
+                      + flow[w,g] y[w,g] for the layer's widest node w (`widest_nodes`): the gradient
+                      backward carries through the rebuilt layer, on the y of the node that makes it (a
+                      row per node for the max over them doubled memory-bound solve times)
   memory              sum_{v,s} static[v,s] x - sum_g (1 - 1/f[v,g]) static[v,g] z
                       + saved[v,s] x - sum_g saved[v,g] y + T <= budget   (`add_memory_limit`)
 Objective (time of one step):
@@ -97,6 +100,8 @@ def evaluate(problem: Problem, a: Assignment) -> tuple[MemoryBreakdown, TimeBrea
     params = grads = opt = act = temp = 0.0
     rebuilt: dict[str, float] = {}  # layer -> its recomputed activations, alive together while backward rebuilds it
     regathered: dict[str, float] = {}  # layer -> its ZeRO parameters' gathered bytes (saved by the rebuild)
+    flow: dict[str, float] = {}  # layer -> the gradient backward carries through it (its widest node's)
+    widest = widest_nodes(problem)
     kept = {u for u, v in problem.recompute_with if not a.recompute[v]}  # a consumer that is not recomputed saves them
     for v, node in enumerate(problem.nodes):
         o = node.options[a.choice[v]]
@@ -114,6 +119,8 @@ def evaluate(problem: Problem, a: Assignment) -> tuple[MemoryBreakdown, TimeBrea
         params += o.param_bytes / factor
         grads += o.grad_bytes / factor
         opt += o.optimizer_bytes / factor
+        if a.recompute[v] and widest.get(node.region) == v:
+            flow[node.region] = o.grad_flow_bytes
         if a.recompute[v]:
             if not node.recomputable:
                 raise ValueError(f"node {node.name!r} cannot be recomputed (a placeholder, or it saves nothing)")
@@ -125,7 +132,7 @@ def evaluate(problem: Problem, a: Assignment) -> tuple[MemoryBreakdown, TimeBrea
         else:
             act += o.saved_bytes
         temp = max(temp, o.temp_bytes)
-    temp = max(temp, *(b + regathered.get(r, 0.0) for r, b in rebuilt.items())) if rebuilt else temp
+    temp = max(temp, *(b + regathered.get(r, 0.0) + flow.get(r, 0.0) for r, b in rebuilt.items())) if rebuilt else temp
     for e in problem.edges:
         comm_s += e.cost(a.choice[e.src], a.choice[e.dst])
         if a.recompute[e.dst]:
@@ -136,6 +143,18 @@ def evaluate(problem: Problem, a: Assignment) -> tuple[MemoryBreakdown, TimeBrea
         MemoryBreakdown(params, grads, opt, act, temp, problem.budget_bytes),
         TimeBreakdown(compute_s, comm_s, recompute_s),
     )
+
+
+def widest_nodes(problem: Problem) -> dict[str, int]:
+    """Per layer, the recomputable node with the largest gradient in any option (the MLP's hidden activation
+    in a transformer block): while backward runs through the rebuilt layer, its gradient is alive too."""
+    widest: dict[str, tuple[float, int]] = {}
+    for v, node in enumerate(problem.nodes):
+        if node.recomputable and node.region is not None:
+            flow = max(o.grad_flow_bytes for o in node.options)
+            if flow > widest.get(node.region, (0.0, -1))[0]:
+                widest[node.region] = (flow, v)
+    return {region: v for region, (_, v) in widest.items()}
 
 
 def _affine(terms: list[tuple[pulp.LpVariable, float]]) -> pulp.LpAffineExpression:
@@ -294,22 +313,28 @@ class _Model:
         # a recomputed layer's activations are rebuilt together in backward (one row per layer; see `evaluate`),
         # and its ZeRO parameters, gathered again by the rebuild, are saved by it: alive alongside
         rebuilt: dict[str, dict[pulp.LpVariable, float]] = {}  # layer -> y -> rebuilt GiB per layer
+        widest = widest_nodes(self.problem)
         for (v, s), y in self.y.items():  # the options of one y's group save the same bytes
             node = self.problem.nodes[v]
             if node.region is not None:
                 rebuilt.setdefault(node.region, {})[y] = node.options[s].saved_bytes / node.copies / _GIB
+        for (v, s), y in self.y.items():  # the gradient through the layer: its widest node's, at the group's least
+            node = self.problem.nodes[v]
+            if widest.get(node.region) == v:
+                group = [t for t in range(len(node.options)) if self.y.get((v, t)) is y]
+                rebuilt[node.region][y] = (node.options[s].saved_bytes / node.copies
+                                           + min(node.options[t].grad_flow_bytes for t in group)) / _GIB
         for r, (region, terms) in enumerate(rebuilt.items()):
+            # "layer r rebuilt" and what it holds besides, linearised from below (the memory row pushes them down)
+            any_y = pulp.LpVariable(f"rebuilt_{r}", lowBound=0, upBound=1)
+            for j, y in enumerate(terms):
+                self.prob += any_y >= y, f"rebuilt_{r}_{j}"
             row = list(terms.items())
             gathered = [(z, b) for v, zs in self.gathered.items() if self.problem.nodes[v].region == region for z, b in zs]
-            if gathered:
-                # "layer rebuilt" and "z and layer rebuilt", linearised from below: the memory row pushes them down
-                any_y = pulp.LpVariable(f"rebuilt_{r}", lowBound=0, upBound=1)
-                for j, y in enumerate(terms):
-                    self.prob += any_y >= y, f"rebuilt_{r}_{j}"
-                for j, (z, b) in enumerate(gathered):
-                    both = pulp.LpVariable(f"regather_{r}_{j}", lowBound=0)
-                    self.prob += both >= z + any_y - 1, f"regather_{r}_{j}"
-                    row.append((both, b))
+            for j, (z, b) in enumerate(gathered):  # the layer's ZeRO parameters, gathered again and saved by it
+                both = pulp.LpVariable(f"regather_{r}_{j}", lowBound=0)
+                self.prob += both >= z + any_y - 1, f"regather_{r}_{j}"
+                row.append((both, b))
             self.prob += self.temp >= pulp.LpAffineExpression(row), f"rebuild_{r}"
 
     def add_memory_limit(self) -> None:

@@ -54,6 +54,7 @@ class Option:
     recompute_s: float = 0.0  # forward compute paid again in backward when recomputed
     saved_bytes: float = 0.0  # activations kept for backward (freed by recompute)
     temp_bytes: float = 0.0  # largest transient while it runs (a max, not a sum, across a tied class)
+    grad_flow_bytes: float = 0.0  # its largest output's gradient, alive while backward passes it (a max, too)
     param_bytes: float = 0.0  # parameters and buffers under the use spec
     grad_bytes: float = 0.0
     optimizer_bytes: float = 0.0
@@ -308,9 +309,11 @@ class _Pricer:
         shards = [s.shard_factor(mesh.shape) for s in strat.output_specs] or [1]
         saved = sum(b / shards[min(i, len(shards) - 1)] for i, (b, s) in enumerate(zip(cost.output_bytes, cost.saved_outputs)) if s)
         saved += cost.extra_saved_bytes / shards[0]
+        flow = max((b / shards[min(i, len(shards) - 1)] for i, b in enumerate(cost.value_bytes)), default=0.0) \
+            if cost.requires_grad else 0.0
         return Option(str(strat), compute_s=compute_s, comm_s=comm_s, recompute_s=recompute_time_s(cost, strat, mesh),
                       sync_groups=grad_sync_groups(cost, strat, mesh, in_bytes, shares),
-                      saved_bytes=saved, temp_bytes=cost.temp_bytes / split_factor(strat, mesh))
+                      saved_bytes=saved, temp_bytes=cost.temp_bytes / split_factor(strat, mesh), grad_flow_bytes=flow)
 
 
 def _tensor_bytes(val) -> float:
@@ -326,7 +329,8 @@ def _sum(options: list[Option], label: str) -> Option:
         label,
         compute_s=sum(o.compute_s for o in options), comm_s=sum(o.comm_s for o in options),
         recompute_s=sum(o.recompute_s for o in options), saved_bytes=sum(o.saved_bytes for o in options),
-        temp_bytes=max(o.temp_bytes for o in options), param_bytes=sum(o.param_bytes for o in options),
+        temp_bytes=max(o.temp_bytes for o in options), grad_flow_bytes=max(o.grad_flow_bytes for o in options),
+        param_bytes=sum(o.param_bytes for o in options),
         grad_bytes=sum(o.grad_bytes for o in options), optimizer_bytes=sum(o.optimizer_bytes for o in options), zero=zero,
         sync_groups=frozenset().union(*(o.sync_groups for o in options)),
     )
