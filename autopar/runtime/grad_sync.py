@@ -48,9 +48,10 @@ forbade it (`forbid_deferral`: inputs that require grad, whose gradients would b
 those of the sum), and no parameter holds a gradient yet (accumulation keeps the
 division in backward). Gradient entering through another output of the module
 (`gradient_enters`) is multiplied by the count if the division was taken over, and
-otherwise keeps the division in backward. A parameter of this module also used outside it in the same
-backward would have that outside gradient divided too: the module's parameters are
-its own local shards, so that takes reaching into the module on purpose.
+otherwise keeps the division in backward. A parameter of this module also used
+outside it in the same backward would have that outside gradient divided too: the
+module's parameters are its own local shards, so that takes reaching into the
+module on purpose.
 """
 from __future__ import annotations
 
@@ -83,7 +84,7 @@ class _Bucket:
     dtype: torch.dtype  # the wire dtype
     device: torch.device
     sizes: list[int] = field(default_factory=list)  # each param's numel, in `params` order
-    buffer: torch.Tensor | None = None  # flat; allocated at launch, dropped once unpacked
+    buffer: torch.Tensor | None = None  # flat; allocated at launch, dropped once written back (it may live on as the grads)
     ready: set[int] = field(default_factory=set)  # positions in `params` whose grad is accumulated
     work: dist.Work | None = None  # the in-flight all-reduce over groups[0]
 

@@ -242,8 +242,9 @@ class _Model:
             if not node.recomputable:
                 continue
             keeps = v in keepers  # else recomputing frees nothing when nothing is saved: pointless
-            groups = self._groups(v, lambda o: (o.saved_bytes, o.recompute_s) if o.saved_bytes > 0 or keeps else None)
-            for g, ((saved, recompute_s), members) in enumerate(groups.items()):
+            # the gradient through the node is in the key too: a rebuilt layer counts its widest node's
+            groups = self._groups(v, lambda o: (o.saved_bytes, o.recompute_s, o.grad_flow_bytes) if o.saved_bytes > 0 or keeps else None)
+            for g, ((saved, recompute_s, _), members) in enumerate(groups.items()):
                 y = pulp.LpVariable(f"y_{v}_{g}", cat=pulp.LpBinary)
                 self.prob += y <= pulp.lpSum(self.x[v][s] for s in members), f"recompute_{v}_{g}"
                 self.y.update(((v, s), y) for s in members)
@@ -318,12 +319,10 @@ class _Model:
             node = self.problem.nodes[v]
             if node.region is not None:
                 rebuilt.setdefault(node.region, {})[y] = node.options[s].saved_bytes / node.copies / _GIB
-        for (v, s), y in self.y.items():  # the gradient through the layer: its widest node's, at the group's least
+        for (v, s), y in self.y.items():  # the gradient through the layer: its widest node's (one per y group)
             node = self.problem.nodes[v]
             if widest.get(node.region) == v:
-                group = [t for t in range(len(node.options)) if self.y.get((v, t)) is y]
-                rebuilt[node.region][y] = (node.options[s].saved_bytes / node.copies
-                                           + min(node.options[t].grad_flow_bytes for t in group)) / _GIB
+                rebuilt[node.region][y] = (node.options[s].saved_bytes / node.copies + node.options[s].grad_flow_bytes) / _GIB
         for r, (region, terms) in enumerate(rebuilt.items()):
             # "layer r rebuilt" and what it holds besides, linearised from below (the memory row pushes them down)
             any_y = pulp.LpVariable(f"rebuilt_{r}", lowBound=0, upBound=1)
