@@ -119,11 +119,11 @@ def evaluate(problem: Problem, a: Assignment) -> tuple[MemoryBreakdown, TimeBrea
         params += o.param_bytes / factor
         grads += o.grad_bytes / factor
         opt += o.optimizer_bytes / factor
-        if a.recompute[v] and widest.get(node.region) == v:
-            flow[node.region] = o.grad_flow_bytes
         if a.recompute[v]:
             if not node.recomputable:
                 raise ValueError(f"node {node.name!r} cannot be recomputed (a placeholder, or it saves nothing)")
+            if widest.get(node.region) == v:
+                flow[node.region] = o.grad_flow_bytes
             recompute_s += o.recompute_s
             if v in kept:
                 act += o.saved_bytes
@@ -315,22 +315,21 @@ class _Model:
         # and its ZeRO parameters, gathered again by the rebuild, are saved by it: alive alongside
         rebuilt: dict[str, dict[pulp.LpVariable, float]] = {}  # layer -> y -> rebuilt GiB per layer
         widest = widest_nodes(self.problem)
-        for (v, s), y in self.y.items():  # the options of one y's group save the same bytes
-            node = self.problem.nodes[v]
+        for (v, s), y in self.y.items():  # the options of one y's group save (and pass on) the same bytes
+            node, o = self.problem.nodes[v], self.problem.nodes[v].options[s]
             if node.region is not None:
-                rebuilt.setdefault(node.region, {})[y] = node.options[s].saved_bytes / node.copies / _GIB
-        for (v, s), y in self.y.items():  # the gradient through the layer: its widest node's (one per y group)
-            node = self.problem.nodes[v]
-            if widest.get(node.region) == v:
-                rebuilt[node.region][y] = (node.options[s].saved_bytes / node.copies + node.options[s].grad_flow_bytes) / _GIB
+                flow = o.grad_flow_bytes if widest.get(node.region) == v else 0.0  # the gradient through the layer
+                rebuilt.setdefault(node.region, {})[y] = (o.saved_bytes / node.copies + flow) / _GIB
+        gathered: dict[str, list[tuple[pulp.LpVariable, float]]] = {}  # layer -> its parameters' (z, gathered GiB)
+        for v, zs in self.gathered.items():
+            gathered.setdefault(self.problem.nodes[v].region, []).extend(zs)
         for r, (region, terms) in enumerate(rebuilt.items()):
             # "layer r rebuilt" and what it holds besides, linearised from below (the memory row pushes them down)
             any_y = pulp.LpVariable(f"rebuilt_{r}", lowBound=0, upBound=1)
             for j, y in enumerate(terms):
                 self.prob += any_y >= y, f"rebuilt_{r}_{j}"
             row = list(terms.items())
-            gathered = [(z, b) for v, zs in self.gathered.items() if self.problem.nodes[v].region == region for z, b in zs]
-            for j, (z, b) in enumerate(gathered):  # the layer's ZeRO parameters, gathered again and saved by it
+            for j, (z, b) in enumerate(gathered.get(region, ())):  # the layer's ZeRO parameters, gathered again and saved by it
                 both = pulp.LpVariable(f"regather_{r}_{j}", lowBound=0)
                 self.prob += both >= z + any_y - 1, f"regather_{r}_{j}"
                 row.append((both, b))
