@@ -70,11 +70,12 @@ def _rows(rank: int, world: int, reps: int) -> list[tuple[str, str, float, float
             pred = collective_time_s(kind, model_bytes(kind, nbytes, world), axis)
             meas = time_op(collective_call(kind, nbytes, world, None, cpu), cpu, reps, None)
             rows.append(("collective", f"{kind} {nbytes // 1024} KB/rank", pred, meas))
-    # in situ: after a layer's worth of compute, as inside a step (what calibrate's latency models), net of it
-    a, b = torch.randn(128, 256), torch.randn(256, 256)
+    # in situ: after a layer's forward and backward worth of compute (~5 ms, as calibrate's latency), net of it
+    a, b = torch.randn(192, 320), torch.randn(320, 256)  # held out: not calibrate's in-situ matmul
+    repeats = max(1, round(0.005 / time_op(lambda: a @ b, cpu, 1, None)))
 
     def compute() -> None:
-        for _ in range(4):
+        for _ in range(repeats):
             a @ b
 
     for kind in ("all_reduce", "all_gather"):

@@ -48,9 +48,12 @@ log = logging.getLogger(__name__)
 # (its bandwidth term must stand well above the latency noise of a shared CPU host: ~4 ms at 1 GB/s).
 _SMALL_BYTES = 16 * 1024
 _LARGE_BYTES = 4 * 1024 * 1024
-# In-situ compute before a collective (see _fit_links): one small layer's matmuls, ~1 ms on one CPU core.
+# In-situ compute before a collective (see _fit_links): this matmul repeated for about _SITU_COMPUTE_S, the
+# compute a step does between two blocking collectives when a plan has few (a layer's forward and backward).
+# How long matters on a shared host: with 4 ranks on 2 CPU cores, a blocking all-gather of 2 ranks cost
+# 0.5-0.9 ms after 1 ms of compute, 1.6-2.6 ms after 6-12 ms (its peer was further behind), then stayed.
 _SITU_MATMUL = (128, 256, 256)
-_SITU_REPEATS = 4
+_SITU_COMPUTE_S = 0.005
 # Layer-sized matmuls (m, k, n) of tiny-to-small transformers: a rate from one large square matmul
 # overstates (GPU) or understates (contended CPU: preempted mid-op) what these reach.
 _MATMULS = ((256, 64, 256), (256, 256, 256), (512, 256, 512))
@@ -193,9 +196,10 @@ def _fit_links(n: int, axis_group, device: torch.device, reps: int, world_group)
     job's), and a collective waits for the last one. Timed back to back with barriers, as
     collective benchmarks do, it looks several times cheaper than it is inside a step."""
     a, b = (torch.randn(*_SITU_MATMUL[:2], device=device), torch.randn(*_SITU_MATMUL[1:], device=device))
+    repeats = max(1, round(_SITU_COMPUTE_S / time_op(lambda: a @ b, device, 1, world_group)))  # same on every rank
 
     def compute() -> None:
-        for _ in range(_SITU_REPEATS):
+        for _ in range(repeats):
             a @ b
 
     def in_situ(call: Callable[[], object]) -> Callable[[], object]:
