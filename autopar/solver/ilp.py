@@ -103,6 +103,7 @@ def evaluate(problem: Problem, a: Assignment) -> tuple[MemoryBreakdown, TimeBrea
     flow: dict[str, float] = {}  # layer -> the gradient backward carries through it (its widest node's)
     widest = widest_nodes(problem)
     kept = {u for u, v in problem.recompute_with if not a.recompute[v]}  # a consumer that is not recomputed saves them
+    kept |= {u for u, v in problem.region_inputs if a.recompute[v]}  # ... and a recomputed one of another region too
     for v, node in enumerate(problem.nodes):
         o = node.options[a.choice[v]]
         compute_s += o.compute_s
@@ -253,6 +254,9 @@ class _Model:
         for u, v in self.problem.recompute_with:
             if self._recomputed(u):
                 self.prob += pulp.lpSum(self._recomputed(u)) <= pulp.lpSum(self._recomputed(v)), f"together_{u}_{v}"
+        for u, v in self.problem.region_inputs:
+            if self._recomputed(u) and self._recomputed(v):
+                self.prob += pulp.lpSum(self._recomputed(u)) + pulp.lpSum(self._recomputed(v)) <= 1, f"apart_{u}_{v}"
 
     def _recomputed(self, v: int) -> list[pulp.LpVariable]:
         """Node v's recompute binaries (one per option group; their sum is 1 when v is recomputed)."""

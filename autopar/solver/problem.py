@@ -124,6 +124,9 @@ class Problem:
     # (u, v): v's backward keeps u's output (the profiler's saved_refs); recomputing u frees its activations
     # only when v is recomputed too (one checkpoint region): else v keeps them alive
     recompute_with: tuple[tuple[int, int], ...] = ()
+    # (u, v): v reads u's output across a layer boundary; recomputed, v is in another checkpoint region than
+    # u, which saves u's output as its input: recomputing u then frees nothing, so the ILP never does both
+    region_inputs: tuple[tuple[int, int], ...] = ()
 
     def __post_init__(self) -> None:
         for e in self.edges:
@@ -421,8 +424,11 @@ def build_problem(
     cls = {name: grouping.class_of[c] for name, c in grouping.cluster_of.items()}
     together = {(cls[ref], cls[c.name]) for c in profile.nodes.values() if c.name in cls
                 for ref, _ in c.saved_refs if ref in cls and cls[ref] != cls[c.name]}
+    crossing = {(cls[p.name], cls[n.name]) for n in traced.graph.nodes if n.op == "call_function" and n.name in cls
+                for p in n.all_input_nodes if p.op == "call_function" and p.name in cls and cls[p.name] != cls[n.name]
+                and _layer_of(module_path(p)) != _layer_of(module_path(n))}
     problem = Problem(tuple(nodes), tuple(edges), budget_bytes, tuple((g, sync_latency_s(mesh, g)) for g in groups),
-                      tuple(sorted(together)))
+                      tuple(sorted(together)), tuple(sorted(crossing)))
     return BuiltProblem(problem, grouping, strategies, dict(pricer.storage), len(grouping.cluster_of))
 
 

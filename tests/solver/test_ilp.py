@@ -274,6 +274,24 @@ def test_recomputing_a_producer_frees_nothing_while_its_consumer_keeps_its_outpu
     assert sol.time.recompute_s == pytest.approx(1.1e-3) and sol.memory.activations_bytes == 0.0
 
 
+def test_a_recomputed_reader_in_another_region_keeps_its_input():
+    """b reads a's output across a layer boundary (region_inputs; the rebuild transient is left out here):
+    recomputed, b's region saves it as its input,
+    so recomputing both frees only b's 50 MB (evaluate), and the ILP never pairs them. Budget 110 MB from
+    150 MB saved: recompute b alone (0.1 ms) or a alone (1 ms): b, by hand."""
+    a = Node("a", (Option("a", compute_s=1e-3, recompute_s=1e-3, saved_bytes=100 * MB),), recomputable=True)
+    b = Node("b", (Option("b", compute_s=1e-3, recompute_s=0.1e-3, saved_bytes=50 * MB),), recomputable=True)
+    problem = Problem((a, b), (), 110 * MB, region_inputs=((0, 1),))
+    both = evaluate(problem, Assignment.of([0, 0], recompute=[0, 1]))
+    assert both[0].activations_bytes == 100 * MB
+    sol = solve_problem(problem)
+    assert sol.assignment.recompute == (False, True) and sol.time.recompute_s == pytest.approx(0.1e-3)
+    # 40 MB would need a's 100 MB freed as well: only possible if b's region did not hold it
+    with pytest.raises(InfeasibleError):
+        solve_problem(dataclasses.replace(problem, budget_bytes=40 * MB))
+    assert solve_problem(dataclasses.replace(problem, budget_bytes=40 * MB, region_inputs=())).assignment.recompute == (True, True)
+
+
 def test_a_recomputed_node_pays_its_input_reshards_forward_again():
     """b's input reshard (2 ms: 1 ms forward, 1 ms backward) sits in b's checkpoint region: recomputing b
     (the only way to fit) runs its forward again, 0.5 + 1 ms of recompute by hand."""
