@@ -29,7 +29,7 @@ from typing import Callable, Collection
 import torch
 from torch import fx
 
-from autopar.profiler.graph import Ref, analyze
+from autopar.profiler.graph import GraphFacts, Ref, analyze
 from autopar.profiler.profile import optimizer_key
 from autopar.profiler.types import ConcreteProfile
 from autopar.tracer import TracedGraph, module_path, tensor_args
@@ -68,6 +68,13 @@ def optimizer_step_temp_bytes(optimizer: str, param_bytes: list[float], foreach:
     return sum(param_bytes) if foreach else 2 * max(param_bytes)
 
 
+def storage_facts(traced: TracedGraph, profile: ConcreteProfile) -> GraphFacts:
+    """`analyze` with the copies the profiler priced as views (see profile.elided_copies) taken as aliases."""
+    elided = frozenset(n.name for n in traced.graph.nodes if n.op == "call_function"
+                       and n.target is torch.ops.aten.clone.default and not any(profile.nodes[n.name].output_bytes))
+    return analyze(traced, elided)
+
+
 def peak_memory(
     traced: TracedGraph,
     profile: ConcreteProfile,
@@ -79,11 +86,7 @@ def peak_memory(
     """Simulated peak bytes of one training step; `recompute` holds node names to rebuild in backward."""
     cost = profile.nodes
     nodes = [n for n in traced.graph.nodes if n.op == "call_function"]
-    # Copies the profiler priced as views (see profile.elided_copies) are aliases here too.
-    elided = frozenset(
-        n.name for n in nodes if n.target is torch.ops.aten.clone.default and not any(cost[n.name].output_bytes)
-    )
-    facts = analyze(traced, elided)
+    facts = storage_facts(traced, profile)
     pos = {n.name: i for i, n in enumerate(nodes)}
     recompute = set(recompute)
 

@@ -126,6 +126,7 @@ def evaluate(problem: Problem, a: Assignment) -> tuple[MemoryBreakdown, TimeBrea
             if widest.get(node.region) == v:
                 flow[node.region] = o.grad_flow_bytes
             recompute_s += o.recompute_s
+            act += o.held_input_bytes  # its region's inputs from other layers
             if v in kept:
                 act += o.saved_bytes
             elif node.region is not None:
@@ -244,13 +245,14 @@ class _Model:
                 continue
             keeps = v in keepers  # else recomputing frees nothing when nothing is saved: pointless
             # the gradient through the node is in the key too: a rebuilt layer counts its widest node's
-            groups = self._groups(v, lambda o: (o.saved_bytes, o.recompute_s, o.grad_flow_bytes) if o.saved_bytes > 0 or keeps else None)
-            for g, ((saved, recompute_s, _), members) in enumerate(groups.items()):
+            groups = self._groups(v, lambda o: (o.saved_bytes, o.recompute_s, o.grad_flow_bytes, o.held_input_bytes)
+                                  if o.saved_bytes > 0 or keeps else None)
+            for g, ((saved, recompute_s, _, held), members) in enumerate(groups.items()):
                 y = pulp.LpVariable(f"y_{v}_{g}", cat=pulp.LpBinary)
                 self.prob += y <= pulp.lpSum(self.x[v][s] for s in members), f"recompute_{v}_{g}"
                 self.y.update(((v, s), y) for s in members)
                 self.time_terms.append((y, recompute_s * _MS))
-                self.memory_terms.append((y, -saved / _GIB))
+                self.memory_terms.append((y, (held - saved) / _GIB))
         for u, v in self.problem.recompute_with:
             if self._recomputed(u):
                 self.prob += pulp.lpSum(self._recomputed(u)) <= pulp.lpSum(self._recomputed(v)), f"together_{u}_{v}"
@@ -403,6 +405,10 @@ def _greedy_fit(problem: Problem, a: Assignment, restrictions: Restrictions) -> 
     solver's reduced-cost fixing discards most options early. None when even all of it does not fit."""
     budget = problem.budget_bytes
     recompute, zero = list(a.recompute), list(a.zero)
+    apart: dict[int, set[int]] = {}  # never recomputed together (Problem.region_inputs)
+    for u, v in problem.region_inputs:
+        apart.setdefault(u, set()).add(v)
+        apart.setdefault(v, set()).add(u)
     moves = []
     for v, node in enumerate(problem.nodes):
         o = node.options[a.choice[v]]
@@ -414,6 +420,8 @@ def _greedy_fit(problem: Problem, a: Assignment, restrictions: Restrictions) -> 
     for _, v, kind in sorted(moves):
         if total <= budget:
             break
+        if kind == "recompute" and any(recompute[w] for w in apart.get(v, ())):
+            continue
         flags = recompute if kind == "recompute" else zero
         flags[v] = True
         trial = evaluate(problem, Assignment(a.choice, tuple(recompute), tuple(zero)))[0].total_bytes

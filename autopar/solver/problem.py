@@ -19,6 +19,7 @@ from typing import Mapping
 import torch
 from torch import fx
 
+from autopar.profiler import storage_facts
 from autopar.profiler.types import ConcreteProfile
 from autopar.solver.cluster import Cluster, Grouping, group, singletons
 from autopar.solver.cost import (GRAD_BUCKET_BYTES, bucket_latency_share, collective_time_s, grad_sync_groups, recompute_time_s,
@@ -55,6 +56,9 @@ class Option:
     saved_bytes: float = 0.0  # activations kept for backward (freed by recompute)
     temp_bytes: float = 0.0  # largest transient while it runs (a max, not a sum, across a tied class)
     grad_flow_bytes: float = 0.0  # its largest output's gradient, alive while backward passes it (a max, too)
+    # recomputed, its checkpoint region saves its inputs: those from another layer (another region) that no
+    # backward keeps otherwise are held through the step only because it is recomputed
+    held_input_bytes: float = 0.0
     param_bytes: float = 0.0  # parameters and buffers under the use spec
     grad_bytes: float = 0.0
     optimizer_bytes: float = 0.0
@@ -234,6 +238,7 @@ class _Pricer:
         self.traced, self.mesh, self.strategies = traced, mesh, strategies
         self.nodes = {n.name: n for n in traced.graph.nodes}
         self.costs = profile.nodes
+        self.facts = storage_facts(traced, profile)  # which node owns the storage each tensor views
         self.params = {p.node: p for p in profile.params.values()}
         self.storage: dict[tuple[str, int], Spec] = {}
         self._cache: dict[tuple, Option] = {}
@@ -267,7 +272,8 @@ class _Pricer:
                                  for p, i in producers)
                 shares = tuple(self._sync_share(root) if (root := _param_root(p, self.params, self.costs)) else None
                                for p, _ in producers)
-                ins = (in_bytes, shares)
+                held = tuple(_tensor_bytes(output_vals(p)[i]) if self._region_input(p, i, node) else 0.0 for p, i in producers)
+                ins = (in_bytes, shares, held)
             param = self.params.get(name)
             role = "param" if param else "buffer" if name in self.traced.buffer_fqns else node.op
             if role == "placeholder":
@@ -277,6 +283,17 @@ class _Pricer:
                     param and (param.param_bytes, param.grad_bytes, param.optimizer_bytes))
             info = self._nodes[name] = (role, cost, outs, ins, param, base)
         return info
+
+    def _region_input(self, producer: fx.Node, index: int, consumer: fx.Node) -> bool:
+        """Whether output `index` of `producer` (or the storage it views) is held only by the checkpoint
+        region of a recomputed `consumer`: made in another layer (region) and kept by no backward."""
+        if all(self.facts.aliases.get(consumer.name, (False,))):
+            return False  # a view: codegen takes it into the region of the op that reads it
+        name, index = self.facts.base.get((producer.name, index), (producer.name, index))
+        source = self.nodes[name]
+        saved = self.costs[name].saved_outputs
+        return (source.op == "call_function" and not (index < len(saved) and saved[index])
+                and _layer_of(module_path(source)) != _layer_of(module_path(consumer)))
 
     def _sync_share(self, param_node: str) -> float:
         """Part of a grad-sync bucket's latency the gradient of `param_node` pays."""
@@ -307,8 +324,9 @@ class _Pricer:
                 shape, itemsize = ins
                 comm = reshard_cost(Spec((Shard(0),) * len(mesh.shape)), spec, shape, itemsize, mesh, with_backward=False)
             return Option(str(spec), comm_s=comm, saved_bytes=saved)
-        in_bytes, shares = ins
+        in_bytes, shares, held = ins
         compute_s, comm_s = strategy_cost(cost, strat, outs, mesh, in_bytes, shares)
+        held_bytes = sum(b / spec.shard_factor(mesh.shape) for b, spec in zip(held, strat.input_specs) if b)
         shards = [s.shard_factor(mesh.shape) for s in strat.output_specs] or [1]
         saved = sum(b / shards[min(i, len(shards) - 1)] for i, (b, s) in enumerate(zip(cost.output_bytes, cost.saved_outputs)) if s)
         saved += cost.extra_saved_bytes / shards[0]
@@ -316,7 +334,8 @@ class _Pricer:
             if cost.requires_grad else 0.0
         return Option(str(strat), compute_s=compute_s, comm_s=comm_s, recompute_s=recompute_time_s(cost, strat, mesh),
                       sync_groups=grad_sync_groups(cost, strat, mesh, in_bytes, shares),
-                      saved_bytes=saved, temp_bytes=cost.temp_bytes / split_factor(strat, mesh), grad_flow_bytes=flow)
+                      saved_bytes=saved, temp_bytes=cost.temp_bytes / split_factor(strat, mesh), grad_flow_bytes=flow,
+                      held_input_bytes=held_bytes)
 
 
 def _tensor_bytes(val) -> float:
@@ -333,6 +352,7 @@ def _sum(options: list[Option], label: str) -> Option:
         compute_s=sum(o.compute_s for o in options), comm_s=sum(o.comm_s for o in options),
         recompute_s=sum(o.recompute_s for o in options), saved_bytes=sum(o.saved_bytes for o in options),
         temp_bytes=max(o.temp_bytes for o in options), grad_flow_bytes=max(o.grad_flow_bytes for o in options),
+        held_input_bytes=sum(o.held_input_bytes for o in options),
         param_bytes=sum(o.param_bytes for o in options),
         grad_bytes=sum(o.grad_bytes for o in options), optimizer_bytes=sum(o.optimizer_bytes for o in options), zero=zero,
         sync_groups=frozenset().union(*(o.sync_groups for o in options)),
@@ -424,8 +444,11 @@ def build_problem(
     cls = {name: grouping.class_of[c] for name, c in grouping.cluster_of.items()}
     together = {(cls[ref], cls[c.name]) for c in profile.nodes.values() if c.name in cls
                 for ref, _ in c.saved_refs if ref in cls and cls[ref] != cls[c.name]}
-    crossing = {(cls[p.name], cls[n.name]) for n in traced.graph.nodes if n.op == "call_function" and n.name in cls
-                for p in n.all_input_nodes if p.op == "call_function" and p.name in cls and cls[p.name] != cls[n.name]
+    facts = pricer.facts
+    sources = ((n, pricer.nodes[facts.base.get(ref, ref)[0]]) for n in traced.graph.nodes
+               if n.op == "call_function" and not all(facts.aliases[n.name]) for ref in facts.arg_refs[n.name])
+    crossing = {(cls[p.name], cls[n.name]) for n, p in sources
+                if p.op == "call_function" and p.name in cls and n.name in cls and cls[p.name] != cls[n.name]
                 and _layer_of(module_path(p)) != _layer_of(module_path(n))}
     problem = Problem(tuple(nodes), tuple(edges), budget_bytes, tuple((g, sync_latency_s(mesh, g)) for g in groups),
                       tuple(sorted(together)), tuple(sorted(crossing)))

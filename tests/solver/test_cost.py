@@ -214,3 +214,34 @@ def test_gradient_through_an_embedding_of_arange_rides_the_bucket():
     table = 16 * 8 * 4
     assert split.comm_s == pytest.approx(collective_time_s("all_reduce", table, mesh.axes[0], table / GRAD_BUCKET_BYTES))
     assert split.sync_groups == {(0,)}
+
+
+class _Classifier(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.head = torch.nn.Linear(16, 32)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.cross_entropy(self.head(x), y)
+
+
+def test_a_recomputed_log_softmax_holds_the_logits_it_reads_from_another_layer():
+    """The logits come from `head` (one region), log-softmax runs at the top level (another): recomputed, its
+    checkpoint region saves the logits (64 x 32 fp32, 8 KB, kept by no backward) as its input, as many bytes
+    as its own saved output frees, by hand; the two are never recomputed together (region_inputs)."""
+    from autopar.profiler import profile
+    from autopar.solver.problem import build_problem
+    from autopar.solver.strategies import enumerate_strategies
+    from autopar.tracer import trace
+
+    with torch.device("meta"):
+        model, x, y = _Classifier(), torch.randn(64, 16), torch.randint(0, 32, (64,))
+    traced = trace(model, (x, y))
+    mesh = make_mesh(1, (1,), "cpu")
+    built = build_problem(traced, profile(traced).evaluate(), mesh, enumerate_strategies(traced, mesh), None, grouped=False)
+    names = [n.name for n in built.problem.nodes]
+    log_softmax = built.problem.nodes[names.index("_log_softmax")].options[0]
+    assert log_softmax.held_input_bytes == 64 * 32 * 4 == log_softmax.saved_bytes
+    head = next(n for n in names if n.startswith(("addmm", "linear")))
+    assert built.problem.nodes[names.index(head)].options[0].held_input_bytes == 0.0  # reads the user's input
+    assert (names.index(head), names.index("_log_softmax")) in built.problem.region_inputs

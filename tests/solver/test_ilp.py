@@ -292,6 +292,19 @@ def test_a_recomputed_reader_in_another_region_keeps_its_input():
     assert solve_problem(dataclasses.replace(problem, budget_bytes=40 * MB, region_inputs=())).assignment.recompute == (True, True)
 
 
+def test_a_recomputed_node_holds_its_inputs_from_other_layers():
+    """b's region saves an 80 MB input that no backward kept (held_input_bytes): recomputing b frees 100 - 80
+    MB; fitting 90 MB from 150 needs a (50 MB) recomputed too: 1 + 2 ms of recompute, by hand."""
+    a = Node("a", (Option("a", compute_s=1e-3, recompute_s=2e-3, saved_bytes=50 * MB),), recomputable=True)
+    b = Node("b", (Option("b", compute_s=1e-3, recompute_s=1e-3, saved_bytes=100 * MB, held_input_bytes=80 * MB),),
+             recomputable=True)
+    problem = Problem((a, b), (), 90 * MB)
+    assert evaluate(problem, Assignment.of([0, 0], recompute=[1]))[0].activations_bytes == 130 * MB
+    sol = solve_problem(problem)
+    assert sol.assignment.recompute == (True, True)
+    assert sol.memory.activations_bytes == 80 * MB and sol.time.recompute_s == pytest.approx(3e-3)
+
+
 def test_a_recomputed_node_pays_its_input_reshards_forward_again():
     """b's input reshard (2 ms: 1 ms forward, 1 ms backward) sits in b's checkpoint region: recomputing b
     (the only way to fit) runs its forward again, 0.5 + 1 ms of recompute by hand."""
