@@ -139,6 +139,8 @@ def evaluate(problem: Problem, a: Assignment) -> tuple[MemoryBreakdown, TimeBrea
         comm_s += e.cost(a.choice[e.src], a.choice[e.dst])
         if a.recompute[e.dst]:
             recompute_s += e.forward_cost(a.choice[e.src], a.choice[e.dst])
+        else:  # a recomputed consumer reshards again in its region: nothing resharded is saved
+            act += e.saved(a.choice[e.src], a.choice[e.dst])
     used = frozenset().union(*(node.options[c].sync_groups for node, c in zip(problem.nodes, a.choice)))
     comm_s += sum(latency_s for g, latency_s in problem.sync_latency_s if g in used)
     return (
@@ -180,6 +182,7 @@ class _Model:
         self._add_edges()
         self._add_recompute()
         self._add_reruns()
+        self._add_saved_reshards()
         self._add_zero()
         self._add_sync_groups()
         self._add_temp()
@@ -209,8 +212,8 @@ class _Model:
     def _add_edges(self) -> None:
         self.e: dict[int, list[list[pulp.LpVariable]]] = {}  # edge index -> e[k][a][b]
         for k, e in enumerate(self.problem.edges):
-            if not any(c for row in e.cost_s for c in row):
-                continue  # free in every combination: no variables needed
+            if not any(c for row in e.cost_s for c in row) and e.saved_bytes is None:
+                continue  # free in every combination and saves nothing: no variables needed
             rows, cols = len(e.cost_s), len(e.cost_s[0])
             ev = [[pulp.LpVariable(f"e_{k}_{a}_{b}", lowBound=0, upBound=1) for b in range(cols)] for a in range(rows)]
             self.e[k] = ev
@@ -278,6 +281,22 @@ class _Model:
             w = pulp.LpVariable(f"w_{k}", lowBound=0)
             self.prob += w >= pulp.LpAffineExpression(terms) - big_m * (1 - pulp.lpSum(recomputed)), f"rerun_{k}"
             self.time_terms.append((w, 1.0))
+
+    def _add_saved_reshards(self) -> None:
+        """A consumer that saves a resharded input keeps the resharded copy (unless it is recomputed)."""
+        for k, ev in self.e.items():
+            e = self.problem.edges[k]
+            if e.saved_bytes is None:
+                continue
+            terms = [(ev[a][b], s / _GIB) for a, row in enumerate(e.saved_bytes) for b, s in enumerate(row) if s > 0]
+            recomputed = self._recomputed(e.dst)
+            if not recomputed:
+                self.memory_terms.extend(terms)
+                continue
+            big_m = max(c for _, c in terms)
+            w = pulp.LpVariable(f"s_{k}", lowBound=0)
+            self.prob += w >= pulp.LpAffineExpression(terms) - big_m * pulp.lpSum(recomputed), f"saved_reshard_{k}"
+            self.memory_terms.append((w, 1.0))
 
     def _add_zero(self) -> None:
         # Grouped like recompute: options with the same ZeRO saving, price and gathered size share a binary.

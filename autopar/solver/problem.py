@@ -104,6 +104,9 @@ class Edge:
     # The forward part of cost_s, paid again when dst is recomputed: codegen emits a node's input
     # reshards inside its checkpoint region, so backward runs their collectives again. None: not priced.
     forward_s: tuple[tuple[float, ...], ...] | None = None
+    # Bytes the consumer's backward saves beyond what the producer's option counts: the resharded input
+    # (an all-gathered activation or parameter) when dst saves that input and is not recomputed. None: none.
+    saved_bytes: tuple[tuple[float, ...], ...] | None = None
 
     @staticmethod
     def dense(src: int, dst: int, cost_s: list[list[float]] | tuple[tuple[float, ...], ...]) -> "Edge":
@@ -113,6 +116,9 @@ class Edge:
 
     def cost(self, i: int, j: int) -> float:
         return self.cost_s[self.src_class[i]][self.dst_class[j]]
+
+    def saved(self, i: int, j: int) -> float:
+        return self.saved_bytes[self.src_class[i]][self.dst_class[j]] if self.saved_bytes is not None else 0.0
 
     def forward_cost(self, i: int, j: int) -> float:
         return self.forward_s[self.src_class[i]][self.dst_class[j]] if self.forward_s is not None else 0.0
@@ -407,9 +413,11 @@ def build_problem(
             if u == v or (node.name, a) in free:
                 continue  # a follower and its producer: consistent by construction; or sent with the loss
             val = output_vals(p)[k]
+            kept = pricer.facts.base.get((p.name, k), (p.name, k)) in pricer.costs[node.name].saved_refs
             src = tuple(strategies[p.name][grouping_choice(clusters[u], p.name, i)].output_specs[k] for i in range(len(clusters[u].choices)))
             dst = tuple(strategies[node.name][grouping_choice(clusters[v], node.name, j)].input_specs[a] for j in range(len(clusters[v].choices)))
-            key = (grouping.class_of[u], grouping.class_of[v], src, dst, _ints(val.shape), val.element_size(), val.is_floating_point())
+            key = (grouping.class_of[u], grouping.class_of[v], src, dst, _ints(val.shape), val.element_size(), val.is_floating_point(),
+                   kept)
             arcs[key] = arcs.get(key, 0) + 1
     pair_arcs: dict[tuple[int, int], list[tuple]] = {}
     for key, mult in arcs.items():
@@ -418,7 +426,12 @@ def build_problem(
     for (a_cls, b_cls), items in pair_arcs.items():
         def price(i: int, j: int, with_backward: bool = True) -> float:
             return sum(m * reshard_cost(src[i], dst[j], shape, size, mesh, with_backward=fl and with_backward)
-                       for src, dst, shape, size, fl, m in items)
+                       for src, dst, shape, size, fl, _, m in items)
+
+        def saved(i: int, j: int) -> float:
+            """What the consumer saves of its resharded inputs beyond the producer's shard (when larger)."""
+            return sum(m * max(0.0, math.prod(shape) * size * (1 / dst[j].shard_factor(mesh.shape) - 1 / src[i].shard_factor(mesh.shape)))
+                       for src, dst, shape, size, _, kept, m in items if kept and src[i] != dst[j])
 
         if a_cls == b_cls:  # consecutive copies of a tied block: both ends take the same option
             class_opts[a_cls] = [replace(o, comm_s=o.comm_s + price(i, i), recompute_s=o.recompute_s + price(i, i, False))
@@ -431,7 +444,9 @@ def build_problem(
         first_dst = [dst_ids.index(c) for c in range(max(dst_ids) + 1)]
         cost = tuple(tuple(price(i, j) for j in first_dst) for i in first_src)
         forward = tuple(tuple(price(i, j, False) for j in first_dst) for i in first_src)
-        edges.append(Edge(a_cls, b_cls, tuple(src_ids), tuple(dst_ids), cost, forward))
+        kept = tuple(tuple(saved(i, j) for j in first_dst) for i in first_src)
+        edges.append(Edge(a_cls, b_cls, tuple(src_ids), tuple(dst_ids), cost, forward,
+                          kept if any(b for row in kept for b in row) else None))
     nodes = []
     for cls, members in enumerate(grouping.classes):
         leader = pricer.nodes[clusters[members[0]].leader]

@@ -245,3 +245,26 @@ def test_a_recomputed_log_softmax_holds_the_logits_it_reads_from_another_layer()
     head = next(n for n in names if n.startswith(("addmm", "linear")))
     assert built.problem.nodes[names.index(head)].options[0].held_input_bytes == 0.0  # reads the user's input
     assert (names.index(head), names.index("_log_softmax")) in built.problem.region_inputs
+
+
+def test_a_consumer_that_saves_a_gathered_input_keeps_the_gathered_copy():
+    """x @ w with x fed Shard(0) on 4 ranks and mm replicated: x is all-gathered for mm, and mm's backward
+    saves x (for w's gradient), so the whole x is saved where x's option counted a quarter: 3/4 of 64 x 32
+    fp32 more, by hand; nothing more when mm reads x as it comes."""
+    from autopar.profiler import profile
+    from autopar.solver.problem import build_problem
+    from autopar.solver.strategies import enumerate_strategies
+    from autopar.tracer import trace
+
+    with torch.device("meta"):
+        model, x = _Linear(), torch.randn(64, 32)
+    traced = trace(model, (x,))
+    mesh = make_mesh(4, (4,), "cpu")
+    built = build_problem(traced, profile(traced).evaluate(), mesh, enumerate_strategies(traced, mesh), None, grouped=False)
+    names = [n.name for n in built.problem.nodes]
+    x_v, mm_v = names.index(traced.input_names[0]), next(i for i, n in enumerate(names) if n.startswith("mm"))
+    edge = next(e for e in built.problem.edges if (e.src, e.dst) == (x_v, mm_v))
+    x_opt = {o.label: i for i, o in enumerate(built.problem.nodes[x_v].options)}
+    mm_opt = {o.label: i for i, o in enumerate(built.problem.nodes[mm_v].options)}
+    assert edge.saved(x_opt["() -> S(0)"], mm_opt["(R, R) -> R"]) == pytest.approx(64 * 32 * 4 * 3 / 4)
+    assert edge.saved(x_opt["() -> S(0)"], mm_opt["(S(0), R) -> S(0)"]) == 0.0

@@ -305,6 +305,20 @@ def test_a_recomputed_node_holds_its_inputs_from_other_layers():
     assert sol.memory.activations_bytes == 80 * MB and sol.time.recompute_s == pytest.approx(3e-3)
 
 
+def test_a_saved_resharded_input_counts_unless_its_consumer_is_recomputed():
+    """b saves its input as resharded from a (40 MB more than a's option counts: Edge.saved_bytes). Kept, it
+    needs 140 MB; recomputed, the reshard reruns in b's region and nothing resharded is saved: 100 MB fits
+    a 120 MB budget only that way, at 1 ms of recompute plus the reshard's 1 ms forward again, by hand."""
+    a = Node("a", (Option("a", compute_s=1e-3, saved_bytes=100 * MB),))
+    b = Node("b", (Option("b", compute_s=1e-3, recompute_s=1e-3, saved_bytes=1 * MB),), recomputable=True)
+    edge = Edge(0, 1, (0,), (0,), ((2e-3,),), ((1e-3,),), ((40 * MB,),))
+    problem = Problem((a, b), (edge,), 120 * MB)
+    assert evaluate(problem, Assignment.of([0, 0]))[0].activations_bytes == 141 * MB
+    sol = solve_problem(problem)
+    assert sol.assignment.recompute == (False, True)
+    assert sol.memory.activations_bytes == 100 * MB and sol.time.recompute_s == pytest.approx(2e-3)
+
+
 def test_a_recomputed_node_pays_its_input_reshards_forward_again():
     """b's input reshard (2 ms: 1 ms forward, 1 ms backward) sits in b's checkpoint region: recomputing b
     (the only way to fit) runs its forward again, 0.5 + 1 ms of recompute by hand."""
