@@ -290,6 +290,14 @@ class _Pricer:
             info = self._nodes[name] = (role, cost, outs, ins, param, base)
         return info
 
+    def saves(self, consumer: fx.Node, ref: tuple[str, int]) -> bool:
+        """Whether `consumer`'s backward keeps storage `ref`, or, for a view, the backward of an op reading
+        it through views: codegen reshards a view's input before the view, so what is saved is the resharded copy."""
+        if ref in self.costs[consumer.name].saved_refs:
+            return True
+        return all(self.facts.aliases.get(consumer.name, (False,))) and any(
+            self.saves(user, ref) for user in consumer.users if user.op == "call_function")
+
     def _region_input(self, producer: fx.Node, index: int, consumer: fx.Node) -> bool:
         """Whether output `index` of `producer` (or the storage it views) is held only by the checkpoint
         region of a recomputed `consumer`: made in another layer (region) and kept by no backward."""
@@ -413,7 +421,7 @@ def build_problem(
             if u == v or (node.name, a) in free:
                 continue  # a follower and its producer: consistent by construction; or sent with the loss
             val = output_vals(p)[k]
-            kept = pricer.facts.base.get((p.name, k), (p.name, k)) in pricer.costs[node.name].saved_refs
+            kept = pricer.saves(node, pricer.facts.base.get((p.name, k), (p.name, k)))
             src = tuple(strategies[p.name][grouping_choice(clusters[u], p.name, i)].output_specs[k] for i in range(len(clusters[u].choices)))
             dst = tuple(strategies[node.name][grouping_choice(clusters[v], node.name, j)].input_specs[a] for j in range(len(clusters[v].choices)))
             key = (grouping.class_of[u], grouping.class_of[v], src, dst, _ints(val.shape), val.element_size(), val.is_floating_point(),

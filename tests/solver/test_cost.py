@@ -268,3 +268,33 @@ def test_a_consumer_that_saves_a_gathered_input_keeps_the_gathered_copy():
     mm_opt = {o.label: i for i, o in enumerate(built.problem.nodes[mm_v].options)}
     assert edge.saved(x_opt["() -> S(0)"], mm_opt["(R, R) -> R"]) == pytest.approx(64 * 32 * 4 * 3 / 4)
     assert edge.saved(x_opt["() -> S(0)"], mm_opt["(S(0), R) -> S(0)"]) == 0.0
+
+
+class _ViewLinear(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.randn(32, 16))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return (x.reshape(64, 32) @ self.w).square().mean()
+
+
+def test_a_view_passes_on_that_its_reader_saves_the_gathered_copy():
+    """x (8, 8, 32) fed Shard(0), viewed, then read by a replicated mm that saves it: codegen gathers x
+    before the view, so the saved tensor is the gathered x, 3/4 of 64 x 32 fp32 more, by hand."""
+    from autopar.profiler import profile
+    from autopar.solver.problem import build_problem
+    from autopar.solver.strategies import enumerate_strategies
+    from autopar.tracer import trace
+
+    with torch.device("meta"):
+        model, x = _ViewLinear(), torch.randn(8, 8, 32)
+    traced = trace(model, (x,))
+    mesh = make_mesh(4, (4,), "cpu")
+    built = build_problem(traced, profile(traced).evaluate(), mesh, enumerate_strategies(traced, mesh), None, grouped=False)
+    names = [n.name for n in built.problem.nodes]
+    x_v = names.index(traced.input_names[0])
+    edge = next(e for e in built.problem.edges if e.src == x_v)
+    x_opt = {o.label: i for i, o in enumerate(built.problem.nodes[x_v].options)}
+    view_opt = {o.label: i for i, o in enumerate(built.problem.nodes[edge.dst].options)}
+    assert edge.saved(x_opt["() -> S(0)"], view_opt["(R) -> R"]) == pytest.approx(64 * 32 * 4 * 3 / 4)
