@@ -40,6 +40,7 @@ from autopar.codegen.recompute import layer_key, outline_recompute_regions
 from autopar.codegen.schedule import start_collectives_early
 from autopar.codegen.shapes import LoweringError, local_block, localize_call
 from autopar.codegen.zero import regather_zero_params
+from autopar.profiler.profile import is_dropout_clone
 from autopar.runtime import collectives as C
 from autopar.runtime.batch import batch_size_of, check_divisible, fed_spec
 from autopar.runtime.deferred_loss import deferred_all_reduce, deferred_mean
@@ -439,12 +440,13 @@ def _as_eager_runs(node: fx.Node, target: Any, kwargs: dict) -> tuple[Any, dict]
     lowered as `reshape` (the same view where one exists, a copy where the running layout needs one)
     and `clone(memory_format=contiguous_format)` as `contiguous` (no copy when already contiguous,
     which is what the profiler priced: `profile.elided_copies`), except for a graph output, which
-    must not alias another tensor."""
+    must not alias another tensor. The `clone` export writes for a Dropout that does nothing is
+    `contiguous` too: eager returns the input itself, with no copy and no backward node."""
     if target is aten.view.default:
         return aten.reshape.default, kwargs
-    if (target is aten.clone.default and kwargs.get("memory_format") == torch.contiguous_format
-            and all(u.op != "output" for u in node.users)):
-        return aten.contiguous.default, kwargs
+    if all(u.op != "output" for u in node.users) and (
+            is_dropout_clone(node) or (target is aten.clone.default and kwargs.get("memory_format") == torch.contiguous_format)):
+        return aten.contiguous.default, {}
     return target, kwargs
 
 

@@ -17,6 +17,7 @@ import time
 
 import sympy
 import torch
+from torch import fx
 from torch.utils import _pytree as pytree
 
 from autopar.errors import AutoparError
@@ -99,6 +100,12 @@ def profile(traced: TracedGraph, optimizer: str = "adamw") -> GraphProfile:
     return GraphProfile(nodes=nodes, params=params, symbols=dict(traced.symbols), optimizer=opt)
 
 
+def is_dropout_clone(node: fx.Node) -> bool:
+    """A `clone` export writes for an `nn.Dropout` that does nothing (p=0, or eval): eager returns the input."""
+    stack = node.meta.get("nn_module_stack") or {}
+    return node.target is torch.ops.aten.clone.default and bool(stack) and "Dropout" in str(list(stack.values())[-1][1])
+
+
 def elided_copies(traced: TracedGraph, probes: dict[str, OpProbe]) -> frozenset[str]:
     """`clone` nodes that eager execution does not copy, so they are priced as views.
 
@@ -113,8 +120,7 @@ def elided_copies(traced: TracedGraph, probes: dict[str, OpProbe]) -> frozenset[
     for node in traced.graph.nodes:
         if node.target is not torch.ops.aten.clone.default or not node.all_input_nodes:
             continue
-        stack = node.meta.get("nn_module_stack") or {}
-        if stack and "Dropout" in str(list(stack.values())[-1][1]):
+        if is_dropout_clone(node):
             out.add(node.name)
         elif node.kwargs.get("memory_format") == torch.contiguous_format and _real_contiguous(node.args[0], probes):
             out.add(node.name)

@@ -77,6 +77,22 @@ def test_generated_code_shows_local_shapes():
     assert torch.Size([4, 8]) == sample["input_ids"].shape
 
 
+@pytest.mark.timeout(120)
+def test_a_dropout_that_does_nothing_copies_nothing():
+    """GPT-2's Dropout(p=0) modules trace as `clone` (eager returns the input): the generated code runs them
+    as `contiguous`, no copy and no backward node, as the profiler priced them; gradients stay exact
+    (`test_equivalence` trains gpt2 plans against one device)."""
+    from autopar.profiler.profile import is_dropout_clone
+
+    model, sample = load_zoo("gpt2").build(batch_size=4, seq_len=8, size="tiny", device="cpu")
+    traced = trace_model(model, sample)
+    dropouts = [n.name for n in traced.graph.nodes if is_dropout_clone(n)]
+    assert len(dropouts) == 1 + 2 * model.config.n_layer  # embeddings, and attention and MLP of each block
+    _, code = run_ranks(_forward_collectives, 2, traced, _dp_plan(traced), timeout_s=60)[0]
+    assert "aten.clone" not in code, code
+    assert all(f"{name} = torch.ops.aten.contiguous.default(" in code for name in dropouts), code
+
+
 def _sync_axes(rank, world, traced, plan):
     gm = lower(traced, plan, ProcessMesh((2,)))
     return [n.name for n in gm.graph.nodes if n.target is C.grad_all_reduce], dict(gm.meta["autopar"].grad_sync_axes)
