@@ -275,10 +275,10 @@ def test_recomputing_a_producer_frees_nothing_while_its_consumer_keeps_its_outpu
 
 
 def test_a_recomputed_reader_in_another_region_keeps_its_input():
-    """b reads a's output across a layer boundary (region_inputs; the rebuild transient is left out here):
-    recomputed, b's region saves it as its input,
-    so recomputing both frees only b's 50 MB (evaluate), and the ILP never pairs them. Budget 110 MB from
-    150 MB saved: recompute b alone (0.1 ms) or a alone (1 ms): b, by hand."""
+    """b reads a's output across a layer boundary (region_inputs; no rebuild transient in this hand-built
+    problem): recomputed, b's region saves that output as its input, so recomputing both frees only b's
+    50 MB (evaluate), and the ILP never pairs them. Budget 110 MB from 150 MB saved: recompute b alone
+    (0.1 ms) or a alone (1 ms): b, by hand."""
     a = Node("a", (Option("a", compute_s=1e-3, recompute_s=1e-3, saved_bytes=100 * MB),), recomputable=True)
     b = Node("b", (Option("b", compute_s=1e-3, recompute_s=0.1e-3, saved_bytes=50 * MB),), recomputable=True)
     problem = Problem((a, b), (), 110 * MB, region_inputs=((0, 1),))
