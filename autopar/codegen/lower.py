@@ -40,7 +40,6 @@ from autopar.codegen.recompute import layer_key, outline_recompute_regions
 from autopar.codegen.schedule import start_collectives_early
 from autopar.codegen.shapes import LoweringError, local_block, localize_call
 from autopar.codegen.zero import regather_zero_params
-from autopar.profiler.profile import is_dropout_clone
 from autopar.runtime import collectives as C
 from autopar.runtime.batch import batch_size_of, check_divisible, fed_spec
 from autopar.runtime.deferred_loss import deferred_all_reduce, deferred_mean
@@ -49,7 +48,7 @@ from autopar.solver.plan import Plan
 from autopar.solver.spec import Partial, Replicate, Shard, Spec
 from autopar.tracer import TracedGraph, tensor_args
 from autopar.tracer.nodes import is_tensor_node as _is_tensor_node
-from autopar.tracer.nodes import grad_carrying, is_float, module_path
+from autopar.tracer.nodes import grad_carrying, is_dropout_clone, is_float, module_path
 
 log = logging.getLogger(__name__)
 aten = torch.ops.aten

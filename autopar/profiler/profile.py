@@ -17,7 +17,6 @@ import time
 
 import sympy
 import torch
-from torch import fx
 from torch.utils import _pytree as pytree
 
 from autopar.errors import AutoparError
@@ -26,7 +25,7 @@ from autopar.profiler.graph import GraphFacts, Ref, analyze, tensor_bytes
 from autopar.profiler.probe import OpProbe, probe, to_expr
 from autopar.profiler.types import GraphProfile, NodeProfile, ParamProfile
 from autopar.tracer import TracedGraph, output_vals
-from autopar.tracer.nodes import is_tensor_node
+from autopar.tracer.nodes import is_dropout_clone, is_tensor_node
 
 log = logging.getLogger(__name__)
 
@@ -98,12 +97,6 @@ def profile(traced: TracedGraph, optimizer: str = "adamw") -> GraphProfile:
     log.info("profiler: %d nodes (%d probed op signatures) in %.2f s", len(nodes), len(set(map(id, probes.values()))),
              time.perf_counter() - start)
     return GraphProfile(nodes=nodes, params=params, symbols=dict(traced.symbols), optimizer=opt)
-
-
-def is_dropout_clone(node: fx.Node) -> bool:
-    """A `clone` export writes for an `nn.Dropout` that does nothing (p=0, or eval): eager returns the input."""
-    stack = node.meta.get("nn_module_stack") or {}
-    return node.target is torch.ops.aten.clone.default and bool(stack) and "Dropout" in str(list(stack.values())[-1][1])
 
 
 def elided_copies(traced: TracedGraph, probes: dict[str, OpProbe]) -> frozenset[str]:

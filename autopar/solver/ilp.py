@@ -21,10 +21,15 @@ Constraint families (each PuLP constraint is named after its family):
   recompute_{v}_{g}   y[v,g] <= sum_{s in g} x[v,s]                  (`_add_recompute`)
   together_{u}_{v}    sum_g y[u,g] <= sum_g y[v,g]  (v's backward keeps u's output: recomputing u
                       alone frees nothing; `Problem.recompute_with`)
+  apart_{u}_{v}       sum_g y[u,g] + sum_g y[v,g] <= 1  (v reads u across a layer boundary: v's region
+                      would save u's output as its input; `Problem.region_inputs`)
   zero_{v}_{g}        z[v,g] <= sum_{s in g} x[v,s]  (= under "always") (`_add_zero`)
   sync_{g}_{v}        u[g] >= sum_{s syncs over g} x[v,s]            (`_add_sync_groups`)
   rerun_{k}           w[k] >= sum_{a,b} forward[k,a,b] e[k,a,b] - M (1 - sum_g y[dst,g])   (`_add_reruns`:
                       a recomputed node runs its input reshards again in backward; M = max forward[k])
+  saved_reshard_{k}   s[k] >= sum_{a,b} kept[k,a,b] e[k,a,b] - M sum_g y[dst,g]   (`_add_saved_reshards`:
+                      a consumer that saves a resharded input keeps the resharded copy unless recomputed;
+                      without recompute variables for dst the terms enter the memory row directly)
   temp_{v}            T >= sum_s temp[v,s] x[v,s]                    (`_add_temp`)
   gather_{v}          T >= sum_g gathered[v,g] z[v,g]
   rebuild_{r}         T >= sum_{v in layer r, g} saved[v,g] / copies[v] y[v,g]   (backward rebuilds a
@@ -36,7 +41,8 @@ Constraint families (each PuLP constraint is named after its family):
                       backward carries through the rebuilt layer, on the y of the node that makes it (a
                       row per node for the max over them doubled memory-bound solve times)
   memory              sum_{v,s} static[v,s] x - sum_g (1 - 1/f[v,g]) static[v,g] z
-                      + saved[v,s] x - sum_g saved[v,g] y + T <= budget   (`add_memory_limit`)
+                      + saved[v,s] x - sum_g (saved[v,g] - held[v,g]) y + sum_k s[k] + T <= budget
+                      (`add_memory_limit`; held: a recomputed region's inputs from other layers)
 Objective (time of one step):
   sum (compute + comm)[v,s] x + zero_comm[v,g] z + recompute[v,g] y + sum cost[k,a,b] e[k,a,b]
   + sum_g sync_latency[g] u[g]   (one gradient bucket's latency per group used, `cost.sync_latency_s`)

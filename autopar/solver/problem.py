@@ -290,18 +290,21 @@ class _Pricer:
             info = self._nodes[name] = (role, cost, outs, ins, param, base)
         return info
 
+    def is_view(self, node: fx.Node) -> bool:
+        """Every output of `node` aliases an input (a view, or a copy the profiler priced as one)."""
+        return all(self.facts.aliases.get(node.name, (False,)))
+
     def saves(self, consumer: fx.Node, ref: tuple[str, int]) -> bool:
         """Whether `consumer`'s backward keeps storage `ref`, or, for a view, the backward of an op reading
         it through views: codegen reshards a view's input before the view, so what is saved is the resharded copy."""
         if ref in self.costs[consumer.name].saved_refs:
             return True
-        return all(self.facts.aliases.get(consumer.name, (False,))) and any(
-            self.saves(user, ref) for user in consumer.users if user.op == "call_function")
+        return self.is_view(consumer) and any(self.saves(user, ref) for user in consumer.users if user.op == "call_function")
 
     def _region_input(self, producer: fx.Node, index: int, consumer: fx.Node) -> bool:
         """Whether output `index` of `producer` (or the storage it views) is held only by the checkpoint
         region of a recomputed `consumer`: made in another layer (region) and kept by no backward."""
-        if all(self.facts.aliases.get(consumer.name, (False,))):
+        if self.is_view(consumer):
             return False  # a view: codegen takes it into the region of the op that reads it
         name, index = self.facts.base.get((producer.name, index), (producer.name, index))
         source = self.nodes[name]
@@ -469,7 +472,7 @@ def build_problem(
                 for ref, _ in c.saved_refs if ref in cls and cls[ref] != cls[c.name]}
     facts = pricer.facts
     sources = ((n, pricer.nodes[facts.base.get(ref, ref)[0]]) for n in traced.graph.nodes
-               if n.op == "call_function" and not all(facts.aliases[n.name]) for ref in facts.arg_refs[n.name])
+               if n.op == "call_function" and not pricer.is_view(n) for ref in facts.arg_refs[n.name])
     crossing = {(cls[p.name], cls[n.name]) for n, p in sources
                 if p.op == "call_function" and p.name in cls and n.name in cls and cls[p.name] != cls[n.name]
                 and _layer_of(module_path(p)) != _layer_of(module_path(n))}

@@ -10,7 +10,8 @@ node). Export leaves such repeats: decomposed cross-entropy computes
 The elimination is torch.fx's `CSEPass`, run with every op that draws random
 numbers (`Tag.nondeterministic_seeded`) or mutates an argument banned, so only
 pure computations merge. (Export's other no-op, `clone` for `Dropout(p=0)`, is
-priced as a view by the profiler: `autopar.profiler.profile.elided_copies`.)
+kept: `nodes.is_dropout_clone` marks it, the profiler prices it as a view and
+codegen runs it as `contiguous`.)
 """
 from __future__ import annotations
 

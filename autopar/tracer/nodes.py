@@ -49,6 +49,12 @@ def module_path(node: fx.Node) -> str:
     return path.replace("[", ".").replace("]", "")
 
 
+def is_dropout_clone(node: fx.Node) -> bool:
+    """A `clone` export writes for an `nn.Dropout` that does nothing (p=0, or eval): eager returns the input."""
+    stack = node.meta.get("nn_module_stack") or {}
+    return node.target is torch.ops.aten.clone.default and bool(stack) and "Dropout" in str(list(stack.values())[-1][1])
+
+
 def is_float(node: fx.Node) -> bool:
     val = node.meta.get("val")
     return isinstance(val, torch.Tensor) and val.is_floating_point()

@@ -82,7 +82,7 @@ def test_a_dropout_that_does_nothing_copies_nothing():
     """GPT-2's Dropout(p=0) modules trace as `clone` (eager returns the input): the generated code runs them
     as `contiguous`, no copy and no backward node, as the profiler priced them; gradients stay exact
     (`test_equivalence` trains gpt2 plans against one device)."""
-    from autopar.profiler.profile import is_dropout_clone
+    from autopar.tracer.nodes import is_dropout_clone
 
     model, sample = load_zoo("gpt2").build(batch_size=4, seq_len=8, size="tiny", device="cpu")
     traced = trace_model(model, sample)
