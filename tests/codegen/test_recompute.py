@@ -10,7 +10,7 @@ aten = torch.ops.aten
 
 
 def _graph() -> fx.Graph:
-    """x -> mm -> permute -> gelu -> sdpa-like mul -> view -> add -> clone (graph order)."""
+    """x -> mm -> permute -> gelu -> mm (real work) -> view -> add -> clone (graph order)."""
     g = fx.Graph()
     x = g.placeholder("x")
     w = g.placeholder("w")
@@ -20,9 +20,9 @@ def _graph() -> fx.Graph:
     perm.name = "permute"
     gelu = g.call_function(aten.gelu.default, (perm,))
     gelu.name = "gelu"
-    mul = g.call_function(aten.mul.Tensor, (gelu, gelu))
-    mul.name = "mul"
-    view = g.call_function(aten.view.default, (mul, [-1]))
+    mm2 = g.call_function(aten.mm.default, (gelu, gelu))
+    mm2.name = "mm2"
+    view = g.call_function(aten.view.default, (mm2, [-1]))
     view.name = "view"
     add = g.call_function(aten.add.Tensor, (view, view))
     add.name = "add"
@@ -38,7 +38,7 @@ def test_runs_bridge_views_between_recomputed_nodes_of_a_layer():
     layer = {name: "h.0" for name in origin}
     runs = _runs(g, {"mm", "gelu", "add"}, origin, layer)
     # permute (a view the plan keeps) joins mm's region: else its output, mm's, would be gelu's region
-    # input and checkpoint would save it. mul is real work the plan keeps: it ends the run. The trailing
+    # input and checkpoint would save it. mm2 is real work the plan keeps: it ends the run. The trailing
     # clone follows no recomputed node of the run: left out.
     assert [[n.name for n in run] for run in runs] == [["mm", "permute", "gelu"], ["add"]]
     # a view belonging to another layer is not bridged: regions stay per layer
@@ -66,3 +66,29 @@ def test_runs_step_over_kept_work_that_does_not_read_them():
     outline(g, nn.Module(), runs[0], "recompute_0", checkpointed)
     g.lint()
     assert [n.name for n in g.nodes if n.op == "call_function"] == ["gate", "up", "checkpointed", "getitem", "down"]
+
+
+def test_runs_take_in_cheap_kept_work_that_reads_them():
+    """LLaMA's rotary embedding inside a recomputed attention: q is recomputed, `q * cos`, `-q`, the
+    concatenation and `rot * sin` save nothing (the solver never recomputes them), and their sum feeds a
+    recomputed op. Elementwise ops and the concatenation are taken into the region (run again in
+    backward), so q and the products are not region inputs that checkpoint would save. A kept matmul
+    reading the run still ends it, and cheap work that no recomputed node follows stays outside."""
+    g = fx.Graph()
+    x, w, cos = g.placeholder("x"), g.placeholder("w"), g.placeholder("cos")
+    nodes: dict[str, fx.Node] = {}
+    for name, target, args in (("q", aten.mm.default, (x, w)), ("q_cos", aten.mul.Tensor, ("q", cos)),
+                               ("neg", aten.neg.default, ("q",)), ("rot", aten.cat.default, (["neg", "q"], 1)),
+                               ("rot_sin", aten.mul.Tensor, ("rot", cos)), ("roped", aten.add.Tensor, ("q_cos", "rot_sin")),
+                               ("scores", aten.mm.default, ("roped", "roped")), ("kept", aten.mm.default, ("scores", w)),
+                               ("act", aten.gelu.default, ("scores",)), ("tail", aten.mul.Tensor, ("act", cos))):
+        resolve = lambda a: [nodes[b] for b in a] if isinstance(a, list) else nodes.get(a, a)  # noqa: E731
+        nodes[name] = g.call_function(target, tuple(resolve(a) for a in args))
+        nodes[name].name = name
+    g.output((nodes["kept"], nodes["tail"]))
+    origin = {n.name: n.name for n in g.nodes}
+    runs = _runs(g, {"q", "scores", "act"}, origin, {name: "layers.0" for name in origin})
+    assert [[n.name for n in run] for run in runs] == [["q", "q_cos", "neg", "rot", "rot_sin", "roped", "scores"], ["act"]]
+    region = set(runs[0])
+    inputs = {a.name for n in runs[0] for a in n.all_input_nodes if a not in region}
+    assert inputs == {"x", "w", "cos"}  # nothing computed in the layer is saved as the region's input
