@@ -55,15 +55,14 @@ def _is_copy(node: fx.Node) -> bool:
 
 def _is_cheap(node: fx.Node) -> bool:
     """A copy, an elementwise op (torch's `pointwise` tag) or a concatenation: one pass over its output to
-    run again. Never an op that draws random numbers."""
+    run again. Never an op that draws random numbers or writes its input (run again, it would write twice)."""
     if _is_copy(node):
         return True
-    if node.op != "call_function" or node.target is rng.random_op:
+    if node.op != "call_function" or node.target is rng.random_op or not isinstance(node.target, torch._ops.OpOverload):
         return False
-    tags = getattr(node.target, "tags", ())
-    if torch.Tag.nondeterministic_seeded in tags:
+    if torch.Tag.nondeterministic_seeded in node.target.tags or node.target._schema.is_mutable:
         return False
-    return torch.Tag.pointwise in tags or node.target is torch.ops.aten.cat.default
+    return torch.Tag.pointwise in node.target.tags or node.target is torch.ops.aten.cat.default
 
 
 def _runs(graph: fx.Graph, recompute: set[str], origin: Mapping[str, str], layer: Mapping[str, str]) -> list[list[fx.Node]]:

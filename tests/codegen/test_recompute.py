@@ -92,3 +92,7 @@ def test_runs_take_in_cheap_kept_work_that_reads_them():
     region = set(runs[0])
     inputs = {a.name for n in runs[0] for a in n.all_input_nodes if a not in region}
     assert inputs == {"x", "w", "cos"}  # nothing computed in the layer is saved as the region's input
+    # an op that writes its input is never run again: in place of q_cos, it ends the run
+    nodes["q_cos"].target = aten.mul_.Tensor
+    runs = _runs(g, {"q", "scores", "act"}, origin, {name: "layers.0" for name in origin})
+    assert [[n.name for n in run] for run in runs][0] == ["q"]
