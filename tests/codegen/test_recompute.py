@@ -1,10 +1,15 @@
 """Recompute regions: which lowered nodes one checkpoint region takes (no ranks needed)."""
 from __future__ import annotations
 
+import pytest
 import torch
 from torch import fx, nn
 
-from autopar.codegen.recompute import _runs, checkpointed, outline
+from autopar.codegen.recompute import _is_cheap, _is_copy, _runs, checkpointed, layer_key, outline
+from autopar.profiler import profile
+from autopar.tracer import module_path
+from tests.codegen.harness import trace_model
+from tests.codegen.plans import load_zoo
 
 aten = torch.ops.aten
 
@@ -96,3 +101,22 @@ def test_runs_take_in_cheap_kept_work_that_reads_them():
     nodes["q_cos"].target = aten.mul_.Tensor
     runs = _runs(g, {"q", "scores", "act"}, origin, {name: "layers.0" for name in origin})
     assert [[n.name for n in run] for run in runs][0] == ["q"]
+
+
+@pytest.mark.parametrize("name", ["llama", "hf_llama"])
+def test_a_recomputed_llama_layer_is_one_region(name):
+    """Every op of the first layer recomputed but the cheap ones whose output no backward saves (the solver
+    never recomputes those: they free nothing). The rotary embedding's products and concatenation sit
+    between recomputed ops and read them; taken in, the layer is one checkpoint region (it was five)."""
+    model, sample = load_zoo(name).build(batch_size=4, seq_len=8, size="tiny", device="cpu")
+    traced = trace_model(model, sample)
+    costs = profile(traced).evaluate().nodes
+    layer = {n.name: layer_key(module_path(n)) for n in traced.graph.nodes if n.op == "call_function"}
+    first = layer_key(module_path(next(n for n in traced.graph.nodes if layer.get(n.name, "").endswith(".0"))))
+    recompute = {n.name for n in traced.graph.nodes if layer.get(n.name) == first
+                 and not (_is_cheap(n) and not any(costs[n.name].saved_outputs))}
+    skipped = [n for n in traced.graph.nodes if layer.get(n.name) == first and n.name not in recompute and not _is_copy(n)]
+    assert skipped, "the layer has cheap ops the solver would not recompute"
+    runs = _runs(traced.graph, recompute, {n.name: n.name for n in traced.graph.nodes}, layer)
+    assert len(runs) == 1
+    assert recompute <= {n.name for n in runs[0]}
