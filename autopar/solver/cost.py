@@ -19,7 +19,8 @@ the op is split gets a Partial gradient, which needs an all-reduce over that
 axis in backward (Megatron's "f" operator). When the input is a parameter the
 runtime does that all-reduce in buckets (`autopar.runtime.grad_sync`), over one
 group spanning all those axes, so it pays the bandwidth term in full and only
-its share of the latency term (its part of a full bucket, `bucket_latency_share`);
+its share of the latency term (its local bytes' part of a full bucket, at most one:
+`bucket_latency_share`);
 every group that syncs any gradient also pays one bucket's latency once
 (`sync_latency_s`: its last, partly filled bucket), charged by the ILP on the
 groups the plan uses (`grad_sync_groups`). So a group holds
@@ -42,8 +43,8 @@ from autopar.profiler.types import NodeCost
 from autopar.solver.mesh import COLLECTIVE_KINDS, LinkCost, Mesh, MeshAxis
 from autopar.solver.spec import Replicate, Strategy
 
-__all__ = ["bucket_latency_share", "collective_time_s", "compute_time_s", "flat_axis", "forward_time_s", "grad_sync_groups",
-           "launches", "recompute_time_s", "split_factor", "strategy_cost", "sync_latency_s"]
+__all__ = ["bucket_latency_share", "bucketed_all_reduce_s", "collective_time_s", "compute_time_s", "flat_axis", "forward_time_s",
+           "grad_sync_groups", "input_partial_axes", "launches", "recompute_time_s", "split_factor", "strategy_cost", "sync_latency_s"]
 
 
 def _ring(kind: str, n: int) -> tuple[float, int]:
@@ -76,11 +77,13 @@ GRAD_BUCKET_BYTES = 25 * 2**20
 
 
 def bucket_latency_share(nbytes: float, bucket_bytes: float) -> float:
-    """Part of one bucketed all-reduce's latency a gradient of `nbytes` pays: its part of a full bucket.
+    """Part of one bucketed all-reduce's latency a gradient of `nbytes` (this rank's, as the runtime
+    packs it) pays: its part of a full bucket, and at most one latency, since a gradient larger than
+    a bucket is sent alone (`runtime.grad_sync`).
 
-    The runtime packs a group's B gradient bytes into ceil(B / bucket) buckets; the shares
-    add up to B / bucket and the group's last bucket is paid once (`sync_latency_s`)."""
-    return max(nbytes, 0.0) / bucket_bytes
+    The runtime packs a group's B gradient bytes into about B / bucket buckets; the shares
+    add up to that and the group's last bucket is paid once (`sync_latency_s`)."""
+    return min(max(nbytes, 0.0) / bucket_bytes, 1.0)
 
 
 def sync_latency_s(mesh: Mesh, axes: tuple[int, ...]) -> float:
@@ -163,17 +166,17 @@ def strategy_cost(
     out_shapes: Sequence[tuple[int, ...] | None],
     mesh: Mesh,
     in_bytes: Sequence[float] | None = None,
-    param_share: Sequence[float | None] | None = None,
+    bucketed: Sequence[bool] | None = None,
 ) -> tuple[float, float]:
     """(compute_s, comm_s) of one training step of the node under `strategy`.
 
     out_shapes: global shape per output (kept for callers; local bytes come from the specs).
     in_bytes: global bytes per input spec (for the backward all-reduce of
     Replicate inputs of a split op); without it that term is left out.
-    param_share: per input, None for an activation (its gradient is all-reduced in
-    the graph, one collective per axis), or, for a parameter's gradient, the part of
-    a bucket's latency it pays (`bucket_latency_share`): the bucketed sync reduces it
-    over all those axes at once (`flat_axis`). Default: all activations.
+    bucketed: per input, False for an activation (its gradient is all-reduced in
+    the graph, one collective per axis), True for a parameter's gradient: the bucketed
+    sync reduces it over all those axes at once (`flat_axis`), and its local bytes pay
+    their part of a bucket's latency (`bucket_latency_share`). Default: all activations.
     """
     factor = split_factor(strategy, mesh)
     out_local_bytes = _local_out_bytes(node_cost, strategy, mesh)
@@ -182,34 +185,48 @@ def strategy_cost(
     if _has_backward(node_cost):
         compute += compute_time_s(node_cost.bwd_flops / factor, 2 * out_local_bytes, mesh) + bwd_launches * mesh.op_overhead_s
     comm = 0.0
-    for spec, nbytes, share, partial in _partial_grads(node_cost, strategy, mesh, in_bytes, param_share):
+    for spec, nbytes, in_bucket, partial in _partial_grads(node_cost, strategy, mesh, in_bytes, bucketed):
         local = nbytes / spec.shard_factor(mesh.shape)
-        if share is None:
-            comm += sum(collective_time_s("all_reduce", local, mesh.axes[a]) for a in partial)
+        if in_bucket:
+            comm += bucketed_all_reduce_s(local, mesh, partial)
         else:
-            comm += collective_time_s("all_reduce", local, flat_axis(mesh, partial), share)
+            comm += sum(collective_time_s("all_reduce", local, mesh.axes[a]) for a in partial)
     return compute, comm
 
 
+def bucketed_all_reduce_s(local_bytes: float, mesh: Mesh, axes: tuple[int, ...]) -> float:
+    """A parameter gradient's part of the bucketed sync over the group spanning `axes`: its bandwidth
+    term in full, its share of a bucket's latency (`bucket_latency_share`)."""
+    return collective_time_s("all_reduce", local_bytes, flat_axis(mesh, axes), bucket_latency_share(local_bytes, GRAD_BUCKET_BYTES))
+
+
 def grad_sync_groups(node_cost: NodeCost, strategy: Strategy, mesh: Mesh, in_bytes: Sequence[float] | None,
-                     param_share: Sequence[float | None] | None) -> frozenset[tuple[int, ...]]:
+                     bucketed: Sequence[bool] | None) -> frozenset[tuple[int, ...]]:
     """The axis groups over which the bucketed sync all-reduces the node's parameter gradients (see
     `strategy_cost`'s arguments): each group a plan uses pays `sync_latency_s` once."""
-    return frozenset(partial for _, _, share, partial in _partial_grads(node_cost, strategy, mesh, in_bytes, param_share)
-                     if share is not None)
+    return frozenset(partial for _, _, in_bucket, partial in _partial_grads(node_cost, strategy, mesh, in_bytes, bucketed)
+                     if in_bucket)
 
 
 def _partial_grads(node_cost: NodeCost, strategy: Strategy, mesh: Mesh, in_bytes: Sequence[float] | None,
-                   param_share: Sequence[float | None] | None) -> list[tuple]:
-    """(input spec, global bytes, bucket share or None, axes its gradient is partial on) of every input
-    whose gradient needs an all-reduce: Replicate on an axis the node is split on."""
+                   bucketed: Sequence[bool] | None) -> list[tuple]:
+    """(input spec, global bytes, whether it is a bucketed parameter gradient, axes its gradient is partial
+    on) of every input whose gradient needs an all-reduce: Replicate on an axis the node is split on."""
     if in_bytes is None or not _has_backward(node_cost):
         return []
-    axes = split_axes(strategy, len(mesh.shape))
-    shares = param_share if param_share is not None else [None] * len(in_bytes)
+    flags = bucketed if bucketed is not None else [False] * len(in_bytes)
     out = []
-    for spec, nbytes, share in zip(strategy.input_specs, in_bytes, shares):
-        partial = tuple(a for a in axes if isinstance(spec.placements[a], Replicate))
+    for index, (spec, nbytes, in_bucket) in enumerate(zip(strategy.input_specs, in_bytes, flags)):
+        partial = input_partial_axes(node_cost, strategy, len(mesh.shape), index)
         if partial:
-            out.append((spec, nbytes, share, partial))
+            out.append((spec, nbytes, in_bucket, partial))
     return out
+
+
+def input_partial_axes(node_cost: NodeCost, strategy: Strategy, mesh_ndim: int, index: int) -> tuple[int, ...]:
+    """Mesh axes on which the gradient of input `index` is a per-rank term: the node is split there and
+    the input is Replicate (each rank's backward sees its part of the work)."""
+    if not _has_backward(node_cost):
+        return ()
+    spec = strategy.input_specs[index]
+    return tuple(a for a in split_axes(strategy, mesh_ndim) if isinstance(spec.placements[a], Replicate))

@@ -24,6 +24,9 @@ Constraint families (each PuLP constraint is named after its family):
   apart_{u}_{v}       sum_g y[u,g] + sum_g y[v,g] <= 1  (v reads u across a layer boundary: v's region
                       would save u's output as its input; `Problem.region_inputs`)
   zero_{v}_{g}        z[v,g] <= sum_{s in g} x[v,s]  (= under "always") (`_add_zero`)
+  zero_saving_{k}     zs[k] <= sum_{a,b} saving[k,a,b] e[k,a,b]   (`_add_zero_savings`: the bucketed all-reduce
+  zero_saving_gate_{k} zs[k] <= M sum_g z[src,g]   a consumer split over src's ZeRO axes pays, which src's ZeRO
+                      reduce-scatter takes over; the objective subtracts zs[k]; M = max saving[k])
   sync_{g}_{v}        u[g] >= sum_{s syncs over g} x[v,s]            (`_add_sync_groups`)
   rerun_{k}           w[k] >= sum_{a,b} forward[k,a,b] e[k,a,b] - M (1 - sum_g y[dst,g])   (`_add_reruns`:
                       a recomputed node runs its input reshards again in backward; M = max forward[k])
@@ -44,7 +47,7 @@ Constraint families (each PuLP constraint is named after its family):
                       + saved[v,s] x - sum_g (saved[v,g] - held[v,g]) y + sum_k s[k] + T <= budget
                       (`add_memory_limit`; held: a recomputed region's inputs from other layers)
 Objective (time of one step):
-  sum (compute + comm)[v,s] x + zero_comm[v,g] z + recompute[v,g] y + sum cost[k,a,b] e[k,a,b]
+  sum (compute + comm)[v,s] x + zero_comm[v,g] z + recompute[v,g] y + sum cost[k,a,b] e[k,a,b] - sum_k zs[k]
   + sum_g sync_latency[g] u[g]   (one gradient bucket's latency per group used, `cost.sync_latency_s`)
   + sum_k w[k]
   + 1 us per GiB of the memory expression (a tie-break: equally fast plans -> the leaner one)
@@ -147,6 +150,8 @@ def evaluate(problem: Problem, a: Assignment) -> tuple[MemoryBreakdown, TimeBrea
             recompute_s += e.forward_cost(a.choice[e.src], a.choice[e.dst])
         else:  # a recomputed consumer reshards again in its region: nothing resharded is saved
             act += e.saved(a.choice[e.src], a.choice[e.dst])
+        if a.zero[e.src]:  # the ZeRO reduce-scatter takes over the consumer's bucketed all-reduce
+            comm_s -= e.zero_saving(a.choice[e.src], a.choice[e.dst])
     used = frozenset().union(*(node.options[c].sync_groups for node, c in zip(problem.nodes, a.choice)))
     comm_s += sum(latency_s for g, latency_s in problem.sync_latency_s if g in used)
     return (
@@ -190,6 +195,7 @@ class _Model:
         self._add_reruns()
         self._add_saved_reshards()
         self._add_zero()
+        self._add_zero_savings()
         self._add_sync_groups()
         self._add_temp()
         if objective == "time":
@@ -218,8 +224,8 @@ class _Model:
     def _add_edges(self) -> None:
         self.e: dict[int, list[list[pulp.LpVariable]]] = {}  # edge index -> e[k][a][b]
         for k, e in enumerate(self.problem.edges):
-            if not any(c for row in e.cost_s for c in row) and e.saved_bytes is None:
-                continue  # free in every combination and saves nothing: no variables needed
+            if not any(c for row in e.cost_s for c in row) and e.saved_bytes is None and e.zero_saving_s is None:
+                continue  # free in every combination, saves nothing, no ZeRO saving: no variables needed
             rows, cols = len(e.cost_s), len(e.cost_s[0])
             ev = [[pulp.LpVariable(f"e_{k}_{a}_{b}", lowBound=0, upBound=1) for b in range(cols)] for a in range(rows)]
             self.e[k] = ev
@@ -323,6 +329,20 @@ class _Model:
                 self.time_terms.append((z, comm_s * _MS))
                 self.memory_terms.append((z, -saving / _GIB))
                 self.gathered.setdefault(v, []).append((z, gathered / _GIB))
+
+    def _add_zero_savings(self) -> None:
+        """A ZeRO parameter's reduce-scatter takes over the bucketed all-reduce of its gradient that a consumer
+        split over its ZeRO axes pays (`Edge.zero_saving_s`): a saving on the edge, gated by the parameter's z."""
+        for k, ev in self.e.items():
+            e = self.problem.edges[k]
+            zs = list({var: None for (m, _), var in self.z.items() if m == e.src})
+            if e.zero_saving_s is None or not zs:
+                continue
+            terms = [(ev[a][b], t * _MS) for a, row in enumerate(e.zero_saving_s) for b, t in enumerate(row) if t > 0]
+            saving = pulp.LpVariable(f"zs_{k}", lowBound=0)
+            self.prob += saving <= pulp.LpAffineExpression(terms), f"zero_saving_{k}"
+            self.prob += saving <= max(c for _, c in terms) * pulp.lpSum(zs), f"zero_saving_gate_{k}"
+            self.time_terms.append((saving, -1.0))
 
     def _add_sync_groups(self) -> None:
         for g, (axes, latency_s) in enumerate(self.problem.sync_latency_s):

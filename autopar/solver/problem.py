@@ -22,7 +22,7 @@ from torch import fx
 from autopar.profiler import storage_facts
 from autopar.profiler.types import ConcreteProfile
 from autopar.solver.cluster import Cluster, Grouping, group, singletons
-from autopar.solver.cost import (GRAD_BUCKET_BYTES, bucket_latency_share, collective_time_s, grad_sync_groups, recompute_time_s,
+from autopar.solver.cost import (bucketed_all_reduce_s, collective_time_s, grad_sync_groups, input_partial_axes, recompute_time_s,
                                  split_factor, strategy_cost, sync_latency_s)
 from autopar.gc_pause import gc_paused
 from autopar.solver.mesh import Mesh
@@ -107,6 +107,9 @@ class Edge:
     # Bytes the consumer's backward saves beyond what the producer's option counts: the resharded input
     # (an all-gathered activation or parameter) when dst saves that input and is not recomputed. None: none.
     saved_bytes: tuple[tuple[float, ...], ...] | None = None
+    # Seconds src's ZeRO storage saves when dst pays the bucketed all-reduce of src's gradient over the
+    # ZeRO axes (dst split there): its reduce-scatter takes that all-reduce over. None: src is no parameter.
+    zero_saving_s: tuple[tuple[float, ...], ...] | None = None
 
     @staticmethod
     def dense(src: int, dst: int, cost_s: list[list[float]] | tuple[tuple[float, ...], ...]) -> "Edge":
@@ -122,6 +125,9 @@ class Edge:
 
     def forward_cost(self, i: int, j: int) -> float:
         return self.forward_s[self.src_class[i]][self.dst_class[j]] if self.forward_s is not None else 0.0
+
+    def zero_saving(self, i: int, j: int) -> float:
+        return self.zero_saving_s[self.src_class[i]][self.dst_class[j]] if self.zero_saving_s is not None else 0.0
 
 
 @dataclass(frozen=True)
@@ -184,14 +190,15 @@ def _ints(shape) -> tuple[int, ...]:
     return tuple(int(s.node.hint) if isinstance(s, torch.SymInt) else int(s) for s in shape)
 
 
-def _zero(spec: Spec, shape: tuple[int, ...], local_bytes: float, mesh: Mesh,
-          sync_share: float = 1.0) -> tuple[Spec, ZeroOption] | None:
+def _zero(spec: Spec, shape: tuple[int, ...], local_bytes: float, mesh: Mesh) -> tuple[Spec, ZeroOption] | None:
     """ZeRO storage for a param used as `spec`: sharded over every replicated axis (one tensor dim).
 
     Its price, per step and axis: a gather before forward use and again before backward
     (codegen re-gathers rather than keeping it), and a reduce-scatter of the gradient, each
-    its own collective, instead of the bucketed all-reduce (`sync_share` of a bucket's
-    latency, see `cost.bucket_latency_share`) the consumer already pays in `strategy_cost`.
+    its own collective. What it saves, the bucketed all-reduce of the gradient, is on the edges
+    to the consumers that pay it (`Edge.zero_saving_s`): only a consumer split over those axes
+    gets a partial gradient there (otherwise codegen slices the gradient in backward, and the
+    reduce-scatter priced here is not run: an overestimate).
     """
     axes = [a for a, p in enumerate(spec.placements) if isinstance(p, Replicate) and mesh.shape[a] > 1]
     factor = math.prod(mesh.shape[a] for a in axes)
@@ -206,7 +213,6 @@ def _zero(spec: Spec, shape: tuple[int, ...], local_bytes: float, mesh: Mesh,
     for a in reversed(axes):  # innermost gather first: each step gathers a bigger piece
         ax = mesh.axes[a]
         comm_s += 2 * collective_time_s("all_gather", gathered, ax) + collective_time_s("reduce_scatter", gathered, ax)
-        comm_s -= collective_time_s("all_reduce", gathered, ax, sync_share)
         gathered /= mesh.shape[a]
     return storage, ZeroOption(factor, comm_s, local_bytes)
 
@@ -276,10 +282,9 @@ class _Pricer:
                 # an input with no gradient (token ids, masks, buffers) needs no backward all-reduce
                 in_bytes = tuple(_tensor_bytes(output_vals(p)[i]) if self.costs[p.name].requires_grad else 0.0
                                  for p, i in producers)
-                shares = tuple(self._sync_share(root) if (root := _param_root(p, self.params, self.costs)) else None
-                               for p, _ in producers)
+                bucketed = tuple(_param_root(p, self.params, self.costs) is not None for p, _ in producers)
                 held = tuple(_tensor_bytes(output_vals(p)[i]) if self._region_input(p, i, node) else 0.0 for p, i in producers)
-                ins = (in_bytes, shares, held)
+                ins = (in_bytes, bucketed, held)
             param = self.params.get(name)
             role = "param" if param else "buffer" if name in self.traced.buffer_fqns else node.op
             if role == "placeholder":
@@ -312,10 +317,6 @@ class _Pricer:
         return (source.op == "call_function" and not (index < len(saved) and saved[index])
                 and _layer_of(module_path(source)) != _layer_of(module_path(consumer)))
 
-    def _sync_share(self, param_node: str) -> float:
-        """Part of a grad-sync bucket's latency the gradient of `param_node` pays."""
-        return bucket_latency_share(self.params[param_node].param_bytes, GRAD_BUCKET_BYTES)
-
     def _fed(self, node) -> tuple:
         """(global shape, itemsize) of a user input as fed: each rank its rows, Shard(0) on every mesh
         axis (`input_layout="shard"`); () when its dim 0 does not split that way (fed whole)."""
@@ -330,7 +331,7 @@ class _Pricer:
             spec = strat.output_specs[0]
             shard = spec.shard_factor(mesh.shape)
             if role == "param":
-                found = _zero(spec, outs[0], param.param_bytes / shard, mesh, self._sync_share(param.node))
+                found = _zero(spec, outs[0], param.param_bytes / shard, mesh)
                 return Option(str(spec), param_bytes=param.param_bytes / shard, grad_bytes=param.grad_bytes / shard,
                               optimizer_bytes=param.optimizer_bytes / shard, zero=found[1] if found else None)
             if role == "buffer":
@@ -341,8 +342,8 @@ class _Pricer:
                 shape, itemsize = ins
                 comm = reshard_cost(Spec((Shard(0),) * len(mesh.shape)), spec, shape, itemsize, mesh, with_backward=False)
             return Option(str(spec), comm_s=comm, saved_bytes=saved)
-        in_bytes, shares, held = ins
-        compute_s, comm_s = strategy_cost(cost, strat, outs, mesh, in_bytes, shares)
+        in_bytes, bucketed, held = ins
+        compute_s, comm_s = strategy_cost(cost, strat, outs, mesh, in_bytes, bucketed)
         held_bytes = sum(b / spec.shard_factor(mesh.shape) for b, spec in zip(held, strat.input_specs) if b)
         shards = [s.shard_factor(mesh.shape) for s in strat.output_specs] or [1]
         saved = sum(b / shards[min(i, len(shards) - 1)] for i, (b, s) in enumerate(zip(cost.output_bytes, cost.saved_outputs)) if s)
@@ -350,7 +351,7 @@ class _Pricer:
         flow = max((b / shards[min(i, len(shards) - 1)] for i, b in enumerate(cost.value_bytes)), default=0.0) \
             if cost.requires_grad else 0.0
         return Option(str(strat), compute_s=compute_s, comm_s=comm_s, recompute_s=recompute_time_s(cost, strat, mesh),
-                      sync_groups=grad_sync_groups(cost, strat, mesh, in_bytes, shares),
+                      sync_groups=grad_sync_groups(cost, strat, mesh, in_bytes, bucketed),
                       saved_bytes=saved, temp_bytes=cost.temp_bytes / split_factor(strat, mesh), grad_flow_bytes=flow,
                       held_input_bytes=held_bytes)
 
@@ -412,7 +413,27 @@ def build_problem(
         n_opts = len(clusters[members[0]].choices)
         label = lambda i: str(strategies[clusters[members[0]].leader][i])  # noqa: E731
         class_opts.append([_sum([cluster_option(c, i) for c in members], label(i)) for i in range(n_opts)])
-    # arcs between classes, deduplicated: (src class, dst class, src spec per option, dst spec per option, shape, itemsize, float)
+    def zero_terms(p: fx.Node, node: fx.Node, index: int, u: int, v: int) -> tuple | None:
+        """For an arc from a parameter's cluster (through views) into `node`'s input `index`: per src option, the
+        parameter's (ZeRO axes, local bytes) or None (no ZeRO option), and per dst option the axes on which `node`
+        gets a partial gradient there. None for any other arc. What `Edge.zero_saving_s` is priced from."""
+        root = _param_root(p, pricer.params, pricer.costs)
+        if root is None or grouping.cluster_of[root] != u:
+            return None
+        src = []
+        for i in range(len(clusters[u].choices)):
+            k = grouping_choice(clusters[u], root, i)
+            use = strategies[root][k].output_specs[0]
+            option = pricer.option(root, k)
+            axes = tuple(a for a, pl in enumerate(use.placements) if isinstance(pl, Replicate) and mesh.shape[a] > 1)
+            src.append((axes, option.param_bytes) if option.zero is not None else None)
+        cost = pricer.costs[node.name]
+        dst = tuple(input_partial_axes(cost, strategies[node.name][grouping_choice(clusters[v], node.name, j)], len(mesh.shape), index)
+                    for j in range(len(clusters[v].choices)))
+        return tuple(src), dst
+
+    # arcs between classes, deduplicated: (src class, dst class, src spec per option, dst spec per option, shape, itemsize, float,
+    # whether dst saves it, ZeRO terms)
     arcs: dict[tuple, int] = {}
     free = rides_with_loss(traced)
     for node in traced.graph.nodes:
@@ -428,7 +449,7 @@ def build_problem(
             src = tuple(strategies[p.name][grouping_choice(clusters[u], p.name, i)].output_specs[k] for i in range(len(clusters[u].choices)))
             dst = tuple(strategies[node.name][grouping_choice(clusters[v], node.name, j)].input_specs[a] for j in range(len(clusters[v].choices)))
             key = (grouping.class_of[u], grouping.class_of[v], src, dst, _ints(val.shape), val.element_size(), val.is_floating_point(),
-                   kept)
+                   kept, zero_terms(p, node, a, u, v))
             arcs[key] = arcs.get(key, 0) + 1
     pair_arcs: dict[tuple[int, int], list[tuple]] = {}
     for key, mult in arcs.items():
@@ -437,27 +458,43 @@ def build_problem(
     for (a_cls, b_cls), items in pair_arcs.items():
         def price(i: int, j: int, with_backward: bool = True) -> float:
             return sum(m * reshard_cost(src[i], dst[j], shape, size, mesh, with_backward=fl and with_backward)
-                       for src, dst, shape, size, fl, _, m in items)
+                       for src, dst, shape, size, fl, _, _, m in items)
 
         def saved(i: int, j: int) -> float:
             """What the consumer saves of its resharded inputs beyond the producer's shard (when larger)."""
             return sum(m * max(0.0, math.prod(shape) * size * (1 / dst[j].shard_factor(mesh.shape) - 1 / src[i].shard_factor(mesh.shape)))
-                       for src, dst, shape, size, _, kept, m in items if kept and src[i] != dst[j])
+                       for src, dst, shape, size, _, kept, _, m in items if kept and src[i] != dst[j])
+
+        def zero_saving(i: int, j: int) -> float:
+            """The bucketed all-reduce the consumer pays for the parameter's gradient over its ZeRO axes, which
+            the ZeRO reduce-scatter takes over: only when the consumer is split on all of them."""
+            total = 0.0
+            for *_, zero, m in items:
+                if zero is None or zero[0][i] is None:
+                    continue
+                axes, local_bytes = zero[0][i]
+                if set(axes) <= set(zero[1][j]):
+                    total += m * bucketed_all_reduce_s(local_bytes, mesh, axes)
+            return total
 
         if a_cls == b_cls:  # consecutive copies of a tied block: both ends take the same option
             class_opts[a_cls] = [replace(o, comm_s=o.comm_s + price(i, i), recompute_s=o.recompute_s + price(i, i, False))
                                  for i, o in enumerate(class_opts[a_cls])]
             continue
-        src_keys = [tuple(it[0][i] for it in items) for i in range(len(class_opts[a_cls]))]
-        dst_keys = [tuple(it[1][j] for it in items) for j in range(len(class_opts[b_cls]))]
+        # options alike on every arc share a class; the ZeRO terms tell apart options with equal specs (a dst
+        # split on other axes gets its partial gradient elsewhere)
+        src_keys = [tuple((it[0][i], it[6] and it[6][0][i]) for it in items) for i in range(len(class_opts[a_cls]))]
+        dst_keys = [tuple((it[1][j], it[6] and it[6][1][j]) for it in items) for j in range(len(class_opts[b_cls]))]
         src_ids, dst_ids = _classes(src_keys), _classes(dst_keys)
         first_src = [src_ids.index(c) for c in range(max(src_ids) + 1)]
         first_dst = [dst_ids.index(c) for c in range(max(dst_ids) + 1)]
         cost = tuple(tuple(price(i, j) for j in first_dst) for i in first_src)
         forward = tuple(tuple(price(i, j, False) for j in first_dst) for i in first_src)
         kept = tuple(tuple(saved(i, j) for j in first_dst) for i in first_src)
+        zero = tuple(tuple(zero_saving(i, j) for j in first_dst) for i in first_src)
         edges.append(Edge(a_cls, b_cls, tuple(src_ids), tuple(dst_ids), cost, forward,
-                          kept if any(b for row in kept for b in row) else None))
+                          kept if any(b for row in kept for b in row) else None,
+                          zero if any(t for row in zero for t in row) else None))
     nodes = []
     for cls, members in enumerate(grouping.classes):
         leader = pricer.nodes[clusters[members[0]].leader]

@@ -40,8 +40,7 @@ from autopar.errors import AutoparError, InfeasibleError
 from autopar.profiler import profile
 from autopar.solver import fixed_plan, solve
 from autopar.solver.ilp import Restrictions, solve_problem
-from autopar.runtime.grad_sync import DEFAULT_BUCKET_BYTES
-from autopar.solver.cost import bucket_latency_share, collective_time_s, sync_latency_s
+from autopar.solver.cost import bucketed_all_reduce_s, collective_time_s, sync_latency_s
 from autopar.solver.mesh import Mesh
 from autopar.solver.plan import Plan, TimeBreakdown
 from autopar.solver.problem import build_problem
@@ -111,9 +110,8 @@ class Predictor:
         root = sum(self._param_bytes.values()) - sum(units)
         fsdp = sum(2 * collective_time_s("all_gather", b, axis) + collective_time_s("reduce_scatter", b, axis) for b in units)
         fsdp += collective_time_s("all_gather", root, axis) + collective_time_s("reduce_scatter", root, axis)
-        total = sum(self._param_bytes.values())
-        ddp_sync = collective_time_s("all_reduce", total, axis, bucket_latency_share(total, DEFAULT_BUCKET_BYTES)) \
-            + sync_latency_s(mesh, (0,))
+        # what the pinned plan charged for each gradient's bucketed all-reduce (`strategy_cost`), and the last bucket
+        ddp_sync = sum(bucketed_all_reduce_s(b, mesh, (0,)) for b in self._param_bytes.values()) + sync_latency_s(mesh, (0,))
         return fsdp - ddp_sync
 
     def pinned_plan(self, mesh: Mesh, tp_params: bool, zero: str) -> Plan:

@@ -41,11 +41,13 @@ def test_per_kind_links_override_the_axis_numbers():
 
 
 def test_bucket_latency_share_and_group_latency():
-    # a 1 MB grad in 25 MB buckets pays 1/25 of a bucket's latency; 60 MB of grads pay 2.4 buckets, and
-    # their group's last bucket once more (sync_latency_s): 3.4 >= ceil(60 / 25) = 3 buckets sent
+    # a 1 MB grad in 25 MB buckets pays 1/25 of a bucket's latency; grads of 10, 20 and 30 MB pay 0.4 + 0.8 + 1
+    # (the 30 MB one is sent alone), and their group's last bucket once more (sync_latency_s): 3.2 >= the 3 sent
     assert bucket_latency_share(1e6, 25e6) == pytest.approx(1 / 25)
-    assert sum(bucket_latency_share(b, 25e6) for b in (10e6, 20e6, 30e6)) == pytest.approx(2.4)
+    assert sum(bucket_latency_share(b, 25e6) for b in (10e6, 20e6, 30e6)) == pytest.approx(2.2)
     assert bucket_latency_share(0.0, 25e6) == 0.0
+    # a grad larger than a bucket is sent alone (runtime.grad_sync): one latency, not one per 25 MB
+    assert bucket_latency_share(300e6, 25e6) == 1.0
     mesh = make_mesh(8, (2, 4), "cpu")
     assert sync_latency_s(mesh, (1,)) == pytest.approx(2 * 3 * mesh.axes[1].alpha_s)
     assert sync_latency_s(replace(mesh, axes=(replace(mesh.axes[0], size=1), mesh.axes[1])), (0,)) == 0.0
@@ -99,18 +101,20 @@ def test_strategy_cost_splits_flops_and_charges_replicated_input_grads():
     x_ar = collective_time_s("all_reduce", 64 * 128 * 4 / 2, mesh.axes[1])
     w_ar = collective_time_s("all_reduce", 128 * 256 * 4 / 2, mesh.axes[0])
     assert m_col == pytest.approx(x_ar + w_ar)
-    # w a parameter whose grad rides in a bucket: a tenth of the all-reduce latency 2(n-1) alpha
+    # w a parameter whose grad rides in a bucket: its LOCAL bytes' part of a 25 MiB bucket's latency 2(n-1) alpha
     _, m_bucket = strategy_cost(node, col, [(64, 256)], mesh, in_bytes=[64 * 128 * 4, 128 * 256 * 4],
-                                param_share=[None, 0.1])
+                                bucketed=[False, True])
     alpha = mesh.axes[0].alpha_s
-    assert m_bucket == pytest.approx(x_ar + w_ar - 0.9 * 2 * alpha)
+    share = 128 * 256 * 4 / 2 / GRAD_BUCKET_BYTES
+    assert m_bucket == pytest.approx(x_ar + w_ar - (1 - share) * 2 * alpha)
     # a parameter replicated on both split axes: ONE all-reduce over the flat group of 4 ranks (the grad sync's),
     # not one per axis: 2*3/4 * bytes / beta + share * 2*3 alpha, with the slowest link: dp's alpha, tp's beta
     slow = replace(mesh, axes=(replace(mesh.axes[0], alpha_s=3e-5), replace(mesh.axes[1], beta_bytes_per_s=1e8)))
     split = Strategy((Spec.parse("S(0)S(0)"), Spec.parse("RR")), (Spec.parse("S(0)S(0)"),))
     _, m_flat = strategy_cost(node, split, [(64, 256)], slow, in_bytes=[64 * 128 * 4, 128 * 256 * 4],
-                              param_share=[None, 0.5])
-    assert m_flat == pytest.approx(1.5 * 128 * 256 * 4 / 1e8 + 0.5 * 6 * 3e-5)
+                              bucketed=[False, True])
+    share = 128 * 256 * 4 / GRAD_BUCKET_BYTES
+    assert m_flat == pytest.approx(1.5 * 128 * 256 * 4 / 1e8 + share * 6 * 3e-5)
 
 
 def test_op_overhead_and_elementwise_backward_bytes():
