@@ -11,6 +11,7 @@ device for memory.
 """
 from __future__ import annotations
 
+import functools
 import math
 import operator
 from dataclasses import dataclass, replace
@@ -420,17 +421,21 @@ def build_problem(
         root = _param_root(p, pricer.params, pricer.costs)
         if root is None or grouping.cluster_of[root] != u:
             return None
-        src = []
-        for i in range(len(clusters[u].choices)):
-            k = grouping_choice(clusters[u], root, i)
-            use = strategies[root][k].output_specs[0]
-            option = pricer.option(root, k)
-            axes = tuple(a for a, pl in enumerate(use.placements) if isinstance(pl, Replicate) and mesh.shape[a] > 1)
-            src.append((axes, option.param_bytes) if option.zero is not None else None)
         cost = pricer.costs[node.name]
         dst = tuple(input_partial_axes(cost, strategies[node.name][grouping_choice(clusters[v], node.name, j)], len(mesh.shape), index)
                     for j in range(len(clusters[v].choices)))
-        return tuple(src), dst
+        return zero_axes(u, root), dst
+
+    @functools.lru_cache(maxsize=None)
+    def zero_axes(u: int, root: str) -> tuple:
+        """Per option of cluster u, its parameter `root`'s (ZeRO axes, local bytes), or None without a ZeRO option."""
+        out = []
+        for i in range(len(clusters[u].choices)):
+            k = grouping_choice(clusters[u], root, i)
+            use, option = strategies[root][k].output_specs[0], pricer.option(root, k)
+            axes = tuple(a for a, pl in enumerate(use.placements) if isinstance(pl, Replicate) and mesh.shape[a] > 1)
+            out.append((axes, option.param_bytes) if option.zero is not None else None)
+        return tuple(out)
 
     # arcs between classes, deduplicated: (src class, dst class, src spec per option, dst spec per option, shape, itemsize, float,
     # whether dst saves it, ZeRO terms)
