@@ -27,7 +27,7 @@ if sys.path and Path(sys.path[0]).resolve() == ROOT / "benchmarks":
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-from autopar.runtime.calibrate import calibrate, collective_call, model_bytes, time_op, time_ops  # noqa: E402
+from autopar.runtime.calibrate import _SITU_COMPUTE_S, calibrate, collective_call, model_bytes, time_op, time_ops  # noqa: E402
 from autopar.runtime.launch import run_ranks  # noqa: E402
 from autopar.solver.cost import collective_time_s, compute_time_s  # noqa: E402
 from autopar.solver.mesh import COLLECTIVE_KINDS  # noqa: E402
@@ -72,7 +72,7 @@ def _rows(rank: int, world: int, reps: int) -> list[tuple[str, str, float, float
             rows.append(("collective", f"{kind} {nbytes // 1024} KB/rank", pred, meas))
     # in situ: after a layer's forward and backward worth of compute (~5 ms, as calibrate's latency), net of it
     a, b = torch.randn(192, 320), torch.randn(320, 256)  # held out: not calibrate's in-situ matmul
-    repeats = max(1, round(0.005 / time_op(lambda: a @ b, cpu, 1, None)))
+    repeats = max(1, round(_SITU_COMPUTE_S / time_op(lambda: a @ b, cpu, 1, None)))
 
     def compute() -> None:
         for _ in range(repeats):

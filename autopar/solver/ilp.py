@@ -172,6 +172,11 @@ def widest_nodes(problem: Problem) -> dict[str, int]:
     return {region: v for region, (_, v) in widest.items()}
 
 
+def _node_vars(table: Mapping[tuple[int, int], pulp.LpVariable], v: int) -> list[pulp.LpVariable]:
+    """Node v's group binaries in a (node, option) -> variable table (`_Model.y` or `_Model.z`), each once."""
+    return list({var: None for (m, _), var in table.items() if m == v})
+
+
 def _affine(terms: list[tuple[pulp.LpVariable, float]]) -> pulp.LpAffineExpression:
     """Sum of coefficient * variable; a variable may appear several times (LpAffineExpression keeps only the last)."""
     total: dict[pulp.LpVariable, float] = {}
@@ -277,7 +282,7 @@ class _Model:
 
     def _recomputed(self, v: int) -> list[pulp.LpVariable]:
         """Node v's recompute binaries (one per option group; their sum is 1 when v is recomputed)."""
-        return list({var: None for (m, _), var in self.y.items() if m == v})
+        return _node_vars(self.y, v)
 
     def _add_reruns(self) -> None:
         for k, ev in self.e.items():
@@ -335,8 +340,8 @@ class _Model:
         split over its ZeRO axes pays (`Edge.zero_saving_s`): a saving on the edge, gated by the parameter's z."""
         for k, ev in self.e.items():
             e = self.problem.edges[k]
-            zs = list({var: None for (m, _), var in self.z.items() if m == e.src})
-            if e.zero_saving_s is None or not zs:
+            zs = _node_vars(self.z, e.src) if e.zero_saving_s is not None else []
+            if not zs:
                 continue
             terms = [(ev[a][b], t * _MS) for a, row in enumerate(e.zero_saving_s) for b, t in enumerate(row) if t > 0]
             saving = pulp.LpVariable(f"zs_{k}", lowBound=0)

@@ -11,11 +11,10 @@ device for memory.
 """
 from __future__ import annotations
 
-import functools
 import math
 import operator
 from dataclasses import dataclass, replace
-from typing import Mapping
+from typing import Mapping, NamedTuple
 
 import torch
 from torch import fx
@@ -201,7 +200,7 @@ def _zero(spec: Spec, shape: tuple[int, ...], local_bytes: float, mesh: Mesh) ->
     gets a partial gradient there (otherwise codegen slices the gradient in backward, and the
     reduce-scatter priced here is not run: an overestimate).
     """
-    axes = [a for a, p in enumerate(spec.placements) if isinstance(p, Replicate) and mesh.shape[a] > 1]
+    axes = zero_axes(spec, mesh)
     factor = math.prod(mesh.shape[a] for a in axes)
     if factor <= 1:
         return None
@@ -216,6 +215,24 @@ def _zero(spec: Spec, shape: tuple[int, ...], local_bytes: float, mesh: Mesh) ->
         comm_s += 2 * collective_time_s("all_gather", gathered, ax) + collective_time_s("reduce_scatter", gathered, ax)
         gathered /= mesh.shape[a]
     return storage, ZeroOption(factor, comm_s, local_bytes)
+
+
+def zero_axes(spec: Spec, mesh: Mesh) -> tuple[int, ...]:
+    """The mesh axes ZeRO shards a parameter used as `spec` over: those it is replicated on (more than one rank)."""
+    return tuple(a for a, p in enumerate(spec.placements) if isinstance(p, Replicate) and mesh.shape[a] > 1)
+
+
+class _Arc(NamedTuple):
+    """One kind of producer -> consumer input between two classes (per option: the specs at either end)."""
+
+    src: tuple[Spec, ...]  # the producer's output spec, per src option
+    dst: tuple[Spec, ...]  # the consumer's input spec, per dst option
+    shape: tuple[int, ...]
+    itemsize: int
+    floating: bool
+    kept: bool  # the consumer's backward saves this input (or reads it through views that do)
+    # a parameter's gradient: per src option (ZeRO axes, local bytes) or None, per dst option its partial axes
+    zero: tuple | None
 
 
 def _param_root(node, params: Mapping[str, object], costs: Mapping[str, object]) -> str | None:
@@ -421,25 +438,17 @@ def build_problem(
         root = _param_root(p, pricer.params, pricer.costs)
         if root is None or grouping.cluster_of[root] != u:
             return None
+        src = []
+        for i in range(len(clusters[u].choices)):
+            k = grouping_choice(clusters[u], root, i)
+            option = pricer.option(root, k)
+            src.append((zero_axes(strategies[root][k].output_specs[0], mesh), option.param_bytes) if option.zero is not None else None)
         cost = pricer.costs[node.name]
         dst = tuple(input_partial_axes(cost, strategies[node.name][grouping_choice(clusters[v], node.name, j)], len(mesh.shape), index)
                     for j in range(len(clusters[v].choices)))
-        return zero_axes(u, root), dst
+        return tuple(src), dst
 
-    @functools.lru_cache(maxsize=None)
-    def zero_axes(u: int, root: str) -> tuple:
-        """Per option of cluster u, its parameter `root`'s (ZeRO axes, local bytes), or None without a ZeRO option."""
-        out = []
-        for i in range(len(clusters[u].choices)):
-            k = grouping_choice(clusters[u], root, i)
-            use, option = strategies[root][k].output_specs[0], pricer.option(root, k)
-            axes = tuple(a for a, pl in enumerate(use.placements) if isinstance(pl, Replicate) and mesh.shape[a] > 1)
-            out.append((axes, option.param_bytes) if option.zero is not None else None)
-        return tuple(out)
-
-    # arcs between classes, deduplicated: (src class, dst class, src spec per option, dst spec per option, shape, itemsize, float,
-    # whether dst saves it, ZeRO terms)
-    arcs: dict[tuple, int] = {}
+    arcs: dict[tuple[int, int, _Arc], int] = {}  # (src class, dst class, arc) -> how many (copies of tied layers)
     free = rides_with_loss(traced)
     for node in traced.graph.nodes:
         if node.op != "call_function" or node.name not in strategies:
@@ -453,32 +462,33 @@ def build_problem(
             kept = pricer.saves(node, pricer.facts.base.get((p.name, k), (p.name, k)))
             src = tuple(strategies[p.name][grouping_choice(clusters[u], p.name, i)].output_specs[k] for i in range(len(clusters[u].choices)))
             dst = tuple(strategies[node.name][grouping_choice(clusters[v], node.name, j)].input_specs[a] for j in range(len(clusters[v].choices)))
-            key = (grouping.class_of[u], grouping.class_of[v], src, dst, _ints(val.shape), val.element_size(), val.is_floating_point(),
-                   kept, zero_terms(p, node, a, u, v))
+            arc = _Arc(src, dst, _ints(val.shape), val.element_size(), val.is_floating_point(), kept, zero_terms(p, node, a, u, v))
+            key = (grouping.class_of[u], grouping.class_of[v], arc)
             arcs[key] = arcs.get(key, 0) + 1
-    pair_arcs: dict[tuple[int, int], list[tuple]] = {}
-    for key, mult in arcs.items():
-        pair_arcs.setdefault(key[:2], []).append(key[2:] + (mult,))
+    pair_arcs: dict[tuple[int, int], list[tuple[_Arc, int]]] = {}
+    for (a_cls, b_cls, arc), mult in arcs.items():
+        pair_arcs.setdefault((a_cls, b_cls), []).append((arc, mult))
     edges = []
     for (a_cls, b_cls), items in pair_arcs.items():
         def price(i: int, j: int, with_backward: bool = True) -> float:
-            return sum(m * reshard_cost(src[i], dst[j], shape, size, mesh, with_backward=fl and with_backward)
-                       for src, dst, shape, size, fl, _, _, m in items)
+            return sum(m * reshard_cost(arc.src[i], arc.dst[j], arc.shape, arc.itemsize, mesh, with_backward=arc.floating and with_backward)
+                       for arc, m in items)
 
         def saved(i: int, j: int) -> float:
             """What the consumer saves of its resharded inputs beyond the producer's shard (when larger)."""
-            return sum(m * max(0.0, math.prod(shape) * size * (1 / dst[j].shard_factor(mesh.shape) - 1 / src[i].shard_factor(mesh.shape)))
-                       for src, dst, shape, size, _, kept, _, m in items if kept and src[i] != dst[j])
+            return sum(m * max(0.0, math.prod(arc.shape) * arc.itemsize
+                                   * (1 / arc.dst[j].shard_factor(mesh.shape) - 1 / arc.src[i].shard_factor(mesh.shape)))
+                       for arc, m in items if arc.kept and arc.src[i] != arc.dst[j])
 
         def zero_saving(i: int, j: int) -> float:
             """The bucketed all-reduce the consumer pays for the parameter's gradient over its ZeRO axes, which
             the ZeRO reduce-scatter takes over: only when the consumer is split on all of them."""
             total = 0.0
-            for *_, zero, m in items:
-                if zero is None or zero[0][i] is None:
+            for arc, m in items:
+                if arc.zero is None or arc.zero[0][i] is None:
                     continue
-                axes, local_bytes = zero[0][i]
-                if set(axes) <= set(zero[1][j]):
+                axes, local_bytes = arc.zero[0][i]
+                if set(axes) <= set(arc.zero[1][j]):
                     total += m * bucketed_all_reduce_s(local_bytes, mesh, axes)
             return total
 
@@ -488,8 +498,8 @@ def build_problem(
             continue
         # options alike on every arc share a class; the ZeRO terms tell apart options with equal specs (a dst
         # split on other axes gets its partial gradient elsewhere)
-        src_keys = [tuple((it[0][i], it[6] and it[6][0][i]) for it in items) for i in range(len(class_opts[a_cls]))]
-        dst_keys = [tuple((it[1][j], it[6] and it[6][1][j]) for it in items) for j in range(len(class_opts[b_cls]))]
+        src_keys = [tuple((arc.src[i], arc.zero and arc.zero[0][i]) for arc, _ in items) for i in range(len(class_opts[a_cls]))]
+        dst_keys = [tuple((arc.dst[j], arc.zero and arc.zero[1][j]) for arc, _ in items) for j in range(len(class_opts[b_cls]))]
         src_ids, dst_ids = _classes(src_keys), _classes(dst_keys)
         first_src = [src_ids.index(c) for c in range(max(src_ids) + 1)]
         first_dst = [dst_ids.index(c) for c in range(max(dst_ids) + 1)]
