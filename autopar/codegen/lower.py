@@ -36,6 +36,7 @@ from torch.utils import _pytree as pytree
 
 from autopar.codegen import random as random_ops
 from autopar.codegen.edges import Edge, Step, edge_for, plan_steps, sharded_axes
+from autopar.codegen.python_calls import bind_python_calls
 from autopar.codegen.recompute import layer_key, outline_recompute_regions
 from autopar.codegen.schedule import start_collectives_early
 from autopar.codegen.shapes import LoweringError, local_block, localize_call
@@ -319,6 +320,7 @@ class _Lowerer:
         outline_recompute_regions(self.graph, self.root, recompute, self.origin, layers)
         start_collectives_early(self.graph)
         gm = fx.GraphModule(self.root, self.graph, class_name="ParallelGraph")
+        bind_python_calls(gm, self.nodes, self.origin)  # last: every pass above reads ATen targets
         gm.meta["autopar"] = LoweringInfo(storage, sync_axes, buffer_specs, tuple(fed_specs), dp_axes, aliases, self.input_layout)
         log.info("codegen: %d nodes, %d collectives", len(gm.graph.nodes), _count_collectives(gm))
         return gm

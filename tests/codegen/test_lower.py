@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import copy
 
+import re
+
 import pytest
 import torch
 
@@ -89,8 +91,8 @@ def test_a_dropout_that_does_nothing_copies_nothing():
     dropouts = [n.name for n in traced.graph.nodes if is_dropout_clone(n)]
     assert len(dropouts) == 1 + 2 * model.config.n_layer  # embeddings, and attention and MLP of each block
     _, code = run_ranks(_forward_collectives, 2, traced, _dp_plan(traced), timeout_s=60)[0]
-    assert "aten.clone" not in code, code
-    assert all(f"{name} = torch.ops.aten.contiguous.default(" in code for name in dropouts), code
+    assert "clone(" not in code, code
+    assert all(re.search(rf"\b{name} = \w+\.contiguous\(\)", code) for name in dropouts), code
 
 
 def _sync_axes(rank, world, traced, plan):
@@ -140,8 +142,8 @@ def test_gathered_labels_start_before_the_forward_and_are_waited_where_used():
     plan = greedy_plan(traced, cpu_mesh((2,)), pins)
     order = [name for _, name in run_ranks(_order, 2, traced, plan, timeout_s=60)[0]]
     start, wait = order.index("all_gather_start"), order.index("wait_all_gather")
-    assert start < order.index("embedding.default"), order  # before any model compute
-    assert wait > max(i for i, name in enumerate(order) if name == "mm.default"), order  # after the LM head
+    assert start < order.index("embedding"), order  # before any model compute
+    assert wait > max(i for i, name in enumerate(order) if name == "mm"), order  # after the LM head
     results = run_ranks(run_plans, 2, (2,), [("gathered", model, sample, traced, plan, reference(model, sample, 2), 2)], timeout_s=60)
     assert all(r[0][1]["loss"] < 1e-5 for r in results)
 
