@@ -69,9 +69,10 @@ def _binding(node: fx.Node, traced: fx.Node | None) -> Binding | None:
 def _candidates(node: fx.Node, op: torch._ops.OpOverload) -> list[Binding]:
     name = op._schema.name.split("::")[1]
     found: list[Binding] = []
-    first = op._schema.arguments[0].name if op._schema.arguments else None
-    if first == "self" and node.args and isinstance(node.args[0], fx.Node) \
-            and isinstance(getattr(torch.Tensor, name, None), _CPP):
+    first = op._schema.arguments[0] if op._schema.arguments else None
+    # a method only where the op's first argument is the tensor it would be called on (not `pow.Scalar`'s number)
+    if first is not None and first.name == "self" and isinstance(first.type, torch.TensorType) \
+            and node.args and isinstance(node.args[0], fx.Node) and isinstance(getattr(torch.Tensor, name, None), _CPP):
         found.append(("call_method", name))
     for namespace in _FUNCTION_NAMESPACES:
         fn = getattr(namespace, name, None)
