@@ -34,7 +34,7 @@ from autopar.runtime.launch import run_ranks  # noqa: E402
 
 from benchmarks._common import provenance_line  # noqa: E402
 from benchmarks.baselines.bench import Case, ModelResult, run_model  # noqa: E402
-from benchmarks.baselines.report import budget_rows, candidates, format_model, plot, spearman, write_json  # noqa: E402
+from benchmarks.baselines.report import budget_rows, candidates, explain_miss, format_model, plot, spearman, write_json  # noqa: E402
 
 log = logging.getLogger(__name__)
 
@@ -51,7 +51,7 @@ def run(cases: list[Case], ranks: int, timeout_s: float) -> list[ModelResult]:
 
 def summary(results: list[ModelResult]) -> str:
     """Whether the two targets were met, with the budgets that miss the first."""
-    misses = [f"{r.case.model} @ {row['budget_bytes'] / 1e6:.2f} MB: {row['ratio']:.2f}x {row['best_baseline']}"
+    misses = [f"{r.case.model} @ {row['budget_bytes'] / 1e6:.2f} MB: {row['ratio']:.2f}x {row['best_baseline']} ({explain_miss(r, row)})"
               for r in results for row in budget_rows(r) if row["ratio"] is not None and row["ratio"] > 1.0]
     pts = [s for r in results for s in candidates(r)]
     rho = spearman([s.predicted_s for s in pts], [s.step_s for s in pts])

@@ -13,7 +13,7 @@ sys.path.insert(0, str(ROOT))  # the benchmark helpers are imported as the `benc
 from autopar.runtime.launch import run_ranks  # noqa: E402
 from benchmarks._common import load_example  # noqa: E402
 from benchmarks.baselines.bench import Case, run_model  # noqa: E402
-from benchmarks.baselines.report import budget_rows, format_model, spearman  # noqa: E402
+from benchmarks.baselines.report import budget_rows, explain_miss, format_model, spearman, spread  # noqa: E402
 
 SYSTEMS = ("ddp", "ddp+ac", "fsdp", "fsdp+ac", "tp", "tp+ac")
 
@@ -24,6 +24,25 @@ def test_spearman_against_hand_ranks():
     # ranks (1, 2, 3) vs (1.5, 1.5, 3): pearson of ranks = 0.866...
     assert spearman([1, 2, 3], [5, 5, 9]) == pytest.approx(math.sqrt(3) / 2)
     assert math.isnan(spearman([1, 2], [2, 1]))
+
+
+def test_a_miss_is_explained_from_the_prices_and_the_spread():
+    from benchmarks.baselines.bench import BudgetResult, ModelResult, SystemResult
+
+    steps = (0.010, 0.011, 0.012, 0.013, 0.014)  # quartiles 0.011 and 0.013 around a 0.012 median: 17% spread
+    ddp = SystemResult("ddp", (4,), 0.010, 5e6, 0.012, int(4.8e6), steps)
+    plan = SystemResult("autopar#0", (4,), 0.011, 5e6, 0.013, int(4.9e6), steps, loss_sync_s=0.002)
+    assert spread(ddp) == pytest.approx(0.002 / 0.012)
+    result = ModelResult(Case("gpt2"), {}, (ddp,), {"autopar#0": plan}, (BudgetResult(6e6, "autopar#0"),))
+    row = budget_rows(result)[0]
+    assert row["ratio"] == pytest.approx(0.013 / 0.012)
+    # without its loss all-reduce the plan is priced 0.9x DDP: the model ranked it first
+    why = explain_miss(result, row)
+    assert "spread 17%" in why and "2.00 ms" in why and "0.90x ddp" in why and "ranked autopar's plan first" in why
+    # priced slower, while DDP's predicted memory is over the budget the solver had: it could not pick DDP's plan
+    slow = ModelResult(Case("gpt2"), {}, (ddp,), {"autopar#0": SystemResult("autopar#0", (4,), 0.013, 4e6, 0.013, int(4e6), steps)},
+                       (BudgetResult(4.9e6, "autopar#0"),))
+    assert "could not choose" in explain_miss(slow, budget_rows(slow)[0])
 
 
 @pytest.mark.timeout(120)

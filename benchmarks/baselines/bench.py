@@ -31,7 +31,7 @@ from autopar.tracer import split_sample_input
 from benchmarks._common import load_example
 from benchmarks.baselines.measure import Trainable, measure_interleaved
 from benchmarks.baselines.overheads import tp_module_overhead_s
-from benchmarks.baselines.predict import Predictor
+from benchmarks.baselines.predict import Predictor, scalar_reshard_s
 from benchmarks.baselines.systems import SYSTEMS, build_system
 
 log = logging.getLogger(__name__)
@@ -60,6 +60,9 @@ class SystemResult:
     step_s: float  # measured: median over steps of the slowest rank
     peak_bytes: int  # measured: max over ranks of the peak live-tensor bytes
     steps_s: tuple[float, ...] = ()
+    # predicted seconds of the loss's 0-d all-reduces (the global mean loss and its token count): autopar's
+    # graph runs them, the hand-written baselines (local loss) run none and are priced without them
+    loss_sync_s: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -138,7 +141,7 @@ def _plan_all(case: Case, model, sample, meshes, tp_overhead_s: float) -> dict[s
         for ac in (False, True):
             plan = pred.baseline(system, ac)
             baselines[f"{system}+ac" if ac else system] = (plan.time.total_s, plan.memory.total_bytes, plan.mesh.shape)
-    budgets, plans = [], {}
+    budgets, plans, loss_sync_s = [], {}, {}
     keys: dict[str, str] = {}
     for budget in _budgets([b for _, b, _ in baselines.values()], case.max_budgets):
         plan = pred.autopar(budget)
@@ -147,8 +150,9 @@ def _plan_all(case: Case, model, sample, meshes, tp_overhead_s: float) -> dict[s
             continue
         key = keys.setdefault(_plan_key(plan), f"autopar#{len(keys)}")
         plans.setdefault(key, plan_to_json(plan))
+        loss_sync_s[key] = scalar_reshard_s(pred.traced, plan)
         budgets.append((budget, key, ""))
-    return {"baselines": baselines, "budgets": budgets, "plans": plans}
+    return {"baselines": baselines, "budgets": budgets, "plans": plans, "loss_sync_s": loss_sync_s}
 
 
 def _local_inputs(pm, sample) -> tuple[tuple, dict]:
@@ -193,7 +197,8 @@ def run_model(rank: int, world: int, case: Case) -> ModelResult | None:
         if system.name in plans:
             plan = plans[system.name]
             autopar[system.name] = SystemResult(system.name, tuple(plan.mesh.shape), plan.time.total_s,
-                                                plan.memory.total_bytes, m.step_s, m.peak_bytes, m.steps_s)
+                                                plan.memory.total_bytes, m.step_s, m.peak_bytes, m.steps_s,
+                                                pred["loss_sync_s"][system.name])
         else:
             p_s, p_bytes, shape = pred["baselines"][system.name]
             baselines.append(SystemResult(system.name, tuple(shape), p_s, p_bytes, m.step_s, m.peak_bytes, m.steps_s))

@@ -65,6 +65,37 @@ def budget_rows(r: ModelResult) -> list[dict]:
     return rows
 
 
+def spread(s: SystemResult) -> float:
+    """Step-to-step spread of a system's timed steps: interquartile range over the median (0 with < 4 steps)."""
+    steps = sorted(s.steps_s)
+    if len(steps) < 4:
+        return 0.0
+    q1, q3 = steps[len(steps) // 4], steps[(3 * len(steps)) // 4]
+    return (q3 - q1) / steps[len(steps) // 2]
+
+
+def explain_miss(r: ModelResult, row: dict) -> str:
+    """Why a budget row misses target 1, from what the run knows: the step-to-step spread against the gap,
+    and whether the cost model ranked the baseline first (then why the solver did not pick its plan)."""
+    ap = r.autopar_plans[row["autopar"]]
+    best = next(s for s in r.baselines if s.name == row["best_baseline"])
+    noise = max(spread(ap), spread(best))
+    # like for like: the baselines are priced without the loss all-reduce they do not run
+    predicted = (ap.predicted_s - ap.loss_sync_s) / best.predicted_s
+    parts = [f"step-to-step spread {noise:.0%}"]
+    if ap.loss_sync_s:
+        parts.append(f"the exact global loss's all-reduce priced {ap.loss_sync_s * 1e3:.2f} ms")
+    if predicted <= 1.0:
+        parts.append(f"the rest priced {predicted:.2f}x {best.name}: the model ranked autopar's plan first, so a cost "
+                     f"the model does not price (runtime overhead) or prices low")
+    elif best.predicted_bytes > row["budget_bytes"]:
+        parts.append(f"the rest priced {predicted:.2f}x, but the memory model puts {best.name} at {best.predicted_bytes / MB:.2f} MB, "
+                     f"over the budget (measured {best.peak_bytes / MB:.2f} MB): the solver could not choose that plan")
+    else:
+        parts.append(f"the rest priced {predicted:.2f}x {best.name}, which fits the budget: the solver missed a faster plan")
+    return "; ".join(parts)
+
+
 def format_model(r: ModelResult) -> str:
     c = r.case
     lines = [f"== {c.model}-{c.size} batch {c.batch} x seq {c.seq}, {c.optimizer}; meshes: "
