@@ -27,6 +27,8 @@ def test_spearman_against_hand_ranks():
 
 
 def test_a_miss_is_explained_from_the_prices_and_the_spread():
+    from dataclasses import replace
+
     from benchmarks.baselines.bench import BudgetResult, ModelResult, SystemResult
 
     steps = (0.010, 0.011, 0.012, 0.013, 0.014)  # quartiles 0.011 and 0.013 around a 0.012 median: 17% spread
@@ -43,6 +45,9 @@ def test_a_miss_is_explained_from_the_prices_and_the_spread():
     slow = ModelResult(Case("gpt2"), {}, (ddp,), {"autopar#0": SystemResult("autopar#0", (4,), 0.013, 4e6, 0.013, int(4e6), steps)},
                        (BudgetResult(4.9e6, "autopar#0"),))
     assert "could not choose" in explain_miss(slow, budget_rows(slow)[0])
+    # priced as DDP once its loss all-reduce is set aside: the same plan, so runtime overhead
+    same = ModelResult(Case("gpt2"), {}, (ddp,), {"autopar#0": replace(plan, predicted_s=0.012)}, (BudgetResult(6e6, "autopar#0"),))
+    assert "runtime overhead" in explain_miss(same, budget_rows(same)[0]) and "ranked" not in explain_miss(same, budget_rows(same)[0])
 
 
 @pytest.mark.timeout(120)
@@ -91,3 +96,21 @@ def test_calibrations_share_the_numbers_of_the_group_of_all_ranks():
     assert group.name == "dp+tp" and group.link("all_reduce") == world.link("all_reduce")
     assert shared["2d"].axes == two.axes  # 2-rank groups: other ranks, their own measurements
     assert shared["1d"].op_overhead_s == shared["2d"].op_overhead_s == pytest.approx(2e-5)
+
+
+@pytest.mark.timeout(120)
+def test_the_ddp_baseline_is_priced_as_the_same_plan_from_the_solver():
+    """DDP's plan is autopar's data-parallel plan: the baseline's price must be the ILP's price of that plan,
+    not less (a mean loss's token count rides in the loss's own all-reduce, which the ILP charges nothing)."""
+    from autopar.profiler.measure import block_paths
+    from autopar.solver.mesh import make_mesh
+    from benchmarks.baselines.predict import Predictor, scalar_reshard_s
+
+    model, sample = load_example("gpt2").build(8, 32, size="tiny", device="cpu")
+    pred = Predictor(model, sample, {"1d": make_mesh(4, (4,), "cpu"), "2d": make_mesh(4, (2, 2), "cpu")},
+                     block_paths(model), "gpt2")
+    pinned = pred.pinned_plan(pred.meshes["1d"], tp_params=False, zero="never")
+    assert scalar_reshard_s(pred.traced, pinned) == 0.0
+    assert pred.baseline("ddp").time.total_s == pytest.approx(pinned.time.total_s, rel=1e-9)
+    ample = pred.autopar(float("inf"))
+    assert ample.time.total_s <= pinned.time.total_s * (1 + 1e-9)

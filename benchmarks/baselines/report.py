@@ -85,7 +85,10 @@ def explain_miss(r: ModelResult, row: dict) -> str:
     parts = [f"step-to-step spread {noise:.0%}"]
     if ap.loss_sync_s:
         parts.append(f"the exact global loss's all-reduce priced {ap.loss_sync_s * 1e3:.2f} ms")
-    if predicted <= 1.0:
+    if abs(predicted - 1.0) < 0.005:
+        parts.append(f"the rest priced as {best.name} (the same plan, or as fast): the gap is runtime overhead the model "
+                     f"does not price")
+    elif predicted < 1.0:
         parts.append(f"the rest priced {predicted:.2f}x {best.name}: the model ranked autopar's plan first, so a cost "
                      f"the model does not price (runtime overhead) or prices low")
     elif best.predicted_bytes > row["budget_bytes"]:
