@@ -23,7 +23,7 @@ from autopar.profiler import storage_facts
 from autopar.profiler.types import ConcreteProfile
 from autopar.solver.cluster import Cluster, Grouping, group, singletons
 from autopar.solver.cost import (bucketed_all_reduce_s, collective_time_s, grad_sync_groups, input_partial_axes, recompute_time_s,
-                                 split_factor, strategy_cost, sync_latency_s)
+                                 split_axes, split_factor, strategy_cost, sync_latency_s)
 from autopar.gc_pause import gc_paused
 from autopar.solver.mesh import Mesh
 from autopar.solver.reshard import reshard_cost
@@ -233,6 +233,9 @@ class _Arc(NamedTuple):
     kept: bool  # the consumer's backward saves this input (or reads it through views that do)
     # a parameter's gradient: per src option (ZeRO axes, local bytes) or None, per dst option its partial axes
     zero: tuple | None
+    # a gradient the consumer's price sends to the bucketed sync through a producer that is not the parameter
+    # itself: per src option the axes the producer splits, per dst option (partial axes, local bytes). None: none
+    lift: tuple | None = None
 
 
 def _param_root(node, params: Mapping[str, object], costs: Mapping[str, object]) -> str | None:
@@ -448,6 +451,29 @@ def build_problem(
                     for j in range(len(clusters[v].choices)))
         return tuple(src), dst
 
+    def lift_terms(p: fx.Node, node: fx.Node, index: int, u: int, v: int) -> tuple | None:
+        """For an arc whose producer passes a parameter's gradient on (`_param_root`) without being that parameter:
+        per src option the axes the producer splits, per dst option the consumer's (partial axes, local bytes) on
+        that input. The consumer's option priced that gradient's all-reduce as bucketed, which codegen does only on
+        axes the producer does not split (`codegen.lower.partial_grad_axes` lifts it above the producer only
+        there); `_lift_correction` prices the rest as the in-graph all-reduces codegen emits. (Lifting through a
+        chain of several such producers needs each one unsplit; only the nearest is priced.)"""
+        if p.name in pricer.params or _param_root(p, pricer.params, pricer.costs) is None:
+            return None
+        val = output_vals(p)[strategy_inputs(node)[index][1]]
+        if not pricer.costs[p.name].requires_grad or not isinstance(val, torch.Tensor):
+            return None
+        nbytes = _tensor_bytes(val)
+        ndim = len(mesh.shape)
+        src = tuple(frozenset(split_axes(strategies[p.name][grouping_choice(clusters[u], p.name, i)], ndim))
+                    for i in range(len(clusters[u].choices)))
+        cost = pricer.costs[node.name]
+        dst = []
+        for j in range(len(clusters[v].choices)):
+            strat = strategies[node.name][grouping_choice(clusters[v], node.name, j)]
+            dst.append((input_partial_axes(cost, strat, ndim, index), nbytes / strat.input_specs[index].shard_factor(mesh.shape)))
+        return src, tuple(dst)
+
     arcs: dict[tuple[int, int, _Arc], int] = {}  # (src class, dst class, arc) -> how many (copies of tied layers)
     free = rides_with_loss(traced)
     for node in traced.graph.nodes:
@@ -462,7 +488,8 @@ def build_problem(
             kept = pricer.saves(node, pricer.facts.base.get((p.name, k), (p.name, k)))
             src = tuple(strategies[p.name][grouping_choice(clusters[u], p.name, i)].output_specs[k] for i in range(len(clusters[u].choices)))
             dst = tuple(strategies[node.name][grouping_choice(clusters[v], node.name, j)].input_specs[a] for j in range(len(clusters[v].choices)))
-            arc = _Arc(src, dst, _ints(val.shape), val.element_size(), val.is_floating_point(), kept, zero_terms(p, node, a, u, v))
+            arc = _Arc(src, dst, _ints(val.shape), val.element_size(), val.is_floating_point(), kept, zero_terms(p, node, a, u, v),
+                       lift_terms(p, node, a, u, v))
             key = (grouping.class_of[u], grouping.class_of[v], arc)
             arcs[key] = arcs.get(key, 0) + 1
     pair_arcs: dict[tuple[int, int], list[tuple[_Arc, int]]] = {}
@@ -471,7 +498,8 @@ def build_problem(
     edges = []
     for (a_cls, b_cls), items in pair_arcs.items():
         def price(i: int, j: int, with_backward: bool = True) -> float:
-            return sum(m * reshard_cost(arc.src[i], arc.dst[j], arc.shape, arc.itemsize, mesh, with_backward=arc.floating and with_backward)
+            return sum(m * (reshard_cost(arc.src[i], arc.dst[j], arc.shape, arc.itemsize, mesh, with_backward=arc.floating and with_backward)
+                            + (_lift_correction(arc.lift, i, j, mesh) if with_backward else 0.0))
                        for arc, m in items)
 
         def saved(i: int, j: int) -> float:
@@ -498,8 +526,10 @@ def build_problem(
             continue
         # options alike on every arc share a class; the ZeRO terms tell apart options with equal specs (a dst
         # split on other axes gets its partial gradient elsewhere)
-        src_keys = [tuple((arc.src[i], arc.zero and arc.zero[0][i]) for arc, _ in items) for i in range(len(class_opts[a_cls]))]
-        dst_keys = [tuple((arc.dst[j], arc.zero and arc.zero[1][j]) for arc, _ in items) for j in range(len(class_opts[b_cls]))]
+        src_keys = [tuple((arc.src[i], arc.zero and arc.zero[0][i], arc.lift and arc.lift[0][i]) for arc, _ in items)
+                    for i in range(len(class_opts[a_cls]))]
+        dst_keys = [tuple((arc.dst[j], arc.zero and arc.zero[1][j], arc.lift and arc.lift[1][j]) for arc, _ in items)
+                    for j in range(len(class_opts[b_cls]))]
         src_ids, dst_ids = _classes(src_keys), _classes(dst_keys)
         first_src = [src_ids.index(c) for c in range(max(src_ids) + 1)]
         first_dst = [dst_ids.index(c) for c in range(max(dst_ids) + 1)]
@@ -531,6 +561,21 @@ def build_problem(
     problem = Problem(tuple(nodes), tuple(edges), budget_bytes, tuple((g, sync_latency_s(mesh, g)) for g in groups),
                       tuple(sorted(together)), tuple(sorted(crossing)))
     return BuiltProblem(problem, grouping, strategies, dict(pricer.storage), len(grouping.cluster_of))
+
+
+def _lift_correction(lift: tuple | None, i: int, j: int, mesh: Mesh) -> float:
+    """Seconds to add to the consumer's bucketed price of a gradient (see `lift_terms` in `build_problem`): on the
+    axes the producer splits, one in-graph all-reduce per axis instead of the bucketed sync."""
+    if lift is None:
+        return 0.0
+    split, (partial, local_bytes) = lift[0][i], lift[1][j]
+    kept = tuple(a for a in partial if a in split)
+    if not kept:
+        return 0.0
+    lifted = tuple(a for a in partial if a not in split)
+    bucketed = bucketed_all_reduce_s(local_bytes, mesh, lifted) if lifted else 0.0
+    return (sum(collective_time_s("all_reduce", local_bytes, mesh.axes[a]) for a in kept) + bucketed
+            - bucketed_all_reduce_s(local_bytes, mesh, partial))
 
 
 def grouping_choice(cluster: Cluster, node: str, option: int) -> int:

@@ -149,3 +149,40 @@ def test_zero_saves_the_gradient_all_reduce_only_where_a_consumer_pays_it():
     plan = baseline_plans(traced, prof, mesh)
     dp, z3 = (next(b for b in plan if b.name == name) for name in ("data_parallel", "zero3"))
     assert z3.time.comm_s - dp.time.comm_s == pytest.approx(gathers - all_reduces, rel=1e-6)
+
+
+def test_a_gradient_is_priced_bucketed_only_on_axes_codegen_can_lift_it_to_the_parameter():
+    """GPT-2's position embedding `embedding(wpe, arange)` added to the batch-split hidden state: its gradient
+    is partial on every axis the add splits the batch over. Where the embedding is not split, codegen lifts that
+    all-reduce above it into the parameter's bucketed sync; where the embedding splits the table (vocabulary-
+    parallel over positions on tp), it cannot, and emits an all-reduce in backward (`grad_all_reduce`), besides
+    the forward one of the partial output. The edge pays for it."""
+    from autopar.solver.cost import bucketed_all_reduce_s, collective_time_s
+    from autopar.solver.problem import build_problem
+    from autopar.solver.reshard import reshard_cost
+    from autopar.solver.strategies import enumerate_strategies
+
+    model, sample = load_zoo("gpt2").build(batch_size=8, seq_len=32, size="tiny", device="meta")
+    traced = trace(model, sample)
+    mesh = make_mesh(4, (2, 2), "h100")
+    strategies = enumerate_strategies(traced, mesh)
+    built = build_problem(traced, profile(traced).evaluate(), mesh, strategies, None, grouped=False)
+    g = built.grouping
+    pos, add = (g.class_of[g.cluster_of[n]] for n in ("embedding_1", "add"))
+    edge = next(e for e in built.problem.edges if (e.src, e.dst) == (pos, add))
+
+    def option(node: str, label: str) -> int:
+        return next(i for i, s in enumerate(strategies[node]) if str(s) == label)
+
+    batch_split = option("add", "(S(0)S(0), RR) -> S(0)S(0)")
+    grad_bytes = 32 * 64 * 4  # the (seq, hidden) gradient of the position embedding's output, whole on each rank
+    # replicated embedding: the gradient goes to wpe's bucketed sync over both axes, priced by the add itself
+    assert edge.cost(option("embedding_1", "(RR, RR) -> RR"), batch_split) == 0.0
+    # table split on tp: forward all-reduce of the partial output, backward all-reduce on tp in the graph; the
+    # bucketed sync keeps the dp axis only
+    split = option("embedding_1", "(RS(0), RR) -> RP")
+    rp, rr = strategies["embedding_1"][split].output_specs[0], strategies["add"][batch_split].input_specs[1]
+    expected = (reshard_cost(rp, rr, (32, 64), 4, mesh) + collective_time_s("all_reduce", grad_bytes, mesh.axes[1])
+                + bucketed_all_reduce_s(grad_bytes, mesh, (0,)) - bucketed_all_reduce_s(grad_bytes, mesh, (0, 1)))
+    assert edge.cost(split, batch_split) == pytest.approx(expected, rel=1e-9)
+    assert expected > reshard_cost(rp, rr, (32, 64), 4, mesh) + 0.5 * collective_time_s("all_reduce", grad_bytes, mesh.axes[1])
