@@ -499,7 +499,7 @@ def build_problem(
     for (a_cls, b_cls), items in pair_arcs.items():
         def price(i: int, j: int, with_backward: bool = True) -> float:
             return sum(m * (reshard_cost(arc.src[i], arc.dst[j], arc.shape, arc.itemsize, mesh, with_backward=arc.floating and with_backward)
-                            + (_lift_correction(arc.lift, i, j, mesh) if with_backward else 0.0))
+                            + (_lift_correction(arc, i, j, mesh) if with_backward else 0.0))
                        for arc, m in items)
 
         def saved(i: int, j: int) -> float:
@@ -563,19 +563,22 @@ def build_problem(
     return BuiltProblem(problem, grouping, strategies, dict(pricer.storage), len(grouping.cluster_of))
 
 
-def _lift_correction(lift: tuple | None, i: int, j: int, mesh: Mesh) -> float:
+def _lift_correction(arc: _Arc, i: int, j: int, mesh: Mesh) -> float:
     """Seconds to add to the consumer's bucketed price of a gradient (see `lift_terms` in `build_problem`): on the
-    axes the producer splits, one in-graph all-reduce per axis instead of the bucketed sync."""
-    if lift is None:
+    axes the producer splits, the in-graph collective codegen emits instead of the bucketed sync: the
+    reduce-scatter that is the backward of the edge's all-gather where the producer's output is sharded there
+    (`all_gather_rs`), else an all-reduce (the producer's output is partial or whole there)."""
+    if arc.lift is None:
         return 0.0
-    split, (partial, local_bytes) = lift[0][i], lift[1][j]
+    split, (partial, local_bytes) = arc.lift[0][i], arc.lift[1][j]
     kept = tuple(a for a in partial if a in split)
     if not kept:
         return 0.0
     lifted = tuple(a for a in partial if a not in split)
     bucketed = bucketed_all_reduce_s(local_bytes, mesh, lifted) if lifted else 0.0
-    return (sum(collective_time_s("all_reduce", local_bytes, mesh.axes[a]) for a in kept) + bucketed
-            - bucketed_all_reduce_s(local_bytes, mesh, partial))
+    in_graph = sum(collective_time_s("reduce_scatter" if isinstance(arc.src[i].placements[a], Shard) else "all_reduce",
+                                     local_bytes, mesh.axes[a]) for a in kept)
+    return in_graph + bucketed - bucketed_all_reduce_s(local_bytes, mesh, partial)
 
 
 def grouping_choice(cluster: Cluster, node: str, option: int) -> int:
