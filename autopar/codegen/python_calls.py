@@ -11,13 +11,16 @@ pass has read the ATen targets, as `x.name(...)` (`call_method`) or `torch.name(
 
 - the binding must be C++ (a builtin): `torch.split` or `Tensor.split` are Python wrappers with
   other signatures;
-- the op name's only overload (out= variants aside): the binding can dispatch nowhere else;
-- or, with several overloads (`add.Tensor` / `add.Scalar`, `sum.default` / `sum.dim_IntList`, the
-  binding picks by argument types), the binding run on the traced node's own fake arguments must
-  dispatch exactly the ops the overload dispatches (recorded with a dispatch mode).
+- run on the traced node's own fake arguments, the binding must dispatch exactly the ops the
+  overload dispatches (recorded with a dispatch mode). With several overloads (`add.Tensor` /
+  `add.Scalar`, `sum.default` / `sum.dim_IntList`) the binding picks one by argument types: this is
+  what tells them apart;
+- where that cannot be run (no traced counterpart with the same argument structure, as for the
+  `contiguous` codegen writes for a no-op dropout; symbolic shapes), only an op name with a single
+  overload (out= variants aside) is bound: the binding can dispatch nowhere else.
 
-Ops that write their inputs keep their ATen spelling, and so does anything the check cannot run on
-(symbolic shapes, no traced counterpart with the same argument structure).
+Ops that write their inputs keep their ATen spelling, and so does a multi-overload call the check
+cannot run on.
 """
 from __future__ import annotations
 
@@ -62,7 +65,8 @@ def _binding(node: fx.Node, traced: fx.Node | None, checked: dict[tuple, bool]) 
     if op._schema.is_mutable:
         return None
     for binding in _candidates(node, op):
-        if _single_overload(op) or _same_dispatch(op, binding, node, traced, checked):
+        same = _same_dispatch(op, binding, node, traced, checked)
+        if same or (same is None and _single_overload(op)):
             return binding
     return None
 
@@ -89,35 +93,36 @@ def _single_overload(op: torch._ops.OpOverload) -> bool:
 
 
 def _same_dispatch(op: torch._ops.OpOverload, binding: Binding, node: fx.Node, traced: fx.Node | None,
-                   checked: dict[tuple, bool]) -> bool:
+                   checked: dict[tuple, bool]) -> bool | None:
     """Whether `binding`, called as the node calls `op`, dispatches what `op` does, on the traced node's fake
-    arguments (whose structure must be the lowered node's: same leaves, tensors where it has nodes).
+    arguments (whose structure must be the lowered node's: same leaves, tensors where it has nodes); None when
+    that cannot be run (no such traced node, symbolic shapes, no tensor argument).
 
     The answer is reused for calls alike in what a binding's overload choice reads: the argument structure,
     each leaf's type, and for tensors dtype, device, whether 0-d (a 0-d tensor may pass as a number) and
     whether it requires grad (then it may not): gpt2-xl's 1,899 calls took 0.4 s checked one by one."""
     if traced is None:
-        return False
+        return None
     flat, spec = pytree.tree_flatten((node.args, node.kwargs))
     traced_flat, traced_spec = pytree.tree_flatten((traced.args, traced.kwargs))
     if spec != traced_spec:
-        return False
+        return None
     fake: list[Any] = []
     for leaf, traced_leaf in zip(flat, traced_flat):
         if isinstance(leaf, fx.Node) != isinstance(traced_leaf, fx.Node):
-            return False
+            return None
         if isinstance(leaf, fx.Node):
             val = traced_leaf.meta.get("val")
             if not isinstance(val, FakeTensor) or not all(isinstance(s, int) for s in val.shape):
-                return False
+                return None
             fake.append(val)
         elif type(leaf) is not type(traced_leaf) or isinstance(leaf, torch.SymInt):
-            return False
+            return None
         else:
             fake.append(traced_leaf)
     tensors = [v for v in fake if isinstance(v, FakeTensor)]
     if not tensors:
-        return False
+        return None
     key = (op, binding, spec, tuple(_kind(v) for v in fake))
     if key not in checked:
         args, kwargs = pytree.tree_unflatten(fake, spec)
