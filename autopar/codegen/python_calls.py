@@ -49,6 +49,7 @@ def bind_python_calls(gm: fx.GraphModule, traced: Mapping[str, fx.Node], origin:
     for module in gm.modules():
         if not isinstance(module, fx.GraphModule):
             continue
+        before = count
         for node in module.graph.nodes:
             if node.op != "call_function" or not isinstance(node.target, torch._ops.OpOverload):
                 continue
@@ -56,7 +57,8 @@ def bind_python_calls(gm: fx.GraphModule, traced: Mapping[str, fx.Node], origin:
             if binding is not None:
                 node.op, node.target = binding
                 count += 1
-        module.recompile()
+        if count > before:
+            module.recompile()
     return count
 
 

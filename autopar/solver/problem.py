@@ -14,7 +14,7 @@ from __future__ import annotations
 import math
 import operator
 from dataclasses import dataclass, replace
-from typing import Mapping, NamedTuple
+from typing import Any, Mapping, NamedTuple
 
 import torch
 from torch import fx
@@ -451,17 +451,15 @@ def build_problem(
                     for j in range(len(clusters[v].choices)))
         return tuple(src), dst
 
-    def lift_terms(p: fx.Node, node: fx.Node, index: int, u: int, v: int) -> tuple | None:
+    def lift_terms(p: fx.Node, val: Any, node: fx.Node, index: int, u: int, v: int) -> tuple | None:
         """For an arc whose producer passes a parameter's gradient on (`_param_root`) without being that parameter:
         per src option the axes the producer splits, per dst option the consumer's (partial axes, local bytes) on
         that input. The consumer's option priced that gradient's all-reduce as bucketed, which codegen does only on
         axes the producer does not split (`codegen.lower.partial_grad_axes` lifts it above the producer only
         there); `_lift_correction` prices the rest as the in-graph all-reduces codegen emits. (Lifting through a
         chain of several such producers needs each one unsplit; only the nearest is priced.)"""
-        if p.name in pricer.params or _param_root(p, pricer.params, pricer.costs) is None:
-            return None
-        val = output_vals(p)[strategy_inputs(node)[index][1]]
-        if not pricer.costs[p.name].requires_grad or not isinstance(val, torch.Tensor):
+        if p.name in pricer.params or not pricer.costs[p.name].requires_grad or not isinstance(val, torch.Tensor) \
+                or _param_root(p, pricer.params, pricer.costs) is None:
             return None
         nbytes = _tensor_bytes(val)
         ndim = len(mesh.shape)
@@ -489,7 +487,7 @@ def build_problem(
             src = tuple(strategies[p.name][grouping_choice(clusters[u], p.name, i)].output_specs[k] for i in range(len(clusters[u].choices)))
             dst = tuple(strategies[node.name][grouping_choice(clusters[v], node.name, j)].input_specs[a] for j in range(len(clusters[v].choices)))
             arc = _Arc(src, dst, _ints(val.shape), val.element_size(), val.is_floating_point(), kept, zero_terms(p, node, a, u, v),
-                       lift_terms(p, node, a, u, v))
+                       lift_terms(p, val, node, a, u, v))
             key = (grouping.class_of[u], grouping.class_of[v], arc)
             arcs[key] = arcs.get(key, 0) + 1
     pair_arcs: dict[tuple[int, int], list[tuple[_Arc, int]]] = {}

@@ -60,8 +60,8 @@ class SystemResult:
     step_s: float  # measured: median over steps of the slowest rank
     peak_bytes: int  # measured: max over ranks of the peak live-tensor bytes
     steps_s: tuple[float, ...] = ()
-    # predicted seconds of the loss's 0-d all-reduces (the global mean loss and its token count): autopar's
-    # graph runs them, the hand-written baselines (local loss) run none and are priced without them
+    # predicted seconds of the 0-d reshards the ILP charged (`predict.scalar_reshard_s`: none for a mean loss,
+    # whose deferred all-reduce is free): the hand-written baselines (local loss) run none, priced without them
     loss_sync_s: float = 0.0
 
 

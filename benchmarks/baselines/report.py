@@ -4,6 +4,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import statistics
 from pathlib import Path
 from typing import Sequence
 
@@ -67,11 +68,10 @@ def budget_rows(r: ModelResult) -> list[dict]:
 
 def spread(s: SystemResult) -> float:
     """Step-to-step spread of a system's timed steps: interquartile range over the median (0 with < 4 steps)."""
-    steps = sorted(s.steps_s)
-    if len(steps) < 4:
+    if len(s.steps_s) < 4:
         return 0.0
-    q1, q3 = steps[len(steps) // 4], steps[(3 * len(steps)) // 4]
-    return (q3 - q1) / steps[len(steps) // 2]
+    q1, _, q3 = statistics.quantiles(s.steps_s, n=4, method="inclusive")
+    return (q3 - q1) / statistics.median(s.steps_s)
 
 
 def explain_miss(r: ModelResult, row: dict) -> str:
@@ -80,11 +80,11 @@ def explain_miss(r: ModelResult, row: dict) -> str:
     ap = r.autopar_plans[row["autopar"]]
     best = next(s for s in r.baselines if s.name == row["best_baseline"])
     noise = max(spread(ap), spread(best))
-    # like for like: the baselines are priced without the loss all-reduce they do not run
+    # like for like: the baselines are priced without the 0-d reshards they do not run
     predicted = (ap.predicted_s - ap.loss_sync_s) / best.predicted_s
     parts = [f"step-to-step spread {noise:.0%}"]
     if ap.loss_sync_s:
-        parts.append(f"the exact global loss's all-reduce priced {ap.loss_sync_s * 1e3:.2f} ms")
+        parts.append(f"0-d reshards the baselines do not run priced {ap.loss_sync_s * 1e3:.2f} ms")
     if abs(predicted - 1.0) < 0.005:
         parts.append(f"the rest priced as {best.name} (the same plan, or as fast): the gap is runtime overhead the model "
                      f"does not price")
