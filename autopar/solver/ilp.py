@@ -43,6 +43,11 @@ Constraint families (each PuLP constraint is named after its family):
                       + flow[w,g] y[w,g] for the layer's widest node w (`widest_nodes`): the gradient
                       backward carries through the rebuilt layer, on the y of the node that makes it (a
                       row per node for the max over them doubled memory-bound solve times)
+                      + sum_{k into layer r, a,b} kept[k,a,b] / copies[dst] f[k,a,b]: the resharded inputs
+                      recomputed consumers save again while rebuilt, f = e * "dst recomputed" as
+  rebuilt_reshard_{k}_{a}_{b}  f[k,a,b] <= e[k,a,b]  (pairs that save; `_rebuilt_reshards`)
+  rebuilt_reshard_{k}_rest     f[k] <= sum of the pairs that save nothing
+  rebuilt_reshard_{k}  sum of f[k,..] = sum_g y[dst,g]   (exact at integral points, no big-M)
   memory              sum_{v,s} static[v,s] x - sum_g (1 - 1/f[v,g]) static[v,g] z
                       + saved[v,s] x - sum_g (saved[v,g] - held[v,g]) y + sum_k s[k] + T <= budget
                       (`add_memory_limit`; held: a recomputed region's inputs from other layers)
@@ -81,7 +86,7 @@ _MS = 1e3
 _GIB = float(2**30)
 # Tie-break: among equally fast plans prefer the leaner one (1 us per GiB: far below any real time difference).
 _TIE_MS_PER_GIB = 1e-3
-_MEMORY_SLACK_BYTES = 1024.0
+_MEMORY_SLACK_BYTES = 4096.0
 # HiGHS' own default relative MIP gap: "optimal" means within 0.01% of the best possible step time.
 DEFAULT_GAP = 1e-4
 
@@ -143,6 +148,10 @@ def evaluate(problem: Problem, a: Assignment) -> tuple[MemoryBreakdown, TimeBrea
         else:
             act += o.saved_bytes
         temp = max(temp, o.temp_bytes)
+    for e in problem.edges:  # a recomputed consumer saves its resharded input again while its layer is rebuilt
+        node = problem.nodes[e.dst]
+        if a.recompute[e.dst] and node.region is not None and e.saved(a.choice[e.src], a.choice[e.dst]) > 0:
+            rebuilt[node.region] = rebuilt.get(node.region, 0.0) + e.saved(a.choice[e.src], a.choice[e.dst]) / node.copies
     temp = max(temp, *(b + regathered.get(r, 0.0) + flow.get(r, 0.0) for r, b in rebuilt.items())) if rebuilt else temp
     for e in problem.edges:
         comm_s += e.cost(a.choice[e.src], a.choice[e.dst])
@@ -376,6 +385,7 @@ class _Model:
             if node.region is not None:
                 flow = o.grad_flow_bytes if widest.get(node.region) == v else 0.0  # the gradient through the layer
                 rebuilt.setdefault(node.region, {})[y] = (o.saved_bytes / node.copies + flow) / _GIB
+        reshards = self._rebuilt_reshards()
         gathered: dict[str, list[tuple[pulp.LpVariable, float]]] = {}  # layer -> its parameters' (z, gathered GiB)
         for v, zs in self.gathered.items():
             gathered.setdefault(self.problem.nodes[v].region, []).extend(zs)
@@ -384,17 +394,49 @@ class _Model:
             any_y = pulp.LpVariable(f"rebuilt_{r}", lowBound=0, upBound=1)
             for j, y in enumerate(terms):
                 self.prob += any_y >= y, f"rebuilt_{r}_{j}"
-            row = list(terms.items())
+            row = list(terms.items()) + reshards.get(region, [])
             for j, (z, b) in enumerate(gathered.get(region, ())):  # the layer's ZeRO parameters, gathered again and saved by it
                 both = pulp.LpVariable(f"regather_{r}_{j}", lowBound=0)
                 self.prob += both >= z + any_y - 1, f"regather_{r}_{j}"
                 row.append((both, b))
             self.prob += self.temp >= pulp.LpAffineExpression(row), f"rebuild_{r}"
 
+    def _rebuilt_reshards(self) -> dict[str, list[tuple[pulp.LpVariable, float]]]:
+        """Per layer, the resharded inputs (an all-gathered activation or weight) its recomputed consumers save
+        again while backward rebuilds it: codegen reshards inside the checkpoint region, so nothing resharded is
+        kept through the step (`_add_saved_reshards`), but the rebuild makes each copy again and saves it.
+
+        The term is e[k,a,b] * "dst recomputed", linearised without a big-M: one f <= e per class pair that saves,
+        and f's with one `rest` (<= the pairs that save nothing) summing to dst's recompute flag. Equal to the
+        product at integral points; a big-M row per edge instead stalled an 8x8 solve past 30 s."""
+        out: dict[str, list[tuple[pulp.LpVariable, float]]] = {}
+        for k, ev in self.e.items():
+            e, node = self.problem.edges[k], self.problem.nodes[self.problem.edges[k].dst]
+            recomputed = self._recomputed(e.dst)
+            if e.saved_bytes is None or not recomputed or node.region is None:
+                continue
+            fs, rest = [], []
+            for a, row in enumerate(e.saved_bytes):
+                for b, saved in enumerate(row):
+                    if saved <= 0:
+                        rest.append(ev[a][b])
+                        continue
+                    f = pulp.LpVariable(f"rebuilt_reshard_{k}_{a}_{b}", lowBound=0)
+                    self.prob += f <= ev[a][b], f"rebuilt_reshard_{k}_{a}_{b}"
+                    fs.append(f)
+                    out.setdefault(node.region, []).append((f, saved / node.copies / _GIB))
+            if rest:
+                f = pulp.LpVariable(f"rebuilt_reshard_{k}_rest", lowBound=0)
+                self.prob += f <= pulp.lpSum(rest), f"rebuilt_reshard_{k}_rest"
+                fs.append(f)
+            self.prob += pulp.lpSum(fs) == pulp.lpSum(recomputed), f"rebuilt_reshard_{k}"
+        return out
+
     def add_memory_limit(self) -> None:
         """The budget row (kept out of the model until the unconstrained optimum is known not to fit)."""
         if self.problem.budget_bytes is not None:
-            # HiGHS may overshoot a row by its feasibility tolerance (1e-7 GiB, ~100 bytes): ask for 1 KiB less
+            # HiGHS may overshoot a row by its MIP feasibility tolerance (1e-6 GiB, ~1 KiB; seen: 1,034 bytes over
+            # the row): ask for 4 KiB less
             self.prob += _affine(self.memory_terms) <= (self.problem.budget_bytes - _MEMORY_SLACK_BYTES) / _GIB, "memory"
 
     def start(self, a: Assignment) -> dict[pulp.LpVariable, float]:

@@ -231,6 +231,7 @@ class _Arc(NamedTuple):
     itemsize: int
     floating: bool
     kept: bool  # the consumer's backward saves this input (or reads it through views that do)
+    persistent: bool  # the input is a parameter or buffer (or a view of one): alive all step whatever is saved
     # a parameter's gradient: per src option (ZeRO axes, local bytes) or None, per dst option its partial axes
     zero: tuple | None
     # a gradient the consumer's price sends to the bucketed sync through a producer that is not the parameter
@@ -483,10 +484,12 @@ def build_problem(
             if u == v or (node.name, a) in free:
                 continue  # a follower and its producer: consistent by construction; or sent with the loss
             val = output_vals(p)[k]
-            kept = pricer.saves(node, pricer.facts.base.get((p.name, k), (p.name, k)))
+            base = pricer.facts.base.get((p.name, k), (p.name, k))
+            kept = pricer.saves(node, base)
+            persistent = base[0] in traced.param_fqns or base[0] in traced.buffer_fqns
             src = tuple(strategies[p.name][grouping_choice(clusters[u], p.name, i)].output_specs[k] for i in range(len(clusters[u].choices)))
             dst = tuple(strategies[node.name][grouping_choice(clusters[v], node.name, j)].input_specs[a] for j in range(len(clusters[v].choices)))
-            arc = _Arc(src, dst, _ints(val.shape), val.element_size(), val.is_floating_point(), kept, zero_terms(p, node, a, u, v),
+            arc = _Arc(src, dst, _ints(val.shape), val.element_size(), val.is_floating_point(), kept, persistent, zero_terms(p, node, a, u, v),
                        lift_terms(p, val, node, a, u, v))
             key = (grouping.class_of[u], grouping.class_of[v], arc)
             arcs[key] = arcs.get(key, 0) + 1
@@ -501,9 +504,11 @@ def build_problem(
                        for arc, m in items)
 
         def saved(i: int, j: int) -> float:
-            """What the consumer saves of its resharded inputs beyond the producer's shard (when larger)."""
+            """What the consumer saves of its resharded inputs beyond the producer's shard (when larger): the whole
+            resharded copy when the input is a parameter, whose own shard stays alive anyway (measured: gpt2 with
+            weights stored split and gathered into data-parallel matmuls saves the full weights)."""
             return sum(m * max(0.0, math.prod(arc.shape) * arc.itemsize
-                                   * (1 / arc.dst[j].shard_factor(mesh.shape) - 1 / arc.src[i].shard_factor(mesh.shape)))
+                                   * (1 / arc.dst[j].shard_factor(mesh.shape) - (0 if arc.persistent else 1 / arc.src[i].shard_factor(mesh.shape))))
                        for arc, m in items if arc.kept and arc.src[i] != arc.dst[j])
 
         def zero_saving(i: int, j: int) -> float:

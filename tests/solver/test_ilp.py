@@ -319,6 +319,23 @@ def test_a_saved_resharded_input_counts_unless_its_consumer_is_recomputed():
     assert sol.memory.activations_bytes == 100 * MB and sol.time.recompute_s == pytest.approx(2e-3)
 
 
+def test_a_recomputed_consumer_saves_its_resharded_input_again_while_its_layer_is_rebuilt():
+    """b's first option gathers a's output (b saves the 40 MB copy). Recomputed, nothing resharded is kept
+    through the step, but backward's rebuild of b's layer gathers it again and saves it beside b's own 1 MB:
+    100 + 41 MB, over a 120 MB budget. So the plan is b's second option (no gather, 7 ms by hand), not the
+    gather recomputed (6 ms), which fits only if the rebuild is priced without the copy."""
+    a = Node("a", (Option("a", compute_s=1e-3, saved_bytes=100 * MB),))
+    b = Node("b", (Option("gather", compute_s=1e-3, recompute_s=1e-3, saved_bytes=1 * MB),
+                   Option("split", compute_s=6e-3, recompute_s=1e-3, saved_bytes=1 * MB)), recomputable=True, region="h.0")
+    edge = Edge(0, 1, (0,), (0, 1), ((2e-3, 0.0),), ((1e-3, 0.0),), ((40 * MB, 0.0),))
+    problem = Problem((a, b), (edge,), 120 * MB)
+    memory, step = evaluate(problem, Assignment.of([0, 0], recompute=[1]))
+    assert (memory.activations_bytes, memory.temp_bytes, step.total_s) == (100 * MB, 41 * MB, pytest.approx(6e-3))
+    sol = solve_problem(problem)
+    assert sol.assignment.choice == (0, 1) and sol.memory.total_bytes == 101 * MB
+    assert sol.time.total_s == pytest.approx(7e-3)
+
+
 def test_a_recomputed_node_pays_its_input_reshards_forward_again():
     """b's input reshard (2 ms: 1 ms forward, 1 ms backward) sits in b's checkpoint region: recomputing b
     (the only way to fit) runs its forward again, 0.5 + 1 ms of recompute by hand."""
