@@ -38,7 +38,9 @@ def _check_even(x: torch.Tensor, dim: int, size: int, group: str) -> None:
 def _local_chunk(x: torch.Tensor, dim: int, group: str) -> torch.Tensor:
     size, rank = _group(group)
     _check_even(x, dim, size, group)
-    return x.chunk(size, dim)[rank].contiguous()
+    # a fresh tensor, also where the chunk is already contiguous (dim 0): a view would keep all of x alive
+    # wherever the chunk is saved (measured: bert's tightest plan saved its full-batch all-reduce outputs)
+    return x.chunk(size, dim)[rank].clone(memory_format=torch.contiguous_format)
 
 
 def _gather(x: torch.Tensor, dim: int, group: str) -> torch.Tensor:

@@ -78,6 +78,8 @@ def _all_collectives(rank: int, world_size: int, mesh_shape: tuple[int, ...], ax
         y = local_slice(x, d, g)
         (y * chunk(W[0], d)).sum().backward()
         _check(f"local_slice(dim={d})", y, chunk(X, d), x, W[0])
+        # its own storage, whatever the dim: a view of x would keep all of x alive wherever y is saved
+        assert y.untyped_storage().nbytes() == y.numel() * y.element_size(), f"local_slice(dim={d}) shares its input's storage"
         checked += ["all_gather", "all_gather_rs", "reduce_scatter", "local_slice"]
 
     for src, dst in ((0, 1), (1, 0), (2, 0), (1, 2), (-1, 1)):
