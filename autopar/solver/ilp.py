@@ -30,6 +30,9 @@ Constraint families (each PuLP constraint is named after its family):
   sync_{g}_{v}        u[g] >= sum_{s syncs over g} x[v,s]            (`_add_sync_groups`)
   rerun_{k}           w[k] >= sum_{a,b} forward[k,a,b] e[k,a,b] - M (1 - sum_g y[dst,g])   (`_add_reruns`:
                       a recomputed node runs its input reshards again in backward; M = max forward[k])
+  replaced_{k}        r[k] >= sum_{a,b} replaced[k,a,b] e[k,a,b] - M (1 - sum_g y[src,g]) - M sum_g y[dst,g]
+                      (`_add_replaced_outputs`: a recomputed producer's output is not kept, so a consumer that
+                      keeps its resharded copy holds the part `kept` counts as the producer's too)
   saved_reshard_{k}   s[k] >= sum_{a,b} kept[k,a,b] e[k,a,b] - M sum_g y[dst,g]   (`_add_saved_reshards`:
                       a consumer that saves a resharded input keeps the resharded copy unless recomputed;
                       without recompute variables for dst the terms enter the memory row directly)
@@ -49,7 +52,7 @@ Constraint families (each PuLP constraint is named after its family):
   rebuilt_reshard_{k}_rest     f[k] <= sum of the pairs that save nothing
   rebuilt_reshard_{k}  sum of f[k,..] = sum_g y[dst,g]   (exact at integral points, no big-M)
   memory              sum_{v,s} static[v,s] x - sum_g (1 - 1/f[v,g]) static[v,g] z
-                      + saved[v,s] x - sum_g (saved[v,g] - held[v,g]) y + sum_k s[k] + T <= budget
+                      + saved[v,s] x - sum_g (saved[v,g] - held[v,g]) y + sum_k (s[k] + r[k]) + T <= budget
                       (`add_memory_limit`; held: a recomputed region's inputs from other layers)
 Objective (time of one step):
   sum (compute + comm)[v,s] x + zero_comm[v,g] z + recompute[v,g] y + sum cost[k,a,b] e[k,a,b] - sum_k zs[k]
@@ -159,6 +162,8 @@ def evaluate(problem: Problem, a: Assignment) -> tuple[MemoryBreakdown, TimeBrea
             recompute_s += e.forward_cost(a.choice[e.src], a.choice[e.dst])
         else:  # a recomputed consumer reshards again in its region: nothing resharded is saved
             act += e.saved(a.choice[e.src], a.choice[e.dst])
+            if a.recompute[e.src]:  # the producer's output, which `saved` counts as the producer's, is not kept
+                act += e.replaced(a.choice[e.src], a.choice[e.dst])
         if a.zero[e.src]:  # the ZeRO reduce-scatter takes over the consumer's bucketed all-reduce
             comm_s -= e.zero_saving(a.choice[e.src], a.choice[e.dst])
     used = frozenset().union(*(node.options[c].sync_groups for node, c in zip(problem.nodes, a.choice)))
@@ -208,6 +213,7 @@ class _Model:
         self._add_recompute()
         self._add_reruns()
         self._add_saved_reshards()
+        self._add_replaced_outputs()
         self._add_zero()
         self._add_zero_savings()
         self._add_sync_groups()
@@ -238,7 +244,8 @@ class _Model:
     def _add_edges(self) -> None:
         self.e: dict[int, list[list[pulp.LpVariable]]] = {}  # edge index -> e[k][a][b]
         for k, e in enumerate(self.problem.edges):
-            if not any(c for row in e.cost_s for c in row) and e.saved_bytes is None and e.zero_saving_s is None:
+            if not any(c for row in e.cost_s for c in row) and e.saved_bytes is None and e.zero_saving_s is None \
+                    and e.replaced_bytes is None:
                 continue  # free in every combination, saves nothing, no ZeRO saving: no variables needed
             rows, cols = len(e.cost_s), len(e.cost_s[0])
             ev = [[pulp.LpVariable(f"e_{k}_{a}_{b}", lowBound=0, upBound=1) for b in range(cols)] for a in range(rows)]
@@ -322,6 +329,21 @@ class _Model:
             big_m = max(c for _, c in terms)
             w = pulp.LpVariable(f"s_{k}", lowBound=0)
             self.prob += w >= pulp.LpAffineExpression(terms) - big_m * pulp.lpSum(recomputed), f"saved_reshard_{k}"
+            self.memory_terms.append((w, 1.0))
+
+    def _add_replaced_outputs(self) -> None:
+        """A recomputed producer's output is not kept; a consumer that keeps its resharded copy (not recomputed)
+        then holds all of the copy, not only what `saved_bytes` adds to the producer's shard (`Edge.replaced_bytes`)."""
+        for k, ev in self.e.items():
+            e = self.problem.edges[k]
+            src_y = self._recomputed(e.src)
+            if e.replaced_bytes is None or not src_y:
+                continue
+            terms = [(ev[a][b], r / _GIB) for a, row in enumerate(e.replaced_bytes) for b, r in enumerate(row) if r > 0]
+            big_m = max(c for _, c in terms)
+            w = pulp.LpVariable(f"r_{k}", lowBound=0)
+            off = big_m * (1 - pulp.lpSum(src_y)) + big_m * pulp.lpSum(self._recomputed(e.dst))
+            self.prob += w >= pulp.LpAffineExpression(terms) - off, f"replaced_{k}"
             self.memory_terms.append((w, 1.0))
 
     def _add_zero(self) -> None:
@@ -550,7 +572,13 @@ def solve_problem(
         first = _greedy_fit(problem, a, restrictions)
         model.add_memory_limit()
         start = model.start(first) if first is not None else {}
-        out = _run(model, backend, max(time_limit_s - spent_s, 1.0), True, start, mip_rel_gap)
+        try:
+            out = _run(model, backend, max(time_limit_s - spent_s, 1.0), True, start, mip_rel_gap)
+        except AutoparError:  # no plan in time: say so only if one exists (below the minimum it may not prove none)
+            infeasible = _infeasible(problem, time_limit_s, backend, restrictions)
+            if infeasible.min_memory_bytes > problem.budget_bytes:
+                raise infeasible from None
+            raise
         spent_s += out.solve_s
         if out.status == "infeasible":
             raise _infeasible(problem, time_limit_s, backend, restrictions)

@@ -110,6 +110,10 @@ class Edge:
     # Seconds src's ZeRO storage saves when dst pays the bucketed all-reduce of src's gradient over the
     # ZeRO axes (dst split there): its reduce-scatter takes that all-reduce over. None: src is no parameter.
     zero_saving_s: tuple[tuple[float, ...], ...] | None = None
+    # The producer's shard that `saved_bytes` leaves out of the copy (counted as the producer's saved output):
+    # when the producer is recomputed its output is not kept, so a consumer that keeps the copy holds these
+    # bytes too. None: none.
+    replaced_bytes: tuple[tuple[float, ...], ...] | None = None
 
     @staticmethod
     def dense(src: int, dst: int, cost_s: list[list[float]] | tuple[tuple[float, ...], ...]) -> "Edge":
@@ -122,6 +126,9 @@ class Edge:
 
     def saved(self, i: int, j: int) -> float:
         return self.saved_bytes[self.src_class[i]][self.dst_class[j]] if self.saved_bytes is not None else 0.0
+
+    def replaced(self, i: int, j: int) -> float:
+        return self.replaced_bytes[self.src_class[i]][self.dst_class[j]] if self.replaced_bytes is not None else 0.0
 
     def forward_cost(self, i: int, j: int) -> float:
         return self.forward_s[self.src_class[i]][self.dst_class[j]] if self.forward_s is not None else 0.0
@@ -511,6 +518,12 @@ def build_problem(
                                    * (1 / arc.dst[j].shard_factor(mesh.shape) - (0 if arc.persistent else 1 / arc.src[i].shard_factor(mesh.shape))))
                        for arc, m in items if arc.kept and arc.src[i] != arc.dst[j])
 
+        def replaced(i: int, j: int) -> float:
+            """The part of the consumer's resharded copy `saved` leaves out: the producer's shard, when smaller."""
+            return sum(m * math.prod(arc.shape) * arc.itemsize
+                       * min(1 / arc.dst[j].shard_factor(mesh.shape), 1 / arc.src[i].shard_factor(mesh.shape))
+                       for arc, m in items if arc.kept and not arc.persistent and arc.src[i] != arc.dst[j])
+
         def zero_saving(i: int, j: int) -> float:
             """The bucketed all-reduce the consumer pays for the parameter's gradient over its ZeRO axes, which
             the ZeRO reduce-scatter takes over: only when the consumer is split on all of them."""
@@ -540,9 +553,11 @@ def build_problem(
         forward = tuple(tuple(price(i, j, False) for j in first_dst) for i in first_src)
         kept = tuple(tuple(saved(i, j) for j in first_dst) for i in first_src)
         zero = tuple(tuple(zero_saving(i, j) for j in first_dst) for i in first_src)
+        held = tuple(tuple(replaced(i, j) for j in first_dst) for i in first_src)
         edges.append(Edge(a_cls, b_cls, tuple(src_ids), tuple(dst_ids), cost, forward,
                           kept if any(b for row in kept for b in row) else None,
-                          zero if any(t for row in zero for t in row) else None))
+                          zero if any(t for row in zero for t in row) else None,
+                          held if any(b for row in held for b in row) else None))
     nodes = []
     for cls, members in enumerate(grouping.classes):
         leader = pricer.nodes[clusters[members[0]].leader]

@@ -35,7 +35,7 @@ def planned():
     model = zoo.GPT(zoo.GPTConfig(n_layer=2, n_head=8, n_embd=256, vocab_size=512, block_size=64)).train()
     sample = {"input_ids": torch.randint(0, 512, (64, 64)), "labels": torch.randint(0, 512, (64, 64))}
     traced = trace(meta_copy(model), meta_sample(sample))
-    plan = solve(traced, profile(traced), make_mesh(64, MESH, "h100"), memory_budget_bytes=3.3e6)
+    plan = solve(traced, profile(traced), make_mesh(64, MESH, "h100"), memory_budget_bytes=4e6)
     return model, sample, traced, plan
 
 

@@ -336,6 +336,23 @@ def test_a_recomputed_consumer_saves_its_resharded_input_again_while_its_layer_i
     assert sol.time.total_s == pytest.approx(7e-3)
 
 
+def test_a_kept_resharded_copy_of_a_recomputed_output_is_held_whole():
+    """b (a view the solver never recomputes) keeps a resharded copy of a's output: 8 MB, as large as a's own
+    shard, so `saved_bytes` adds nothing and counts the copy as a's saved output. Recomputing a frees that
+    output, not the copy: 8 MB stay, so a 5 MB budget fits nothing (the least is 8 MB, not 0)."""
+    a = Node("a", (Option("a", compute_s=1e-3, recompute_s=1e-3, saved_bytes=10 * MB),), recomputable=True)
+    b = Node("b", (Option("b"),))
+    edge = Edge(0, 1, (0,), (0,), ((1e-3,),), replaced_bytes=((8 * MB,),))
+    problem = Problem((a, b), (edge,), 5 * MB)
+    assert evaluate(problem, Assignment.of([0, 0], recompute=[0]))[0].activations_bytes == 8 * MB
+    assert evaluate(problem, Assignment.of([0, 0]))[0].activations_bytes == 10 * MB
+    with pytest.raises(InfeasibleError) as err:
+        solve_problem(problem)
+    assert err.value.min_memory_bytes == pytest.approx(8 * MB)
+    sol = solve_problem(dataclasses.replace(problem, budget_bytes=9 * MB))
+    assert sol.assignment.recompute == (True, False) and sol.memory.activations_bytes == 8 * MB
+
+
 def test_a_recomputed_node_pays_its_input_reshards_forward_again():
     """b's input reshard (2 ms: 1 ms forward, 1 ms backward) sits in b's checkpoint region: recomputing b
     (the only way to fit) runs its forward again, 0.5 + 1 ms of recompute by hand."""
