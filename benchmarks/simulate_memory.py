@@ -66,7 +66,7 @@ class _FakeStorageTracker(LiveStorageTracker):
     def __init__(self, already_live) -> None:
         self.phase, self.op = "forward", ""
         self.made: dict[int, Live] = {}
-        self.at_peak: list[int] = []
+        self.at_peak: list[Live] = []
         super().__init__(already_live)
 
     def _track(self, t: torch.Tensor, finalize: bool = True) -> None:
@@ -84,8 +84,10 @@ class _FakeStorageTracker(LiveStorageTracker):
         self.op = str(func)
         before = self.peak_bytes
         out = super().__torch_dispatch__(func, types, args, kwargs)
-        if self.peak_bytes > before:
-            self.at_peak = [k for k in self._live if k in self.made]
+        # only while the peak's tensors are all alive: an op that decomposes reaches its peak in an inner op,
+        # whose scratch is gone when the outer op returns
+        if self.peak_bytes > before and self.current_bytes == self.peak_bytes:
+            self.at_peak = [self.made[k] for k in self._live if k in self.made]  # records now: addresses get reused
         return out
 
 
@@ -128,7 +130,7 @@ def simulate_step(model: torch.nn.Module, sample, plan: Plan, rank: int = 0, opt
                 tracker.phase = "optimizer"
                 opt.step()
                 opt.zero_grad(set_to_none=True)
-        at_peak = sorted((tracker.made[k] for k in tracker.at_peak), key=lambda live: -live.nbytes)
+        at_peak = sorted(tracker.at_peak, key=lambda live: -live.nbytes)
         return Simulated(tracker.peak_bytes, static, saved, tuple(at_peak))
     finally:
         dist.destroy_process_group()
