@@ -150,8 +150,10 @@ def test_zero_and_recompute_memory_is_real():
     # tensors under torch's fake process group: it reproduces the measured peak (grads set to None between
     # steps, as vs_baselines trains)
     for name, plan in plans.items():
-        simulated = simulate_step(model, sample, plan, rank=0).peak_bytes
-        measured = results[0][name]["peak_grads_to_none"]
+        sim = simulate_step(model, sample, plan, rank=0)
+        simulated, measured = sim.peak_bytes, results[0][name]["peak_grads_to_none"]
+        # what it lists as live at the peak is all of the peak: the state between steps and what the step made
+        assert sim.static_bytes + sum(live.nbytes for live in sim.at_peak) == simulated, name
         log.warning("rank 0 %-18s simulated peak %.2f MB, measured %.2f MB", name, simulated / 2**20, measured / 2**20)
         assert abs(simulated - measured) <= 0.02 * measured, (name, simulated, measured)
 
