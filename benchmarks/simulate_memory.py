@@ -21,7 +21,6 @@ import copy
 import json
 import sys
 import traceback
-import weakref
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -69,16 +68,16 @@ class _FakeStorageTracker(LiveStorageTracker):
         self.at_peak: list[Live] = []
         super().__init__(already_live)
 
+    @staticmethod
+    def _key(st: torch.UntypedStorage) -> int:
+        return st._cdata
+
     def _track(self, t: torch.Tensor, finalize: bool = True) -> None:
-        st = t.untyped_storage()
-        key = st._cdata
-        if key in self._live:
-            return
-        self._live[key] = st.nbytes()
-        self.current_bytes += st.nbytes()
-        if finalize:
-            self.made[key] = Live(st.nbytes(), self.phase, self.op, tuple(t.shape), _generated_line())
-            weakref.finalize(st, self._free, key)
+        key = self._key(t.untyped_storage())
+        new = key not in self._live
+        super()._track(t, finalize)
+        if new and finalize:
+            self.made[key] = Live(self._live[key], self.phase, self.op, tuple(t.shape), _generated_line())
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         self.op = str(func)

@@ -56,9 +56,13 @@ class LiveStorageTracker(TorchDispatchMode):
             self._track(t, finalize=False)  # kept alive by the caller for the whole measurement
         self.peak_bytes = self.current_bytes
 
+    @staticmethod
+    def _key(st: torch.UntypedStorage) -> int:
+        return st.data_ptr() if st.device.type == "meta" else st._cdata
+
     def _track(self, t: torch.Tensor, finalize: bool = True) -> None:
         st = t.untyped_storage()
-        key = st.data_ptr() if st.device.type == "meta" else st._cdata
+        key = self._key(st)
         if key in self._live:
             return
         self._live[key] = st.nbytes()

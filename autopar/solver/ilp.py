@@ -151,21 +151,21 @@ def evaluate(problem: Problem, a: Assignment) -> tuple[MemoryBreakdown, TimeBrea
         else:
             act += o.saved_bytes
         temp = max(temp, o.temp_bytes)
-    for e in problem.edges:  # a recomputed consumer saves its resharded input again while its layer is rebuilt
-        node = problem.nodes[e.dst]
-        if a.recompute[e.dst] and node.region is not None and e.saved(a.choice[e.src], a.choice[e.dst]) > 0:
-            rebuilt[node.region] = rebuilt.get(node.region, 0.0) + e.saved(a.choice[e.src], a.choice[e.dst]) / node.copies
-    temp = max(temp, *(b + regathered.get(r, 0.0) + flow.get(r, 0.0) for r, b in rebuilt.items())) if rebuilt else temp
     for e in problem.edges:
-        comm_s += e.cost(a.choice[e.src], a.choice[e.dst])
+        i, j, dst = a.choice[e.src], a.choice[e.dst], problem.nodes[e.dst]
+        comm_s += e.cost(i, j)
         if a.recompute[e.dst]:
-            recompute_s += e.forward_cost(a.choice[e.src], a.choice[e.dst])
-        else:  # a recomputed consumer reshards again in its region: nothing resharded is saved
-            act += e.saved(a.choice[e.src], a.choice[e.dst])
+            recompute_s += e.forward_cost(i, j)
+            # its region reshards again, so nothing resharded is kept through the step, but the rebuild saves it
+            if dst.region is not None and e.saved(i, j) > 0:
+                rebuilt[dst.region] = rebuilt.get(dst.region, 0.0) + e.saved(i, j) / dst.copies
+        else:
+            act += e.saved(i, j)
             if a.recompute[e.src]:  # the producer's output, which `saved` counts as the producer's, is not kept
-                act += e.replaced(a.choice[e.src], a.choice[e.dst])
+                act += e.replaced(i, j)
         if a.zero[e.src]:  # the ZeRO reduce-scatter takes over the consumer's bucketed all-reduce
-            comm_s -= e.zero_saving(a.choice[e.src], a.choice[e.dst])
+            comm_s -= e.zero_saving(i, j)
+    temp = max(temp, *(b + regathered.get(r, 0.0) + flow.get(r, 0.0) for r, b in rebuilt.items())) if rebuilt else temp
     used = frozenset().union(*(node.options[c].sync_groups for node, c in zip(problem.nodes, a.choice)))
     comm_s += sum(latency_s for g, latency_s in problem.sync_latency_s if g in used)
     return (
@@ -189,6 +189,12 @@ def widest_nodes(problem: Problem) -> dict[str, int]:
 def _node_vars(table: Mapping[tuple[int, int], pulp.LpVariable], v: int) -> list[pulp.LpVariable]:
     """Node v's group binaries in a (node, option) -> variable table (`_Model.y` or `_Model.z`), each once."""
     return list({var: None for (m, _), var in table.items() if m == v})
+
+
+def _pair_terms(ev: list[list[pulp.LpVariable]], table: tuple[tuple[float, ...], ...], unit: float
+                ) -> list[tuple[pulp.LpVariable, float]]:
+    """An edge's per-class-pair amounts (`Edge.saved_bytes`, `forward_s`...) on its e[a][b], in ILP units; zeros left out."""
+    return [(ev[a][b], c * unit) for a, row in enumerate(table) for b, c in enumerate(row) if c > 0]
 
 
 def _affine(terms: list[tuple[pulp.LpVariable, float]]) -> pulp.LpAffineExpression:
@@ -306,7 +312,7 @@ class _Model:
             recomputed = self._recomputed(e.dst)
             if e.forward_s is None or not recomputed:
                 continue
-            terms = [(ev[a][b], f * _MS) for a, row in enumerate(e.forward_s) for b, f in enumerate(row) if f > 0]
+            terms = _pair_terms(ev, e.forward_s, _MS)
             if not terms:
                 continue
             # one variable per edge (big-M on the recompute flag), not one per class pair: ILP size
@@ -321,7 +327,7 @@ class _Model:
             e = self.problem.edges[k]
             if e.saved_bytes is None:
                 continue
-            terms = [(ev[a][b], s / _GIB) for a, row in enumerate(e.saved_bytes) for b, s in enumerate(row) if s > 0]
+            terms = _pair_terms(ev, e.saved_bytes, 1 / _GIB)
             recomputed = self._recomputed(e.dst)
             if not recomputed:
                 self.memory_terms.extend(terms)
@@ -339,7 +345,7 @@ class _Model:
             src_y = self._recomputed(e.src)
             if e.replaced_bytes is None or not src_y:
                 continue
-            terms = [(ev[a][b], r / _GIB) for a, row in enumerate(e.replaced_bytes) for b, r in enumerate(row) if r > 0]
+            terms = _pair_terms(ev, e.replaced_bytes, 1 / _GIB)
             big_m = max(c for _, c in terms)
             w = pulp.LpVariable(f"r_{k}", lowBound=0)
             off = big_m * (1 - pulp.lpSum(src_y)) + big_m * pulp.lpSum(self._recomputed(e.dst))
@@ -374,7 +380,7 @@ class _Model:
             zs = _node_vars(self.z, e.src) if e.zero_saving_s is not None else []
             if not zs:
                 continue
-            terms = [(ev[a][b], t * _MS) for a, row in enumerate(e.zero_saving_s) for b, t in enumerate(row) if t > 0]
+            terms = _pair_terms(ev, e.zero_saving_s, _MS)
             saving = pulp.LpVariable(f"zs_{k}", lowBound=0)
             self.prob += saving <= pulp.LpAffineExpression(terms), f"zero_saving_{k}"
             self.prob += saving <= max(c for _, c in terms) * pulp.lpSum(zs), f"zero_saving_gate_{k}"
