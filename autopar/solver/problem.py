@@ -124,17 +124,21 @@ class Edge:
     def cost(self, i: int, j: int) -> float:
         return self.cost_s[self.src_class[i]][self.dst_class[j]]
 
+    def _at(self, table: tuple[tuple[float, ...], ...] | None, i: int, j: int) -> float:
+        """An optional per-class-pair table's entry for src option i and dst option j (None: 0)."""
+        return table[self.src_class[i]][self.dst_class[j]] if table is not None else 0.0
+
     def saved(self, i: int, j: int) -> float:
-        return self.saved_bytes[self.src_class[i]][self.dst_class[j]] if self.saved_bytes is not None else 0.0
+        return self._at(self.saved_bytes, i, j)
 
     def replaced(self, i: int, j: int) -> float:
-        return self.replaced_bytes[self.src_class[i]][self.dst_class[j]] if self.replaced_bytes is not None else 0.0
+        return self._at(self.replaced_bytes, i, j)
 
     def forward_cost(self, i: int, j: int) -> float:
-        return self.forward_s[self.src_class[i]][self.dst_class[j]] if self.forward_s is not None else 0.0
+        return self._at(self.forward_s, i, j)
 
     def zero_saving(self, i: int, j: int) -> float:
-        return self.zero_saving_s[self.src_class[i]][self.dst_class[j]] if self.zero_saving_s is not None else 0.0
+        return self._at(self.zero_saving_s, i, j)
 
 
 @dataclass(frozen=True)
