@@ -35,7 +35,7 @@ if sys.path and Path(sys.path[0]).resolve() == ROOT / "benchmarks":
     sys.path[0] = str(ROOT)  # run as a script: import `benchmarks._common` the way the package does
 
 from autopar.api import parallelize  # noqa: E402
-from autopar.profiler.measure import LiveStorageTracker, make_optimizer  # noqa: E402
+from autopar.profiler.measure import FakeStorageTracker, make_optimizer  # noqa: E402
 from autopar.solver.plan import Plan  # noqa: E402
 from autopar.solver.plan_io import plan_from_json  # noqa: E402
 from autopar.tracer import split_sample_input  # noqa: E402
@@ -58,19 +58,14 @@ class Simulated:
     at_peak: tuple[Live, ...]  # made during the step and alive at the peak, largest first
 
 
-class _FakeStorageTracker(LiveStorageTracker):
-    """Live storages of fake tensors, keyed by their StorageImpl (a fake storage has no data pointer), and
-    where each was made."""
+class _FakeStorageTracker(FakeStorageTracker):
+    """Live storages of fake tensors, and where each was made."""
 
     def __init__(self, already_live) -> None:
         self.phase, self.op = "forward", ""
         self.made: dict[int, Live] = {}
         self.at_peak: list[Live] = []
         super().__init__(already_live)
-
-    @staticmethod
-    def _key(st: torch.UntypedStorage) -> int:
-        return st._cdata
 
     def _track(self, t: torch.Tensor, finalize: bool = True) -> None:
         key = self._key(t.untyped_storage())

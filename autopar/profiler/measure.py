@@ -82,6 +82,15 @@ class LiveStorageTracker(TorchDispatchMode):
         return out
 
 
+class FakeStorageTracker(LiveStorageTracker):
+    """`LiveStorageTracker` for fake (`FakeTensorMode`) or meta tensors, keyed by their StorageImpl: such a
+    storage has no data pointer of its own. Runs a step or a collective for one rank without memory."""
+
+    @staticmethod
+    def _key(st: torch.UntypedStorage) -> int:
+        return st._cdata
+
+
 def make_optimizer(model: nn.Module, optimizer: str) -> torch.optim.Optimizer:
     """The torch.optim optimizer the profiler's `optimizer` names (CPU defaults: single-tensor path)."""
     key = optimizer.lower()

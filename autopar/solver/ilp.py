@@ -38,6 +38,8 @@ Constraint families (each PuLP constraint is named after its family):
                       without recompute variables for dst the terms enter the memory row directly)
   temp_{v}            T >= sum_s temp[v,s] x[v,s]                    (`_add_temp`)
   gather_{v}          T >= sum_g gathered[v,g] z[v,g]
+  reshard_buffers_{k} T >= sum_{a,b} buffers[k,a,b] e[k,a,b]        (a reshard's buffers, `Edge.buffer_bytes`;
+                      left out where no option pair exceeds the least temp some node must have)
   rebuild_{r}         T >= sum_{v in layer r, g} saved[v,g] / copies[v] y[v,g]   (backward rebuilds a
                       recomputed layer's activations together; a tied class counts one layer's share)
                       + sum_{p in layer r, g} gathered[p,g] q[p,g]: the layer's ZeRO parameters, gathered
@@ -47,9 +49,13 @@ Constraint families (each PuLP constraint is named after its family):
                       backward carries through the rebuilt layer, on the y of the node that makes it (a
                       row per node for the max over them doubled memory-bound solve times)
                       + sum_{k into layer r, a,b} kept[k,a,b] / copies[dst] f[k,a,b]: the resharded inputs
-                      recomputed consumers save again while rebuilt, f = e * "dst recomputed" as
-  rebuilt_reshard_{k}_{a}_{b}  f[k,a,b] <= e[k,a,b]  (pairs that save; `_rebuilt_reshards`)
-  rebuilt_reshard_{k}_rest     f[k] <= sum of the pairs that save nothing
+                      recomputed consumers save again while rebuilt
+  rebuild_reshards_{r} T >= the same without the flow, + B_r: the largest reshard the recompute runs again,
+                      beyond the copy it saves (its buffers and the gradient through the layer are not alive at
+                      once: one is in the rebuild's forward, the other in its backward), where
+  rebuild_buffers_{r}_{j}  B_r >= sum_{a,b} (buffers - kept)[k,a,b] f[k,a,b]   (per edge k into layer r)
+                      with f = e * "dst recomputed" as
+  rebuilt_reshard_{k}_{g}  f[k,g] <= sum of e[k,a,b] over the pairs g of equal (kept, buffers) (`_rebuilt_reshards`)
   rebuilt_reshard_{k}  sum of f[k,..] = sum_g y[dst,g]   (exact at integral points, no big-M)
   memory              sum_{v,s} static[v,s] x - sum_g (1 - 1/f[v,g]) static[v,g] z
                       + saved[v,s] x - sum_g (saved[v,g] - held[v,g]) y + sum_k (s[k] + r[k]) + T <= budget
@@ -115,7 +121,10 @@ def evaluate(problem: Problem, a: Assignment) -> tuple[MemoryBreakdown, TimeBrea
     """Price an assignment with the same model the ILP optimises (independent of PuLP)."""
     compute_s = comm_s = recompute_s = 0.0
     params = grads = opt = act = temp = 0.0
-    rebuilt: dict[str, float] = {}  # layer -> its recomputed activations, alive together while backward rebuilds it
+    # backward rebuilds a recomputed layer in graph order: per recomputed node what it rebuilds (its saved bytes, the
+    # resharded inputs it saves again) and the largest buffers of a reshard of its inputs run again before it
+    rebuilds: dict[int, float] = {}
+    reshards: dict[int, float] = {}
     regathered: dict[str, float] = {}  # layer -> its ZeRO parameters' gathered bytes (saved by the rebuild)
     flow: dict[str, float] = {}  # layer -> the gradient backward carries through it (its widest node's)
     widest = widest_nodes(problem)
@@ -146,26 +155,36 @@ def evaluate(problem: Problem, a: Assignment) -> tuple[MemoryBreakdown, TimeBrea
             act += o.held_input_bytes  # its region's inputs from other layers
             if v in kept:
                 act += o.saved_bytes
-            elif node.region is not None:
-                rebuilt[node.region] = rebuilt.get(node.region, 0.0) + o.saved_bytes / node.copies
+            if node.region is not None:
+                rebuilds[v] = 0.0 if v in kept else o.saved_bytes / node.copies
         else:
             act += o.saved_bytes
         temp = max(temp, o.temp_bytes)
     for e in problem.edges:
         i, j, dst = a.choice[e.src], a.choice[e.dst], problem.nodes[e.dst]
         comm_s += e.cost(i, j)
+        temp = max(temp, e.buffers(i, j))
         if a.recompute[e.dst]:
             recompute_s += e.forward_cost(i, j)
             # its region reshards again, so nothing resharded is kept through the step, but the rebuild saves it
-            if dst.region is not None and e.saved(i, j) > 0:
-                rebuilt[dst.region] = rebuilt.get(dst.region, 0.0) + e.saved(i, j) / dst.copies
+            if dst.region is not None:
+                rebuilds[e.dst] += e.saved(i, j) / dst.copies
+                reshards[e.dst] = max(reshards.get(e.dst, 0.0), e.buffers(i, j))
         else:
             act += e.saved(i, j)
             if a.recompute[e.src]:  # the producer's output, which `saved` counts as the producer's, is not kept
                 act += e.replaced(i, j)
         if a.zero[e.src]:  # the ZeRO reduce-scatter takes over the consumer's bucketed all-reduce
             comm_s -= e.zero_saving(i, j)
-    temp = max(temp, *(b + regathered.get(r, 0.0) + flow.get(r, 0.0) for r, b in rebuilt.items())) if rebuilt else temp
+    # a rebuilt layer holds its re-gathered ZeRO parameters and what it rebuilt so far, beside a reshard's buffers
+    # while its recompute runs one, and beside the gradient of its widest node while backward runs through it
+    held: dict[str, float] = {}
+    for v in sorted(rebuilds):
+        region = problem.nodes[v].region
+        held.setdefault(region, regathered.get(region, 0.0))
+        temp = max(temp, held[region] + reshards.get(v, 0.0))
+        held[region] += rebuilds[v]
+    temp = max([temp] + [b + flow.get(r, 0.0) for r, b in held.items()])
     used = frozenset().union(*(node.options[c].sync_groups for node, c in zip(problem.nodes, a.choice)))
     comm_s += sum(latency_s for g, latency_s in problem.sync_latency_s if g in used)
     return (
@@ -251,8 +270,8 @@ class _Model:
         self.e: dict[int, list[list[pulp.LpVariable]]] = {}  # edge index -> e[k][a][b]
         for k, e in enumerate(self.problem.edges):
             if not any(c for row in e.cost_s for c in row) and e.saved_bytes is None and e.zero_saving_s is None \
-                    and e.replaced_bytes is None:
-                continue  # free in every combination, saves nothing, no ZeRO saving: no variables needed
+                    and e.replaced_bytes is None and e.buffer_bytes is None:
+                continue  # free in every combination, saves and holds nothing, no ZeRO saving: no variables needed
             rows, cols = len(e.cost_s), len(e.cost_s[0])
             ev = [[pulp.LpVariable(f"e_{k}_{a}_{b}", lowBound=0, upBound=1) for b in range(cols)] for a in range(rows)]
             self.e[k] = ev
@@ -404,61 +423,95 @@ class _Model:
                 self.prob += self.temp >= pulp.LpAffineExpression(terms), f"temp_{v}"
         for v, terms in self.gathered.items():  # at most one of a node's z is 1: one row per node
             self.prob += self.temp >= pulp.LpAffineExpression(terms), f"gather_{v}"
-        # a recomputed layer's activations are rebuilt together in backward (one row per layer; see `evaluate`),
-        # and its ZeRO parameters, gathered again by the rebuild, are saved by it: alive alongside
-        rebuilt: dict[str, dict[pulp.LpVariable, float]] = {}  # layer -> y -> rebuilt GiB per layer
+        # a reshard's buffers (`Edge.buffer_bytes`); rows that no plan's T can bind (each node's least temp) left out
+        floor = max((min(o.temp_bytes for o in node.options) for node in self.problem.nodes), default=0.0) / _GIB
+        for k, ev in self.e.items():
+            e = self.problem.edges[k]
+            terms = _pair_terms(ev, e.buffer_bytes, 1 / _GIB) if e.buffer_bytes is not None else []
+            if terms and max(c for _, c in terms) > floor:
+                self.prob += self.temp >= pulp.LpAffineExpression(terms), f"reshard_buffers_{k}"
+        self._add_rebuilds()
+
+    def _add_rebuilds(self) -> None:
+        """What backward holds while it rebuilds a recomputed layer (see `evaluate`), as a chain over the layer's
+        nodes in graph order: C_v >= C_(v before) + what v rebuilds (its saved bytes, the resharded inputs it saves
+        again). The chain starts at the layer's ZeRO parameters, gathered again by the rebuild and saved by it.
+        A reshard the recompute runs for v holds its buffers beside C_(before v); backward through the rebuilt
+        layer holds the gradient of its widest node beside all of it (C_last). A row per reshard with the whole
+        prefix in it would be long; the chain keeps every row short."""
+        layers: dict[str, list[int]] = {}  # layer -> its nodes with recompute variables, in graph order
+        for v in sorted({v for v, _ in self.y}):
+            if self.problem.nodes[v].region is not None:
+                layers.setdefault(self.problem.nodes[v].region, []).append(v)
         widest = widest_nodes(self.problem)
-        for (v, s), y in self.y.items():  # the options of one y's group save (and pass on) the same bytes
-            node, o = self.problem.nodes[v], self.problem.nodes[v].options[s]
-            if node.region is not None:
-                flow = o.grad_flow_bytes if widest.get(node.region) == v else 0.0  # the gradient through the layer
-                rebuilt.setdefault(node.region, {})[y] = (o.saved_bytes / node.copies + flow) / _GIB
-        reshards = self._rebuilt_reshards()
+        saves, holds = self._rebuilt_reshards()
         gathered: dict[str, list[tuple[pulp.LpVariable, float]]] = {}  # layer -> its parameters' (z, gathered GiB)
         for v, zs in self.gathered.items():
             gathered.setdefault(self.problem.nodes[v].region, []).extend(zs)
-        for r, (region, terms) in enumerate(rebuilt.items()):
-            # "layer r rebuilt" and what it holds besides, linearised from below (the memory row pushes them down)
+        for r, (region, nodes) in enumerate(layers.items()):
+            ys = {v: {self.y[v, s]: o for s, o in enumerate(self.problem.nodes[v].options) if (v, s) in self.y} for v in nodes}
+            # "layer r rebuilt", linearised from below (the memory row pushes it down)
             any_y = pulp.LpVariable(f"rebuilt_{r}", lowBound=0, upBound=1)
-            for j, y in enumerate(terms):
+            for j, y in enumerate(y for v in nodes for y in ys[v]):
                 self.prob += any_y >= y, f"rebuilt_{r}_{j}"
-            row = list(terms.items()) + reshards.get(region, [])
-            for j, (z, b) in enumerate(gathered.get(region, ())):  # the layer's ZeRO parameters, gathered again and saved by it
+            before: list[tuple[pulp.LpVariable, float]] = []  # what the rebuild holds so far
+            for j, (z, b) in enumerate(gathered.get(region, ())):  # q = z AND "layer r rebuilt"
                 both = pulp.LpVariable(f"regather_{r}_{j}", lowBound=0)
                 self.prob += both >= z + any_y - 1, f"regather_{r}_{j}"
-                row.append((both, b))
-            self.prob += self.temp >= pulp.LpAffineExpression(row), f"rebuild_{r}"
+                before.append((both, b))
+            flow: list[tuple[pulp.LpVariable, float]] = []
+            for v in nodes:
+                node = self.problem.nodes[v]
+                for j, edge_terms in enumerate(holds.get(v, ())):  # the recompute reshards v's input
+                    self.prob += self.temp >= _affine(before + edge_terms), f"rebuild_reshard_{r}_{v}_{j}"
+                made = [(y, o.saved_bytes / node.copies / _GIB) for y, o in ys[v].items() if o.saved_bytes > 0]
+                made += saves.get(v, [])
+                if widest.get(region) == v:  # the gradient through the layer, on the y of the node that makes it
+                    flow = [(y, o.grad_flow_bytes / _GIB) for y, o in ys[v].items() if o.grad_flow_bytes > 0]
+                if made:
+                    c = pulp.LpVariable(f"rebuilt_{r}_upto_{v}", lowBound=0)
+                    self.prob += c >= _affine(before + made), f"rebuilt_{r}_upto_{v}"
+                    before = [(c, 1.0)]
+            self.prob += self.temp >= _affine(before + flow), f"rebuild_{r}"
 
-    def _rebuilt_reshards(self) -> dict[str, list[tuple[pulp.LpVariable, float]]]:
-        """Per layer, the resharded inputs (an all-gathered activation or weight) its recomputed consumers save
-        again while backward rebuilds it: codegen reshards inside the checkpoint region, so nothing resharded is
-        kept through the step (`_add_saved_reshards`), but the rebuild makes each copy again and saves it.
+    def _rebuilt_reshards(self) -> tuple[dict[int, list[tuple[pulp.LpVariable, float]]],
+                                         dict[int, list[list[tuple[pulp.LpVariable, float]]]]]:
+        """Per recomputed consumer v, (1) the resharded inputs (an all-gathered activation or weight) it saves
+        again while backward rebuilds its layer: codegen reshards inside the checkpoint region, so nothing
+        resharded is kept through the step (`_add_saved_reshards`), but the rebuild makes each copy again and
+        saves it; and (2) per edge into v, the buffers of the reshard the rebuild runs again (`Edge.buffer_bytes`).
 
-        The term is e[k,a,b] * "dst recomputed", linearised without a big-M: one f <= e per class pair that saves,
-        and f's with one `rest` (<= the pairs that save nothing) summing to dst's recompute flag. Equal to the
-        product at integral points; a big-M row per edge instead stalled an 8x8 solve past 30 s."""
-        out: dict[str, list[tuple[pulp.LpVariable, float]]] = {}
+        The term is e[k,a,b] * "dst recomputed", linearised without a big-M: per distinct amount one f <= the sum
+        of the e of the pairs with that amount, the f's summing to dst's recompute flag. Equal to the product at
+        integral points; a big-M row per edge instead stalled an 8x8 solve past 30 s."""
+        saves: dict[int, list[tuple[pulp.LpVariable, float]]] = {}
+        holds: dict[int, list[list[tuple[pulp.LpVariable, float]]]] = {}
         for k, ev in self.e.items():
             e, node = self.problem.edges[k], self.problem.nodes[self.problem.edges[k].dst]
             recomputed = self._recomputed(e.dst)
-            if e.saved_bytes is None or not recomputed or node.region is None:
+            if (e.saved_bytes is None and e.buffer_bytes is None) or not recomputed or node.region is None:
                 continue
-            fs, rest = [], []
-            for a, row in enumerate(e.saved_bytes):
-                for b, saved in enumerate(row):
-                    if saved <= 0:
-                        rest.append(ev[a][b])
-                        continue
-                    f = pulp.LpVariable(f"rebuilt_reshard_{k}_{a}_{b}", lowBound=0)
-                    self.prob += f <= ev[a][b], f"rebuilt_reshard_{k}_{a}_{b}"
-                    fs.append(f)
-                    out.setdefault(node.region, []).append((f, saved / node.copies / _GIB))
-            if rest:
-                f = pulp.LpVariable(f"rebuilt_reshard_{k}_rest", lowBound=0)
-                self.prob += f <= pulp.lpSum(rest), f"rebuilt_reshard_{k}_rest"
+            # one f per distinct (saved, buffers) amount, on the sum of the pairs that have it: the same polytope
+            # projected, with far fewer variables than one per pair (most pairs share a few amounts)
+            pairs: dict[tuple[float, float], list[pulp.LpVariable]] = {}
+            for a, row in enumerate(ev):
+                for b, var in enumerate(row):
+                    saved = e.saved_bytes[a][b] if e.saved_bytes is not None else 0.0
+                    buffers = e.buffer_bytes[a][b] if e.buffer_bytes is not None else 0.0
+                    pairs.setdefault((saved, buffers), []).append(var)
+            fs, held = [], []
+            for g, ((saved, buffers), members) in enumerate(pairs.items()):
+                f = pulp.LpVariable(f"rebuilt_reshard_{k}_{g}", lowBound=0)
+                self.prob += f <= pulp.lpSum(members), f"rebuilt_reshard_{k}_{g}"
                 fs.append(f)
+                if saved > 0:
+                    saves.setdefault(e.dst, []).append((f, saved / node.copies / _GIB))
+                if buffers > 0:
+                    held.append((f, buffers / _GIB))
             self.prob += pulp.lpSum(fs) == pulp.lpSum(recomputed), f"rebuilt_reshard_{k}"
-        return out
+            if held:
+                holds.setdefault(e.dst, []).append(held)
+        return saves, holds
 
     def add_memory_limit(self) -> None:
         """The budget row (kept out of the model until the unconstrained optimum is known not to fit)."""

@@ -26,7 +26,7 @@ from autopar.solver.cost import (bucketed_all_reduce_s, collective_time_s, grad_
                                  split_axes, split_factor, strategy_cost, sync_latency_s)
 from autopar.gc_pause import gc_paused
 from autopar.solver.mesh import Mesh
-from autopar.solver.reshard import reshard_cost
+from autopar.solver.reshard import reshard_buffer_bytes, reshard_cost
 from autopar.solver.spec import Replicate, Shard, Spec, Strategy
 from autopar.solver.strategies import strategy_inputs
 from autopar.solver.strategies.localize import in_node_collectives
@@ -114,6 +114,9 @@ class Edge:
     # when the producer is recomputed its output is not kept, so a consumer that keeps the copy holds these
     # bytes too. None: none.
     replaced_bytes: tuple[tuple[float, ...], ...] | None = None
+    # The most bytes the reshard's buffers hold at once, forward or backward (`reshard.reshard_buffer_bytes`;
+    # the largest over the pair's tensors, which reshard one after another): a transient. None: none.
+    buffer_bytes: tuple[tuple[float, ...], ...] | None = None
 
     @staticmethod
     def dense(src: int, dst: int, cost_s: list[list[float]] | tuple[tuple[float, ...], ...]) -> "Edge":
@@ -133,6 +136,9 @@ class Edge:
 
     def replaced(self, i: int, j: int) -> float:
         return self._at(self.replaced_bytes, i, j)
+
+    def buffers(self, i: int, j: int) -> float:
+        return self._at(self.buffer_bytes, i, j)
 
     def forward_cost(self, i: int, j: int) -> float:
         return self._at(self.forward_s, i, j)
@@ -528,6 +534,11 @@ def build_problem(
                        * min(1 / arc.dst[j].shard_factor(mesh.shape), 1 / arc.src[i].shard_factor(mesh.shape))
                        for arc, m in items if arc.kept and not arc.persistent and arc.src[i] != arc.dst[j])
 
+        def buffers(i: int, j: int) -> float:
+            """The largest of the pair's reshards' buffers (`reshard_buffer_bytes`): the reshards run one at a time."""
+            return max((reshard_buffer_bytes(arc.src[i], arc.dst[j], arc.shape, arc.itemsize, mesh, arc.floating)
+                        for arc, _ in items if arc.src[i] != arc.dst[j]), default=0.0)
+
         def zero_saving(i: int, j: int) -> float:
             """The bucketed all-reduce the consumer pays for the parameter's gradient over its ZeRO axes, which
             the ZeRO reduce-scatter takes over: only when the consumer is split on all of them."""
@@ -541,7 +552,8 @@ def build_problem(
             return total
 
         if a_cls == b_cls:  # consecutive copies of a tied block: both ends take the same option
-            class_opts[a_cls] = [replace(o, comm_s=o.comm_s + price(i, i), recompute_s=o.recompute_s + price(i, i, False))
+            class_opts[a_cls] = [replace(o, comm_s=o.comm_s + price(i, i), recompute_s=o.recompute_s + price(i, i, False),
+                                         temp_bytes=max(o.temp_bytes, buffers(i, i)))
                                  for i, o in enumerate(class_opts[a_cls])]
             continue
         # options alike on every arc share a class; the ZeRO terms tell apart options with equal specs (a dst
@@ -558,10 +570,12 @@ def build_problem(
         kept = tuple(tuple(saved(i, j) for j in first_dst) for i in first_src)
         zero = tuple(tuple(zero_saving(i, j) for j in first_dst) for i in first_src)
         held = tuple(tuple(replaced(i, j) for j in first_dst) for i in first_src)
+        buffer = tuple(tuple(buffers(i, j) for j in first_dst) for i in first_src)
         edges.append(Edge(a_cls, b_cls, tuple(src_ids), tuple(dst_ids), cost, forward,
                           kept if any(b for row in kept for b in row) else None,
                           zero if any(t for row in zero for t in row) else None,
-                          held if any(b for row in held for b in row) else None))
+                          held if any(b for row in held for b in row) else None,
+                          buffer if any(b for row in buffer for b in row) else None))
     nodes = []
     for cls, members in enumerate(grouping.classes):
         leader = pricer.nodes[clusters[members[0]].leader]

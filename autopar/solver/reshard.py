@@ -38,7 +38,7 @@ from autopar.solver.mesh import Mesh
 from autopar.solver.reshard_types import CollectiveStep
 from autopar.solver.spec import Partial, Replicate, Shard, Spec
 
-__all__ = ["reshard_steps", "reshard_cost", "step_bytes", "step_time_s", "apply_step"]
+__all__ = ["reshard_steps", "reshard_cost", "reshard_buffer_bytes", "step_bytes", "step_time_s", "apply_step"]
 
 _STEP_PENALTY_S = 1e-9  # breaks ties towards fewer steps
 
@@ -205,3 +205,65 @@ def reshard_cost(src: Spec, dst: Spec, shape: tuple[int, ...], itemsize: int, me
     gsrc, gdst = _grad_spec(dst), _grad_spec(src)
     bwd, bsteps = _search(gsrc, gdst, shape, mesh, itemsize)
     return fwd + bwd - _STEP_PENALTY_S * len(bsteps)
+
+
+# ---------------------------------------------------------------- buffers
+# What the runtime allocates for one step (`runtime.collectives` over `runtime.comm`), in a rank's local bytes:
+# every collective moves a flat buffer, and `kernels.layout` copies chunks between the flat buffer and a tensor
+# dim only when a dim of size > 1 precedes it (otherwise it is a view).
+
+def _moves(local_shape: Sequence[int], dim: int) -> bool:
+    """Whether laying chunks along `dim` out of (or into) a flat buffer takes a copy (`kernels.layout`)."""
+    return any(n > 1 for n in local_shape[:dim])
+
+
+def _step_buffers(step: CollectiveStep, shape_in: tuple[int, ...], shape_out: tuple[int, ...], itemsize: int
+                  ) -> tuple[float, float]:
+    """(forward, backward): the most bytes one step allocates at once. Forward: besides its input, its output
+    included; backward: besides the gradient of its output, the gradient of its input included."""
+    b_in, b_out = math.prod(shape_in) * itemsize, math.prod(shape_out) * itemsize
+    kind = step.kind
+    if kind == "all_gather":  # flat gathered buffer, then laid out along src_dim
+        forward = b_out * (2 if _moves(shape_out, step.src_dim) else 1)
+        # backward: this rank's chunk (`all_gather`) or a reduce-scatter of the gradient (`all_gather_rs`,
+        # when the step takes over a gradient all-reduce): the larger of the two
+        return forward, b_in + (b_out if _moves(shape_out, step.src_dim) else 0)
+    if kind == "reduce_scatter":  # chunks to the front, then the flat reduce-scatter; backward all-gathers
+        return ((b_in if _moves(shape_in, step.dst_dim) else 0) + b_out,
+                b_in * (2 if _moves(shape_in, step.dst_dim) else 1))
+    if kind == "all_to_all":  # staging (chunks of dst_dim to the front), received buffer, laid out along src_dim
+        forward = max((b_in if _moves(shape_in, step.dst_dim) else 0) + b_out,
+                      b_out + (b_out if _moves(shape_out, step.src_dim) else 0))
+        backward = max((b_out if _moves(shape_out, step.src_dim) else 0) + b_in,
+                       b_in + (b_in if _moves(shape_in, step.dst_dim) else 0))
+        return forward, backward
+    if kind == "slice":  # a copy of the kept chunk; backward all-gathers the gradient
+        return b_out, b_in * (2 if _moves(shape_in, step.dst_dim) else 1)
+    return b_out, 0.0  # all_reduce, partial: a new tensor forward; the gradient passes through backward
+
+
+@functools.lru_cache(maxsize=65536)
+def reshard_buffer_bytes(src: Spec, dst: Spec, shape: tuple[int, ...], itemsize: int, mesh: Mesh,
+                         with_backward: bool = True) -> float:
+    """The most bytes a rank holds at once while it reshards one tensor src -> dst, forward or backward: each
+    step's buffers (`_step_buffers`) plus the previous step's result, which lives until the step is done.
+    Forward counts its final output and not its input; backward counts the gradient it hands back and not the
+    gradient it starts from. A transient of the consumer the memory model must see: gathering an attention
+    matrix and exchanging it over another axis holds three such matrices at once (bert's tightest plan).
+    `with_backward=False`: forward only (integer tensors get no gradient)."""
+    steps = reshard_steps(src, dst, tuple(shape), mesh, itemsize)
+    spec, shapes = src, [src.local_shape(shape, mesh.shape)]
+    for step in steps:
+        spec = apply_step(spec, step)
+        shapes.append(spec.local_shape(shape, mesh.shape))
+    forward = backward = 0.0
+    for t, step in enumerate(steps):  # the previous step's output is alive while this one runs
+        held = math.prod(shapes[t]) * itemsize if t > 0 else 0
+        forward = max(forward, held + _step_buffers(step, shapes[t], shapes[t + 1], itemsize)[0])
+    held = 0  # the gradient of this step's output: not counted while it is the one backward starts from
+    for t in reversed(range(len(steps) if with_backward else 0)):
+        made = _step_buffers(steps[t], shapes[t], shapes[t + 1], itemsize)[1]
+        backward = max(backward, held + made)
+        if made:  # a new gradient for the step's input (all_reduce and partial pass theirs through)
+            held = math.prod(shapes[t]) * itemsize
+    return float(max(forward, backward))

@@ -353,6 +353,42 @@ def test_a_kept_resharded_copy_of_a_recomputed_output_is_held_whole():
     assert sol.assignment.recompute == (True, False) and sol.memory.activations_bytes == 8 * MB
 
 
+def test_a_reshards_buffers_are_a_transient():
+    """b's first option exchanges a's output over the mesh (all-to-all: 30 MB of buffers held at once), its
+    second needs no reshard but computes 2 ms longer. Static 50 MB + 30 MB of buffers is over a 70 MB budget:
+    the plan is the slower option, and the buffers are the transient of the faster one."""
+    a = Node("a", (Option("a", compute_s=1e-3, param_bytes=50 * MB),))
+    b = Node("b", (Option("exchange", compute_s=1e-3), Option("local", compute_s=3e-3)))
+    edge = Edge(0, 1, (0,), (0, 1), ((0.5e-3, 0.0),), buffer_bytes=((30 * MB, 0.0),))
+    problem = Problem((a, b), (edge,), 70 * MB)
+    assert evaluate(problem, Assignment.of([0, 0]))[0].temp_bytes == 30 * MB
+    assert evaluate(problem, Assignment.of([0, 1]))[0].temp_bytes == 0.0
+    sol = solve_problem(problem)
+    assert sol.assignment.choice == (0, 1) and sol.memory.total_bytes == 50 * MB
+    assert solve_problem(dataclasses.replace(problem, budget_bytes=90 * MB)).assignment.choice == (0, 0)
+
+
+def test_a_rebuilt_layer_holds_the_buffers_of_the_reshards_it_runs_again():
+    """b gathers a's output inside its checkpoint region: 40 MB of buffers, the 10 MB copy b saves among them.
+    Recomputed, backward's rebuild of b's layer runs the gather again before it rebuilds b's own 1 MB: 40 MB
+    over a's 100 MB at most, by hand (without the buffers 11 MB, 111 MB in all, which would fit 135 MB). Kept,
+    b's gather is 151 MB. So under 145 MB the plan is the gather recomputed (6 ms); under 135 MB b's second
+    option (7 ms, 101 MB), which reshards nothing."""
+    a = Node("a", (Option("a", compute_s=1e-3, saved_bytes=100 * MB),))
+    b = Node("b", (Option("gather", compute_s=1e-3, recompute_s=1e-3, saved_bytes=1 * MB),
+                   Option("split", compute_s=6e-3, recompute_s=1e-3, saved_bytes=1 * MB)), recomputable=True, region="h.0")
+    edge = Edge(0, 1, (0,), (0, 1), ((2e-3, 0.0),), ((1e-3, 0.0),), ((10 * MB, 0.0),), buffer_bytes=((40 * MB, 0.0),))
+    problem = Problem((a, b), (edge,), 145 * MB)
+    memory, step = evaluate(problem, Assignment.of([0, 0], recompute=[1]))
+    assert (memory.activations_bytes, memory.temp_bytes, step.total_s) == (100 * MB, 40 * MB, pytest.approx(6e-3))
+    assert evaluate(problem, Assignment.of([0, 0]))[0].total_bytes == 151 * MB  # forward: the buffers alone
+    sol = solve_problem(problem)
+    assert sol.assignment.choice == (0, 0) and sol.assignment.recompute == (False, True)
+    sol = solve_problem(dataclasses.replace(problem, budget_bytes=135 * MB))
+    assert sol.assignment.choice == (0, 1) and sol.memory.total_bytes == 101 * MB
+    assert sol.time.total_s == pytest.approx(7e-3)
+
+
 def test_a_recomputed_node_pays_its_input_reshards_forward_again():
     """b's input reshard (2 ms: 1 ms forward, 1 ms backward) sits in b's checkpoint region: recomputing b
     (the only way to fit) runs its forward again, 0.5 + 1 ms of recompute by hand."""
