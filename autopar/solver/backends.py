@@ -1,12 +1,11 @@
-"""The ILP backends: HiGHS (through highspy, with a MIP start) by default, CBC as the fallback.
+"""The ILP backends: HiGHS (through highspy) by default, CBC as the fallback.
 
-pulp drives both; this module only adds what pulp 3.3 lacks for HiGHS: a warm
-start and a bulk model transfer.
+pulp drives both; this module only adds what pulp 3.3 lacks for HiGHS: a bulk model transfer.
 """
 from __future__ import annotations
 
 import logging
-from typing import Literal, Mapping
+from typing import Literal
 
 import numpy as np
 import pulp
@@ -21,12 +20,8 @@ log = logging.getLogger(__name__)
 Backend = Literal["highs", "cbc"]
 
 
-class HighsWithStart(pulp.HiGHS):
-    """pulp's HiGHS class plus a MIP start (pulp 3.3 ignores warmStart for HiGHS; highspy's setSolution takes one)."""
-
-    def __init__(self, start: Mapping[pulp.LpVariable, float], **options):
-        super().__init__(**options)
-        self.start = start
+class BulkHighs(pulp.HiGHS):
+    """pulp's HiGHS class, handing the model over in bulk."""
 
     def buildSolverModel(self, lp: pulp.LpProblem) -> None:
         """pulp's model transfer in three bulk calls instead of one call per column and row (0.2 s of a 2 s
@@ -59,18 +54,8 @@ class HighsWithStart(pulp.HiGHS):
         h.addRows(len(starts), np.array(row_lower, dtype=np.float64), np.array(row_upper, dtype=np.float64), len(indices),
                   np.array(starts, dtype=np.int32), np.array(indices, dtype=np.int32), np.array(values, dtype=np.float64))
 
-    def callSolver(self, lp: pulp.LpProblem) -> None:
-        if self.start:
-            # integer variables only: HiGHS fixes them and solves an LP for the continuous rest (edges, T)
-            index = np.fromiter((var.index for var in self.start), dtype=np.int32, count=len(self.start))
-            value = np.fromiter(self.start.values(), dtype=np.float64, count=len(self.start))
-            lp.solverModel.setSolution(len(index), index, value)
-        super().callSolver(lp)
 
-
-def make_solver(
-    backend: Backend, time_limit_s: float, presolve: bool, start: Mapping[pulp.LpVariable, float], mip_rel_gap: float
-) -> tuple[pulp.LpSolver, str]:
+def make_solver(backend: Backend, time_limit_s: float, presolve: bool, mip_rel_gap: float) -> tuple[pulp.LpSolver, str]:
     if backend == "highs":
         # One thread: deterministic. Presolve is on only once the memory row is in: without it,
         # presolve removes <1% of rows yet took 60-70% of the solve (GPT-2 small on 2x2: 0.47 ->
@@ -80,7 +65,7 @@ def make_solver(
         # let reduced-cost fixing shrink the model sooner: Llama tiny 2x2 at 2 MB 4.1 -> 3.0 s, GPT-2 small
         # 2x2 at 30% of its need 1.6 -> 1.1 s, other budgets within noise.
         options = {"presolve": "on", "mip_heuristic_effort": 0.3} if presolve else {"presolve": "off"}
-        highs = HighsWithStart(start, msg=False, timeLimit=time_limit_s, threads=1, random_seed=0, gapRel=mip_rel_gap, **options)
+        highs = BulkHighs(msg=False, timeLimit=time_limit_s, threads=1, random_seed=0, gapRel=mip_rel_gap, **options)
         if highspy is not None and highs.available():
             return highs, "highs"
         log.warning("solver: highspy is not importable; falling back to CBC (pip install highspy)")

@@ -68,8 +68,11 @@ Objective (time of one step):
 For the infeasible report the same model minimises the memory expression instead.
 
 Solving (`solve_problem`): first without the memory row, which is fast and is the answer
-whenever it fits; otherwise with it, from a greedy MIP start (`_greedy_fit`) and with
-HiGHS presolve on (see `_solver`).
+whenever it fits; otherwise with it, HiGHS presolve on (see `backends.make_solver`). No MIP
+start: a greedy one (the unconstrained plan with ZeRO and recomputation switched on, cheapest
+per byte first) changed nothing on 26 memory-bound solves of the tiny models and made one
+(hf_llama-tiny on 2x2 at 60% of its need) hit the time limit with a 10% slower plan, against
+27 s to the optimum without it: HiGHS' own heuristics, which a start holds back, found better plans.
 
 Times are entered in milliseconds and bytes in GiB so coefficients stay near 1
 for the solver's tolerances; everything outside this module is seconds/bytes.
@@ -520,16 +523,6 @@ class _Model:
             # the row): ask for 4 KiB less
             self.prob += _affine(self.memory_terms) <= (self.problem.budget_bytes - _MEMORY_SLACK_BYTES) / _GIB, "memory"
 
-    def start(self, a: Assignment) -> dict[pulp.LpVariable, float]:
-        """Values of the integer variables for assignment `a` (a MIP start; the solver derives the rest)."""
-        values: dict[pulp.LpVariable, float] = {}
-        for v, c in enumerate(a.choice):
-            values.update((x, float(s == c)) for s, x in enumerate(self.x[v]))
-        for flags, chosen in ((a.recompute, self.y), (a.zero, self.z)):
-            for (v, s), var in chosen.items():
-                values[var] = max(values.get(var, 0.0), float(flags[v] and s == a.choice[v]))
-        return values
-
     def assignment(self) -> Assignment:
         choice = tuple(max(range(len(xs)), key=lambda s: xs[s].varValue or 0.0) for xs in self.x)
         recompute = tuple((self.y.get((v, c)) is not None and (self.y[v, c].varValue or 0) > 0.5) for v, c in enumerate(choice))
@@ -546,11 +539,10 @@ class _Outcome:
 
 
 def _run(
-    model: _Model, backend: Backend, time_limit_s: float, presolve: bool = False,
-    start: Mapping[pulp.LpVariable, float] = {}, mip_rel_gap: float = DEFAULT_GAP,
+    model: _Model, backend: Backend, time_limit_s: float, presolve: bool = False, mip_rel_gap: float = DEFAULT_GAP,
 ) -> _Outcome:
     """Solve; raises when the time limit passed without any solution."""
-    solver, used = make_solver(backend, time_limit_s, presolve, start, mip_rel_gap)
+    solver, used = make_solver(backend, time_limit_s, presolve, mip_rel_gap)
     began = time.perf_counter()
     model.prob.solve(solver)
     solve_s = time.perf_counter() - began
@@ -571,40 +563,6 @@ def _run(
     )
 
 
-def _greedy_fit(problem: Problem, a: Assignment, restrictions: Restrictions) -> Assignment | None:
-    """`a` with ZeRO and recomputation switched on, least time per byte freed first, until it fits the budget.
-
-    A MIP start for the memory-bound solve: with a good plan in hand from the outset, the
-    solver's reduced-cost fixing discards most options early. None when even all of it does not fit."""
-    budget = problem.budget_bytes
-    recompute, zero = list(a.recompute), list(a.zero)
-    apart: dict[int, set[int]] = {}  # never recomputed together (Problem.region_inputs)
-    for u, v in problem.region_inputs:
-        apart.setdefault(u, set()).add(v)
-        apart.setdefault(v, set()).add(u)
-    moves = []
-    for v, node in enumerate(problem.nodes):
-        o = node.options[a.choice[v]]
-        if restrictions.recompute != "never" and node.recomputable and o.saved_bytes > 0 and not recompute[v]:
-            moves.append((o.recompute_s / o.saved_bytes, v, "recompute"))
-        if restrictions.zero == "free" and o.zero is not None and o.zero.factor > 1 and not zero[v] and o.static_bytes > 0:
-            moves.append((o.zero.comm_s / ((1 - 1 / o.zero.factor) * o.static_bytes), v, "zero"))
-    total = evaluate(problem, a)[0].total_bytes
-    for _, v, kind in sorted(moves):
-        if total <= budget:
-            break
-        if kind == "recompute" and any(recompute[w] for w in apart.get(v, ())):
-            continue
-        flags = recompute if kind == "recompute" else zero
-        flags[v] = True
-        trial = evaluate(problem, Assignment(a.choice, tuple(recompute), tuple(zero)))[0].total_bytes
-        if trial < total:
-            total = trial
-        else:  # a gathered parameter larger than what it frees: keep it whole
-            flags[v] = False
-    return Assignment(a.choice, tuple(recompute), tuple(zero)) if total <= budget else None
-
-
 @gc_paused
 def solve_problem(
     problem: Problem,
@@ -617,7 +575,7 @@ def solve_problem(
 
     Two solves at most: first without the memory row (fast: the edge polytope is nearly
     integral); that optimum is the answer whenever it fits. Otherwise the memory row goes in
-    and the solve restarts from `_greedy_fit` of the first answer. `mip_rel_gap`: stop once
+    and the model is solved again. `mip_rel_gap`: stop once
     the plan is provably within this fraction of the best possible step time (reported in
     SolverReport.gap when above HiGHS' default of 1e-4)."""
     model = _Model(problem, restrictions, "time")
@@ -628,11 +586,9 @@ def solve_problem(
     a = model.assignment()
     memory, step = evaluate(problem, a)
     if problem.budget_bytes is not None and memory.total_bytes > problem.budget_bytes:
-        first = _greedy_fit(problem, a, restrictions)
         model.add_memory_limit()
-        start = model.start(first) if first is not None else {}
         try:
-            out = _run(model, backend, max(time_limit_s - spent_s, 1.0), True, start, mip_rel_gap)
+            out = _run(model, backend, max(time_limit_s - spent_s, 1.0), True, mip_rel_gap)
         except AutoparError:  # no plan in time: say so only if one exists (below the minimum it may not prove none)
             infeasible = _infeasible(problem, time_limit_s, backend, restrictions)
             if infeasible.min_memory_bytes > problem.budget_bytes:

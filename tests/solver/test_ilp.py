@@ -12,7 +12,7 @@ import random
 import pytest
 
 from autopar.errors import InfeasibleError
-from autopar.solver.ilp import Restrictions, _greedy_fit, _Model, evaluate, min_memory, solve_problem
+from autopar.solver.ilp import Restrictions, _Model, evaluate, min_memory, solve_problem
 from autopar.solver.problem import Assignment, Edge, Node, Option, Problem, ZeroOption
 
 GIB = 2**30
@@ -211,16 +211,6 @@ def test_every_constraint_is_named_after_its_family():
     names = list(model.prob.constraints)
     families = {n.rsplit("_", 1)[0].rstrip("_0123456789") for n in names}
     assert families == {"onehot", "edge_src", "edge_dst", "recompute", "zero", "temp", "gather", "memory"}
-
-
-def test_greedy_start_frees_memory_cheapest_per_byte_first():
-    # the MIP start of a memory-bound solve: recompute 1 s / GiB (l1) before 2 s / GiB (l2) before 3 s / GiB (l0)
-    none = Assignment.of([0, 0, 0, 0])
-    for budget_gib, expected in ((3.5, ()), (3.0, (2,)), (2.0, (2, 3)), (1.0, (1, 2, 3))):
-        a = _greedy_fit(chain_with_activations(budget_gib * GIB), none, Restrictions())
-        assert tuple(v for v, r in enumerate(a.recompute) if r) == expected
-    assert _greedy_fit(chain_with_activations(0.4 * GIB), none, Restrictions()) is None  # the input alone is 0.5 GiB
-    assert _greedy_fit(chain_with_activations(3.0 * GIB), none, Restrictions(recompute="never")) is None
 
 
 def test_options_with_the_same_recompute_effect_share_one_binary():
