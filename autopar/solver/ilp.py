@@ -40,22 +40,21 @@ Constraint families (each PuLP constraint is named after its family):
   gather_{v}          T >= sum_g gathered[v,g] z[v,g]
   reshard_buffers_{k} T >= sum_{a,b} buffers[k,a,b] e[k,a,b]        (a reshard's buffers, `Edge.buffer_bytes`;
                       left out where no option pair exceeds the least temp some node must have)
-  rebuild_{r}         T >= sum_{v in layer r, g} saved[v,g] / copies[v] y[v,g]   (backward rebuilds a
-                      recomputed layer's activations together; a tied class counts one layer's share)
-                      + sum_{p in layer r, g} gathered[p,g] q[p,g]: the layer's ZeRO parameters, gathered
-                      again by the rebuild and saved by it, where q >= z + R_r - 1, R_r >= each y of
+  Backward rebuilds a recomputed layer r's activations together (a tied class counts one layer's share);
+  `_add_rebuilds` follows the rebuild through the layer's nodes v in graph order with a chain of C's:
+  rebuilt_{r}_upto_{v}  C_v >= C_(node before v) + sum_g saved[v,g] / copies[v] y[v,g]
+                      + sum_{k into v, g} kept[k,g] / copies[v] f[k,g]   (resharded inputs saved again)
+                      starting from sum_{p in layer r, g} gathered[p,g] q[p,g]: the layer's ZeRO parameters,
+                      gathered again by the rebuild and saved by it, where q >= z + R_r - 1, R_r >= each y of
                       layer r (continuous, pushed down by the memory row: q = z AND "r rebuilt")
-                      + flow[w,g] y[w,g] for the layer's widest node w (`widest_nodes`): the gradient
-                      backward carries through the rebuilt layer, on the y of the node that makes it (a
-                      row per node for the max over them doubled memory-bound solve times)
-                      + sum_{k into layer r, a,b} kept[k,a,b] / copies[dst] f[k,a,b]: the resharded inputs
-                      recomputed consumers save again while rebuilt
-  rebuild_reshards_{r} T >= the same without the flow, + B_r: the largest reshard the recompute runs again,
-                      beyond the copy it saves (its buffers and the gradient through the layer are not alive at
-                      once: one is in the rebuild's forward, the other in its backward), where
-  rebuild_buffers_{r}_{j}  B_r >= sum_{a,b} (buffers - kept)[k,a,b] f[k,a,b]   (per edge k into layer r)
+  rebuild_reshard_{r}_{v}_{j}  T >= C_(node before v) + sum_g buffers[k,g] f[k,g]: the recompute runs a reshard
+                      into v again, its buffers beside what the layer rebuilt so far (one row per edge k)
+  rebuild_{r}         T >= C_last + flow[w,g] y[w,g] for the layer's widest node w (`widest_nodes`): the
+                      gradient backward carries through the rebuilt layer, on the y of the node that makes it
+                      (a row per node for the max over them doubled memory-bound solve times)
                       with f = e * "dst recomputed" as
-  rebuilt_reshard_{k}_{g}  f[k,g] <= sum of e[k,a,b] over the pairs g of equal (kept, buffers) (`_rebuilt_reshards`)
+  rebuilt_reshard_{k}_{g}  f[k,g] <= sum of e[k,a,b] over the pairs (a,b) of equal (kept, buffers), group g
+                      (`_rebuilt_reshards`)
   rebuilt_reshard_{k}  sum of f[k,..] = sum_g y[dst,g]   (exact at integral points, no big-M)
   memory              sum_{v,s} static[v,s] x - sum_g (1 - 1/f[v,g]) static[v,g] z
                       + saved[v,s] x - sum_g (saved[v,g] - held[v,g]) y + sum_k (s[k] + r[k]) + T <= budget
