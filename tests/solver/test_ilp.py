@@ -379,6 +379,28 @@ def test_a_rebuilt_layer_holds_the_buffers_of_the_reshards_it_runs_again():
     assert sol.time.total_s == pytest.approx(7e-3)
 
 
+def test_a_rebuild_holds_a_reshards_buffers_beside_what_it_rebuilt_before_it():
+    """Layers h.0 (b1 then b2) and h.1 (c1 then c2) save 30 MB per node; a's 100 MB are kept. Only both layers
+    recomputed fit 170 MB: backward rebuilds one layer at a time (60 MB). A 50 MB reshard into b1 runs
+    before anything of h.0 is rebuilt: h.0's rebuild peaks at 60 MB, 160 MB in all, which fits. The same
+    reshard into b2 runs beside b1's 30 MB: 80 MB, 180 MB in all, so b2 takes its slower option without the
+    reshard. (Adding the buffers to the whole layer, 110 MB, would rule out the first plan too.)"""
+    a = Node("a", (Option("a", compute_s=1e-3, saved_bytes=100 * MB),))
+    two = (Option("gather", compute_s=1e-3, recompute_s=1e-3, saved_bytes=30 * MB),
+           Option("split", compute_s=3e-3, recompute_s=1e-3, saved_bytes=30 * MB))
+    one = (Option("b", compute_s=1e-3, recompute_s=1e-3, saved_bytes=30 * MB),)
+    c1, c2 = (Node(name, one, recomputable=True, region="h.1") for name in ("c1", "c2"))
+    for into, options, fits in ((1, (two, one), True), (2, (one, two), False)):
+        b1, b2 = (Node(f"b{i + 1}", opts, recomputable=True, region="h.0") for i, opts in enumerate(options))
+        gather = Edge(0, into, (0,), (0, 1), ((0.5e-3, 0.0),), buffer_bytes=((50 * MB, 0.0),))
+        problem = Problem((a, b1, b2, c1, c2), (gather,), 170 * MB)
+        every_layer = Assignment.of([0, 0, 0, 0, 0], recompute=[1, 2, 3, 4])
+        assert evaluate(problem, every_layer)[0].total_bytes == (160 if fits else 180) * MB
+        sol = solve_problem(problem)
+        assert sol.assignment.recompute == (False, True, True, True, True)
+        assert sol.assignment.choice[into] == (0 if fits else 1) and sol.memory.total_bytes == 160 * MB
+
+
 def test_a_recomputed_node_pays_its_input_reshards_forward_again():
     """b's input reshard (2 ms: 1 ms forward, 1 ms backward) sits in b's checkpoint region: recomputing b
     (the only way to fit) runs its forward again, 0.5 + 1 ms of recompute by hand."""
