@@ -65,9 +65,19 @@ def _is_cheap(node: fx.Node) -> bool:
     return torch.Tag.pointwise in node.target.tags or node.target is torch.ops.aten.cat.default
 
 
-def _runs(graph: fx.Graph, recompute: set[str], origin: Mapping[str, str], layer: Mapping[str, str]) -> list[list[fx.Node]]:
+def _deferrable(node: fx.Node) -> bool:
+    """Kept work that may run later than its place in the graph: it draws no random numbers (their order is
+    part of the result) and writes none of its inputs (a later reader would see the old value). Our
+    collectives never write their input (`runtime.comm`)."""
+    if node.op != "call_function" or node.target is rng.random_op:
+        return False
+    return not (isinstance(node.target, torch._ops.OpOverload) and node.target._schema.is_mutable)
+
+
+def _runs(graph: fx.Graph, recompute: set[str], origin: Mapping[str, str], layer: Mapping[str, str]
+          ) -> list[tuple[list[fx.Node], list[fx.Node]]]:
     """Maximal runs (graph order) of recomputed nodes of one layer, bridging cheap work between them
-    and stepping over kept nodes that do not read the run.
+    and stepping over kept nodes; each with the kept nodes to move after the region's call.
 
     A view or a dropout-free clone the plan keeps sits between most recomputed ops (a linear is
     `t(weight)` then `addmm`), and kept work interleaves with recomputed work (LLaMA's up projection
@@ -78,42 +88,52 @@ def _runs(graph: fx.Graph, recompute: set[str], origin: Mapping[str, str], layer
     So a kept node that reads nothing of the run stays outside it (the region is called where its last
     node was, after it: `outline`); cheap work on the run's values (a copy, an elementwise op, a
     concatenation: `_is_cheap`) is taken into the region when a recomputed node of the same layer
-    follows, and run again in backward; any other kept node that reads the run, or one that draws
-    random numbers (their order is part of the result), ends the run. The solver never recomputes an
+    follows, and run again in backward; other kept work that reads the run (the reduce-scatter of a
+    row-parallel output whose consumer is kept) is deferred: moved after the region's call, with the
+    kept work that reads it. The run ends only where a recomputed node reads deferred work, or at kept
+    work that cannot be deferred (`_deferrable`: it draws random numbers or writes its input). The solver never recomputes an
     op that saves nothing (it would free nothing), yet such ops sit inside recomputed work: LLaMA's
     rotary embedding (`q * cos`, `cat(-x2, x1)`) cut a recomputed attention into four regions
-    (measured on llama-tiny's tightest plan: 10 regions made 4, 144 -> 138 ms a step)."""
-    runs: list[list[fx.Node]] = []
+    (measured on llama-tiny's tightest plan: 10 regions made 4, 144 -> 138 ms a step); the reduce-scatters
+    of its row-parallel projections cut it into 11 regions for 2 layers and the head."""
+    runs: list[tuple[list[fx.Node], list[fx.Node]]] = []
     current: list[fx.Node] = []
     bridge: list[fx.Node] = []  # cheap work after the run's last recomputed node, kept only if the run goes on
+    deferred: list[fx.Node] = []  # kept work that reads the run, moved after the region's call
     for node in graph.nodes:
         traced = origin.get(node.name)
+        reads_deferred = any(a in deferred for a in node.all_input_nodes)
         if node.op == "call_function" and traced in recompute:
-            if current and layer.get(traced) != layer.get(origin[current[-1].name]):
-                runs.append(current)  # one region per layer: backward rebuilds one layer's activations at a time
-                current = []
+            if current and (reads_deferred or layer.get(traced) != layer.get(origin[current[-1].name])):
+                # one region per layer: backward rebuilds one layer's activations at a time
+                runs.append((current, deferred))
+                current, deferred = [], []
             elif current:
                 current.extend(bridge)
             bridge = []
             current.append(node)
             continue
         members = {*current, *bridge}
-        if current and node.op == "call_function" and node.target is not rng.random_op \
-                and not any(a in members for a in node.all_input_nodes):
+        kept_work = _deferrable(node)
+        if current and kept_work and not reads_deferred and not any(a in members for a in node.all_input_nodes):
             continue  # independent kept work: stays before the region's call
-        if current and _is_cheap(node) and layer.get(traced) == layer.get(origin[current[-1].name]):
+        if current and not reads_deferred and _is_cheap(node) and layer.get(traced) == layer.get(origin[current[-1].name]):
             bridge.append(node)  # cheap work on the run's values: taken in if the run goes on
             continue
+        if current and kept_work:
+            deferred.append(node)  # reads the run (or deferred work): runs after the region's call
+            continue
         if current:
-            runs.append(current)
-            current, bridge = [], []
+            runs.append((current, deferred))
+            current, bridge, deferred = [], [], []
     if current:
-        runs.append(current)
+        runs.append((current, deferred))
     return runs
 
 
-def outline(graph: fx.Graph, root: nn.Module, run: list[fx.Node], name: str, runner) -> None:
-    """Move the nodes of `run` (graph order) into a sub-GraphModule `name` on `root`, called as `runner(region, *inputs)`."""
+def outline(graph: fx.Graph, root: nn.Module, run: list[fx.Node], name: str, runner, after: list[fx.Node] = ()) -> None:
+    """Move the nodes of `run` (graph order) into a sub-GraphModule `name` on `root`, called as `runner(region, *inputs)`;
+    the nodes of `after` (graph order, outside the run) that sit before the run's last node move after the call."""
     members = set(run)
     inputs: dict[fx.Node, None] = {}
     for node in run:
@@ -131,12 +151,23 @@ def outline(graph: fx.Graph, root: nn.Module, run: list[fx.Node], name: str, run
     root.add_module(name, fx.GraphModule(nn.Module(), sub, class_name="Region"))
     # at the run's last node: every outside input is defined by then (the run may step over kept nodes,
     # `_runs`), and nothing outside the run reads it before then
+    later = set()  # nodes after the run's last one: already after the call
+    node = run[-1].next
+    while node.op != "root":
+        later.add(node)
+        node = node.next
     with graph.inserting_before(run[-1]):
         region = graph.get_attr(name)
         call = graph.call_function(runner, (region, *inputs))
         results = [graph.call_function(operator.getitem, (call, i)) for i in range(len(outputs))]
     for old, new in zip(outputs, results):
         old.replace_all_uses_with(new, delete_user_cb=lambda user: user not in members)
+    place = results[-1] if results else call
+    for node in after:
+        if node in later:
+            continue
+        place.append(node)  # fx: moves the node right after `place`
+        place = node
     for node in reversed(run):
         graph.erase_node(node)
 
@@ -148,9 +179,9 @@ def outline_recompute_regions(graph: fx.Graph, root: nn.Module, recompute: set[s
     `layer`: traced node -> `layer_key` of its module path; a run is cut where it changes.
     """
     count = 0
-    for run in _runs(graph, recompute, origin, layer):
+    for run, deferred in _runs(graph, recompute, origin, layer):
         if not any(u not in set(run) for n in run for u in n.users):
             continue  # nothing leaves the region: dead code, fx's DCE removes it
-        outline(graph, root, run, f"recompute_{count}", checkpointed)
+        outline(graph, root, run, f"recompute_{count}", checkpointed, deferred)
         count += 1
     return count

@@ -1,6 +1,8 @@
 """Recompute regions: which lowered nodes one checkpoint region takes (no ranks needed)."""
 from __future__ import annotations
 
+import operator
+
 import pytest
 import torch
 from torch import fx, nn
@@ -45,10 +47,10 @@ def test_runs_bridge_views_between_recomputed_nodes_of_a_layer():
     # permute (a view the plan keeps) joins mm's region: else its output, mm's, would be gelu's region
     # input and checkpoint would save it. mm2 is real work the plan keeps: it ends the run. The trailing
     # clone follows no recomputed node of the run: left out.
-    assert [[n.name for n in run] for run in runs] == [["mm", "permute", "gelu"], ["add"]]
+    assert [[n.name for n in run] for run, _ in runs] == [["mm", "permute", "gelu"], ["add"]]
     # a view belonging to another layer is not bridged: regions stay per layer
     runs = _runs(g, {"mm", "gelu"}, origin, {**layer, "permute": "h.1"})
-    assert [[n.name for n in run] for run in runs] == [["mm"], ["gelu"]]
+    assert [[n.name for n in run] for run, _ in runs] == [["mm"], ["gelu"]]
 
 
 def test_runs_step_over_kept_work_that_does_not_read_them():
@@ -66,9 +68,9 @@ def test_runs_step_over_kept_work_that_does_not_read_them():
     g.output(nodes["down"])
     origin = {n.name: n.name for n in g.nodes}
     runs = _runs(g, {"silu", "prod"}, origin, {name: "layers.0" for name in origin})
-    assert [[n.name for n in run] for run in runs] == [["silu", "prod"]]
+    assert [[n.name for n in run] for run, _ in runs] == [["silu", "prod"]]
     # outlined, the region is called where its last node was: after the kept up projection it reads
-    outline(g, nn.Module(), runs[0], "recompute_0", checkpointed)
+    outline(g, nn.Module(), runs[0][0], "recompute_0", checkpointed)
     g.lint()
     assert [n.name for n in g.nodes if n.op == "call_function"] == ["gate", "up", "checkpointed", "getitem", "down"]
 
@@ -78,7 +80,8 @@ def test_runs_take_in_cheap_kept_work_that_reads_them():
     concatenation and `rot * sin` save nothing (the solver never recomputes them), and their sum feeds a
     recomputed op. Elementwise ops and the concatenation are taken into the region (run again in
     backward), so q and the products are not region inputs that checkpoint would save. A kept matmul
-    reading the run still ends it, and cheap work that no recomputed node follows stays outside."""
+    reading the run is deferred (moved after the region's call) rather than ending it, so act joins the
+    region; cheap work that no recomputed node follows stays outside."""
     g = fx.Graph()
     x, w, cos = g.placeholder("x"), g.placeholder("w"), g.placeholder("cos")
     nodes: dict[str, fx.Node] = {}
@@ -93,14 +96,28 @@ def test_runs_take_in_cheap_kept_work_that_reads_them():
     g.output((nodes["kept"], nodes["tail"]))
     origin = {n.name: n.name for n in g.nodes}
     runs = _runs(g, {"q", "scores", "act"}, origin, {name: "layers.0" for name in origin})
-    assert [[n.name for n in run] for run in runs] == [["q", "q_cos", "neg", "rot", "rot_sin", "roped", "scores"], ["act"]]
-    region = set(runs[0])
-    inputs = {a.name for n in runs[0] for a in n.all_input_nodes if a not in region}
+    assert [[n.name for n in run] for run, _ in runs] == [["q", "q_cos", "neg", "rot", "rot_sin", "roped", "scores", "act"]]
+    assert [n.name for n in runs[0][1]] == ["kept"]
+    region = set(runs[0][0])
+    inputs = {a.name for n in runs[0][0] for a in n.all_input_nodes if a not in region}
     assert inputs == {"x", "w", "cos"}  # nothing computed in the layer is saved as the region's input
-    # an op that writes its input is never run again: in place of q_cos, it ends the run
-    nodes["q_cos"].target = aten.mul_.Tensor
-    runs = _runs(g, {"q", "scores", "act"}, origin, {name: "layers.0" for name in origin})
-    assert [[n.name for n in run] for run in runs][0] == ["q"]
+    # outlined, the deferred matmul runs after the region's call, on its output
+    outline(g, nn.Module(), runs[0][0], "recompute_0", checkpointed, runs[0][1])
+    g.lint()
+    assert [n.name for n in g.nodes if n.op == "call_function"][:2] == ["checkpointed", "getitem"]
+    kept = next(n for n in g.nodes if n.name == "kept")
+    assert kept.args[0].target is operator.getitem and kept.args[0].args[0].name == "checkpointed"
+    # an op that writes its input is never run again nor deferred: in place of q_cos, it ends the run
+    g = fx.Graph()
+    x, w = g.placeholder("x"), g.placeholder("w")
+    q = g.call_function(aten.mm.default, (x, w))
+    q.name = "q"
+    scaled = g.call_function(aten.mul_.Tensor, (q, 2.0))
+    scores = g.call_function(aten.mm.default, (q, w))
+    scores.name = "scores"
+    g.output((scaled, scores))
+    runs = _runs(g, {"q", "scores"}, {n.name: n.name for n in g.nodes}, {"q": "layers.0", "scores": "layers.0"})
+    assert [[n.name for n in run] for run, _ in runs] == [["q"], ["scores"]]
 
 
 @pytest.mark.parametrize("name", ["llama", "hf_llama"])
@@ -119,4 +136,4 @@ def test_a_recomputed_llama_layer_is_one_region(name):
     assert skipped, "the layer has cheap ops the solver would not recompute"
     runs = _runs(traced.graph, recompute, {n.name: n.name for n in traced.graph.nodes}, layer)
     assert len(runs) == 1
-    assert recompute <= {n.name for n in runs[0]}
+    assert recompute <= {n.name for n in runs[0][0]}
