@@ -99,19 +99,25 @@ def _runs(graph: fx.Graph, recompute: set[str], origin: Mapping[str, str], layer
     runs: list[tuple[list[fx.Node], list[fx.Node]]] = []
     current: list[fx.Node] = []
     bridge: list[fx.Node] = []  # cheap work after the run's last recomputed node, kept only if the run goes on
-    deferred: list[fx.Node] = []  # kept work that reads the run, moved after the region's call
+    deferred: dict[fx.Node, None] = {}  # kept work that reads the run (or deferred work), in graph order
+    moved = 0  # how many of `deferred` precede the run's last recomputed node: those move after the region's call
+
+    def end_run() -> None:
+        runs.append((current, list(deferred)[:moved]))
+
     for node in graph.nodes:
         traced = origin.get(node.name)
-        reads_deferred = any(a in deferred for a in node.all_input_nodes)
+        reads_deferred = not deferred.keys().isdisjoint(node.all_input_nodes)
         if node.op == "call_function" and traced in recompute:
             if current and (reads_deferred or layer.get(traced) != layer.get(origin[current[-1].name])):
                 # one region per layer: backward rebuilds one layer's activations at a time
-                runs.append((current, deferred))
-                current, deferred = [], []
+                end_run()
+                current, deferred = [], {}
             elif current:
                 current.extend(bridge)
             bridge = []
             current.append(node)
+            moved = len(deferred)
             continue
         members = {*current, *bridge}
         kept_work = _deferrable(node)
@@ -121,19 +127,19 @@ def _runs(graph: fx.Graph, recompute: set[str], origin: Mapping[str, str], layer
             bridge.append(node)  # cheap work on the run's values: taken in if the run goes on
             continue
         if current and kept_work:
-            deferred.append(node)  # reads the run (or deferred work): runs after the region's call
+            deferred[node] = None  # reads the run (or deferred work): runs after the region's call
             continue
         if current:
-            runs.append((current, deferred))
-            current, bridge, deferred = [], [], []
+            end_run()
+            current, bridge, deferred = [], [], {}
     if current:
-        runs.append((current, deferred))
+        end_run()
     return runs
 
 
 def outline(graph: fx.Graph, root: nn.Module, run: list[fx.Node], name: str, runner, after: list[fx.Node] = ()) -> None:
     """Move the nodes of `run` (graph order) into a sub-GraphModule `name` on `root`, called as `runner(region, *inputs)`;
-    the nodes of `after` (graph order, outside the run) that sit before the run's last node move after the call."""
+    the nodes of `after` (graph order, outside the run, before its last node) move after the call."""
     members = set(run)
     inputs: dict[fx.Node, None] = {}
     for node in run:
@@ -151,11 +157,6 @@ def outline(graph: fx.Graph, root: nn.Module, run: list[fx.Node], name: str, run
     root.add_module(name, fx.GraphModule(nn.Module(), sub, class_name="Region"))
     # at the run's last node: every outside input is defined by then (the run may step over kept nodes,
     # `_runs`), and nothing outside the run reads it before then
-    later = set()  # nodes after the run's last one: already after the call
-    node = run[-1].next
-    while node.op != "root":
-        later.add(node)
-        node = node.next
     with graph.inserting_before(run[-1]):
         region = graph.get_attr(name)
         call = graph.call_function(runner, (region, *inputs))
@@ -164,8 +165,6 @@ def outline(graph: fx.Graph, root: nn.Module, run: list[fx.Node], name: str, run
         old.replace_all_uses_with(new, delete_user_cb=lambda user: user not in members)
     place = results[-1] if results else call
     for node in after:
-        if node in later:
-            continue
         place.append(node)  # fx: moves the node right after `place`
         place = node
     for node in reversed(run):
