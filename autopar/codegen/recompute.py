@@ -1,11 +1,10 @@
-"""Recompute decisions as checkpointed regions, using torch's own mechanism.
+"""Recompute decisions as checkpointed regions.
 
 Each maximal run (in graph order) of lowered nodes whose traced node the plan
 marks `recompute`, cut at layer boundaries and bridging cheap work (views,
 copies, elementwise ops) between them (`_runs`), is outlined into a sub-GraphModule `recompute_<i>` and called
-through `torch.utils.checkpoint.checkpoint(..., use_reentrant=False)`: its
-activations are freed after forward and rebuilt in backward (RNG state
-included, which torch's checkpoint restores). Backward rebuilds a whole region at
+through `runtime.checkpoint.checkpointed` (`checkpointed_with_rng` when it draws random numbers): its
+activations are freed after forward and rebuilt in backward, drawing the same random numbers. Backward rebuilds a whole region at
 once, so a region spanning every block of a model would bring all their
 activations back together (measured: the peak of GPT-2 with every block recomputed
 equalled the peak without recompute); cutting runs per layer (`layer_key`:
@@ -19,15 +18,11 @@ from __future__ import annotations
 import operator
 from typing import Mapping
 
-import torch.utils.checkpoint
+import torch
 from torch import fx, nn
 
 from autopar.runtime import rng
-
-
-def checkpointed(region: fx.GraphModule, *args):
-    """Run `region` under non-reentrant activation checkpointing (a named call in `gm.code`)."""
-    return torch.utils.checkpoint.checkpoint(region, *args, use_reentrant=False)
+from autopar.runtime.checkpoint import checkpointed, checkpointed_with_rng
 
 
 def layer_key(path: str) -> str:
@@ -58,18 +53,23 @@ def _is_cheap(node: fx.Node) -> bool:
     run again. Never an op that draws random numbers or writes its input (run again, it would write twice)."""
     if _is_copy(node):
         return True
-    if node.op != "call_function" or node.target is rng.random_op or not isinstance(node.target, torch._ops.OpOverload):
+    if node.op != "call_function" or _draws_random(node) or not isinstance(node.target, torch._ops.OpOverload):
         return False
-    if torch.Tag.nondeterministic_seeded in node.target.tags or node.target._schema.is_mutable:
+    if node.target._schema.is_mutable:
         return False
     return torch.Tag.pointwise in node.target.tags or node.target is torch.ops.aten.cat.default
+
+
+def _draws_random(node: fx.Node) -> bool:
+    return node.target is rng.random_op or (
+        isinstance(node.target, torch._ops.OpOverload) and torch.Tag.nondeterministic_seeded in node.target.tags)
 
 
 def _deferrable(node: fx.Node) -> bool:
     """Kept work that may run later than its place in the graph: it draws no random numbers (their order is
     part of the result) and writes none of its inputs (a later reader would see the old value). Our
     collectives never write their input (`runtime.comm`)."""
-    if node.op != "call_function" or node.target is rng.random_op:
+    if node.op != "call_function" or _draws_random(node):
         return False
     return not (isinstance(node.target, torch._ops.OpOverload) and node.target._schema.is_mutable)
 
@@ -181,6 +181,7 @@ def outline_recompute_regions(graph: fx.Graph, root: nn.Module, recompute: set[s
     for run, deferred in _runs(graph, recompute, origin, layer):
         if not any(u not in set(run) for n in run for u in n.users):
             continue  # nothing leaves the region: dead code, fx's DCE removes it
-        outline(graph, root, run, f"recompute_{count}", checkpointed, deferred)
+        runner = checkpointed_with_rng if any(_draws_random(n) for n in run) else checkpointed
+        outline(graph, root, run, f"recompute_{count}", runner, deferred)
         count += 1
     return count

@@ -37,9 +37,9 @@ from typing import Callable, Sequence
 
 import torch
 import torch.distributed as dist
-import torch.utils.checkpoint
 
 from autopar.errors import AutoparError
+from autopar.runtime.checkpoint import checkpointed
 from autopar.solver.mesh import COLLECTIVE_KINDS, AxisGroup, LinkCost, Mesh, MeshAxis, default_axis_names
 
 log = logging.getLogger(__name__)
@@ -261,7 +261,7 @@ def _device_numbers(device: torch.device, reps: int, group) -> tuple[float, floa
         saving_chain(x).sum().backward()
 
     def checkpointed_chain() -> None:
-        torch.utils.checkpoint.checkpoint(saving_chain, x, use_reentrant=False).sum().backward()
+        checkpointed(saving_chain, x).sum().backward()
 
     mats = [(torch.randn(m, k, device=device), torch.randn(k, n, device=device)) for m, k, n in _MATMULS]
 

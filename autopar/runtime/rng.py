@@ -69,6 +69,23 @@ def fork_rng_for(spec: Spec, coordinate: Sequence[int], mesh_shape: Sequence[int
         yield
 
 
+def capture_states() -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """The default generators' states (CPU, each CUDA device), for `replay_states`."""
+    return torch.get_rng_state(), [torch.cuda.get_rng_state(d) for d in _devices()]
+
+
+@contextlib.contextmanager
+def replay_states(states: tuple[torch.Tensor, list[torch.Tensor]]) -> Iterator[None]:
+    """Run the body from captured generator states (activation checkpointing's recompute draws what the
+    forward drew); the generators are restored on exit, so the recompute does not advance them."""
+    cpu_state, device_states = states
+    with torch.random.fork_rng(devices=_devices()):
+        torch.set_rng_state(cpu_state)
+        for device, state in zip(_devices(), device_states):
+            torch.cuda.set_rng_state(state, device)
+        yield
+
+
 def random_op(op: Callable[..., Any], groups: tuple[str, ...], *args: Any, **kwargs: Any) -> Any:
     """`op(*args, **kwargs)` seeded per the Megatron rule, for generated code.
 

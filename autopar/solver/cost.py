@@ -13,7 +13,7 @@ Compute (per training step, forward + backward) of a node under a strategy:
   Launches: one forward op per node and one backward op per node with a
   backward; Python-level nodes (`operator.getitem` on a tuple) launch nothing.
 Recompute of a node: its forward time again plus mesh.recompute_op_overhead_s
-per forward launch (torch.utils.checkpoint's per-op host cost).
+per forward launch (the checkpoint runner's host cost per op: `runtime.checkpoint`).
 Communication inside a strategy: an input that is Replicate on an axis where
 the op is split gets a Partial gradient, which needs an all-reduce over that
 axis in backward (Megatron's "f" operator). When the input is a parameter the

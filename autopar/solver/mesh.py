@@ -73,9 +73,9 @@ class Mesh:
     # asynchronous and hide behind the kernels of any model worth sharding.
     op_overhead_s: float = 0.0
     # Host cost activation checkpointing adds per recomputed op on top of running it again (`cost.recompute_time_s`):
-    # torch.utils.checkpoint packs every saved tensor in forward, unpacks it in backward and re-records the
-    # region's autograd graph, in Python. About 2x op_overhead_s on CPU; 0 in the GPU presets (it hides
-    # behind the kernels there, as op_overhead_s does).
+    # the region's call and its recompute in backward (`runtime.checkpoint`), spread over a layer's worth of
+    # ops as calibrate() measures it. 0 in the GPU presets (it hides behind the kernels there, as
+    # op_overhead_s does).
     recompute_op_overhead_s: float = 0.0
     # Groups spanning several axes (the bucketed gradient sync of a parameter replicated over dp and tp
     # runs on one such group), measured by calibrate(): a ring over 4 ranks is not a ring over 2 with

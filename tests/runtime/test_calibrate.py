@@ -8,9 +8,9 @@ import math
 import pytest
 import torch
 import torch.distributed
-import torch.utils.checkpoint
 
 from autopar.runtime.calibrate import calibrate, collective_call, model_bytes, time_ops
+from autopar.runtime.checkpoint import checkpointed
 from autopar.runtime.launch import run_ranks
 from autopar.solver.cost import collective_time_s, compute_time_s
 from autopar.solver.mesh import Mesh
@@ -34,12 +34,12 @@ def _held_out(rank: int, world: int, _) -> tuple[dict, dict]:
             h = torch.sin(h)
         h.sum().backward()
 
-    def checkpointed() -> None:  # the same 49 sin in one checkpoint region: recomputed in backward
+    def recomputed() -> None:  # the same 49 sin in one checkpoint region (codegen's runner): recomputed in backward
         def body(h: torch.Tensor) -> torch.Tensor:
             for _ in range(49):
                 h = torch.sin(h)
             return h
-        torch.utils.checkpoint.checkpoint(body, x, use_reentrant=False).sum().backward()
+        checkpointed(body, x).sum().backward()
 
     c, d = torch.randn(256, 192), torch.randn(192, 320)
 
@@ -53,7 +53,7 @@ def _held_out(rank: int, world: int, _) -> tuple[dict, dict]:
     loss = torch.ones(1)  # a loss or a token count: one element, priced with the axis' scalar latency
     colls["all_reduce of a scalar"] = (collective_time_s("all_reduce", 4, mesh.axes[0]),
                                        lambda: torch.distributed.all_reduce(loss))
-    fns = [lambda: a @ b, chain, checkpointed] + [lambda call=call: (compute(), call()) for _, call in colls.values()]
+    fns = [lambda: a @ b, chain, recomputed] + [lambda call=call: (compute(), call()) for _, call in colls.values()]
     t_mm, t_chain, t_ckpt, *t_colls = time_ops(fns, CPU, 5, None)
     ratios = {"mm 384x128x192": (compute_time_s(2 * 384 * 128 * 192, 4 * 384 * 192, mesh) + over) / t_mm,
               "100 tiny ops": 100 * over / t_chain,
