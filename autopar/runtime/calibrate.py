@@ -17,8 +17,9 @@ not on one large op:
   one), since a ring's per-step latency depends on how many ranks it spans;
 - per device: the fixed cost of one op (`op_overhead_s`: a chain of tiny ops
   run forward and backward, divided by the ops launched), what checkpointing
-  adds per recomputed op (`recompute_op_overhead_s`: the same kind of chain with
-  and without one checkpoint region around it), the matmul rate over
+  adds per checkpoint region and per recomputed op (`recompute_region_s`,
+  `recompute_op_overhead_s`: chains of two lengths with and without one
+  region around them), the matmul rate over
   a mix of layer-sized matmuls (net of that overhead) and the elementwise
   "bandwidth" in the cost model's own accounting (output bytes per second of
   elementwise ops, from the slope between two activation sizes).
@@ -59,6 +60,7 @@ _SITU_COMPUTE_S = 0.005
 _MATMULS = ((256, 64, 256), (256, 256, 256), (512, 256, 512))
 _ELEMENTWISE_NUMEL = (64 * 1024, 1024 * 1024)  # 256 KB and 4 MB activations
 _CHAIN_OPS = 40  # tiny ops per overhead chain (each also runs a backward op)
+_SHORT_CHAIN_OPS = 10  # the shorter checkpointed chain: the region's fixed cost is where the two meet at 0 ops
 _MIN_BLOCK_S = 0.02  # time a block of repetitions at least this long (spans scheduler time slices)
 
 
@@ -84,13 +86,14 @@ def calibrate(group: dist.ProcessGroup | None = None, mesh_shape: tuple[int, ...
     spans = [c for k in range(2, len(wide) + 1) for c in itertools.combinations(wide, k)]
     groups = tuple(AxisGroup(span, _measure_axis("+".join(names[a] for a in span), mesh_shape, span, rank, device, reps, group))
                    for span in spans)
-    overhead, recompute_overhead, flops, bandwidth = _device_numbers(device, reps, group)  # times already MAX over ranks
+    overhead, recompute_overhead, region, flops, bandwidth = _device_numbers(device, reps, group)  # times: MAX over ranks
     memory = _reduce(_memory_bytes(device), dist.ReduceOp.MIN, device, group)
-    mesh = Mesh(tuple(axes), flops, bandwidth, memory, hardware_name, overhead, recompute_overhead, groups)
+    mesh = Mesh(tuple(axes), flops, bandwidth, memory, hardware_name, overhead, recompute_overhead, groups, region)
     links = "; ".join(f"{a.name} {c.kind} {c.alpha_s * 1e6:.0f} us + {c.beta_bytes_per_s / 1e6:.0f} MB/s"
                       for a in (*axes, *(g.link for g in groups)) for c in a.per_kind)
-    log.info("calibrate: %s, %.1f GFLOP/s, %.1f GB/s memory, %.1f us per op, %.1f us more per recomputed op; %s", mesh,
-             flops / 1e9, bandwidth / 1e9, overhead * 1e6, recompute_overhead * 1e6, links)
+    log.info("calibrate: %s, %.1f GFLOP/s, %.1f GB/s memory, %.1f us per op, %.1f us more per recomputed op and %.0f us "
+             "per checkpoint region; %s", mesh, flops / 1e9, bandwidth / 1e9, overhead * 1e6, recompute_overhead * 1e6,
+             region * 1e6, links)
     return mesh
 
 
@@ -231,14 +234,16 @@ def _fit_links(n: int, axis_group, device: torch.device, reps: int, world_group)
     return tuple(links), scalar_alpha_s
 
 
-def _device_numbers(device: torch.device, reps: int, group) -> tuple[float, float, float, float]:
-    """(op_overhead_s, recompute_op_overhead_s, matmul flops/s, elementwise bytes/s), timed interleaved.
+def _device_numbers(device: torch.device, reps: int, group) -> tuple[float, float, float, float, float]:
+    """(op_overhead_s, recompute_op_overhead_s, recompute_region_s, matmul flops/s, elementwise bytes/s),
+    timed interleaved.
 
     Overhead: a chain of tiny mul ops forward and backward, per op launched (one backward op each).
-    Recompute overhead: a chain of tiny ops that save a tensor for backward (as most ops do), run
-    inside one checkpoint region and plainly; the difference per op, less the op's own second launch
-    (`op_overhead_s`, which the cost model charges as the recompute's forward). The region's fixed
-    cost is spread over its _CHAIN_OPS ops, about a layer's worth, which is what codegen outlines.
+    Recompute: chains of tiny ops that save a tensor for backward (as most ops do), of two lengths,
+    each run inside one checkpoint region (`runtime.checkpoint`, codegen's runner) and plainly. The
+    difference grows with the ops by their second launch (`op_overhead_s`, which the cost model
+    charges as the recompute's forward) and what checkpointing adds per op; where the line meets
+    zero ops is the region's fixed cost.
     Matmuls: layer-sized ones, net of their launch. Elementwise: output bytes per second (the cost
     model's roofline accounting, see `cost.py`) from the slope between two activation sizes, so the
     launch cancels; a mix of a cheap (mul) and a transcendental (gelu) op, as activations and norms are."""
@@ -252,16 +257,18 @@ def _device_numbers(device: torch.device, reps: int, group) -> tuple[float, floa
 
     w = torch.ones(16, device=device)
 
-    def saving_chain(y: torch.Tensor) -> torch.Tensor:
-        for _ in range(_CHAIN_OPS):
-            y = y * w  # saves w for the gradient of y: checkpointing packs it
-        return y
+    def saving_chain(ops: int) -> Callable[[torch.Tensor], torch.Tensor]:
+        def run(y: torch.Tensor) -> torch.Tensor:
+            for _ in range(ops):
+                y = y * w  # saves w for the gradient of y
+            return y
+        return run
 
-    def plain_chain() -> None:
-        saving_chain(x).sum().backward()
+    def plain(ops: int) -> Callable[[], None]:
+        return lambda: saving_chain(ops)(x).sum().backward()
 
-    def checkpointed_chain() -> None:
-        checkpointed(saving_chain, x).sum().backward()
+    def recomputed(ops: int) -> Callable[[], None]:
+        return lambda: checkpointed(saving_chain(ops), x).sum().backward()
 
     mats = [(torch.randn(m, k, device=device), torch.randn(k, n, device=device)) for m, k, n in _MATMULS]
 
@@ -275,14 +282,18 @@ def _device_numbers(device: torch.device, reps: int, group) -> tuple[float, floa
         return lambda: (a * b, torch.nn.functional.gelu(a))
 
     small, large = _ELEMENTWISE_NUMEL
-    t_chain, t_plain, t_ckpt, t_mm, t_small, t_large = time_ops(
-        [chain, plain_chain, checkpointed_chain, matmuls, elementwise(small), elementwise(large)], device, reps, group)
+    t_chain, t_plain, t_ckpt, t_plain_short, t_ckpt_short, t_mm, t_small, t_large = time_ops(
+        [chain, plain(_CHAIN_OPS), recomputed(_CHAIN_OPS), plain(_SHORT_CHAIN_OPS), recomputed(_SHORT_CHAIN_OPS),
+         matmuls, elementwise(small), elementwise(large)], device, reps, group)
     overhead = t_chain / (2 * _CHAIN_OPS)
-    recompute_overhead = max((t_ckpt - t_plain) / _CHAIN_OPS - overhead, 0.0)
+    added, added_short = t_ckpt - t_plain, t_ckpt_short - t_plain_short
+    per_op = max((added - added_short) / (_CHAIN_OPS - _SHORT_CHAIN_OPS), 0.0)
+    region = max(added - _CHAIN_OPS * per_op, 0.0)
+    recompute_overhead = max(per_op - overhead, 0.0)
     flops = sum(2 * m * k * n for m, k, n in _MATMULS)
     rate = flops / max(t_mm - len(mats) * overhead, flops / 1e15)
     bandwidth = 2 * 4 * (large - small) / max(t_large - t_small, 1e-9)  # two ops per call
-    return overhead, recompute_overhead, rate, bandwidth
+    return overhead, recompute_overhead, region, rate, bandwidth
 
 
 def _memory_bytes(device: torch.device) -> float:

@@ -35,6 +35,7 @@ from typing import Any
 
 import torch
 from torch import fx
+from torch.autograd.graph import get_gradient_edge
 from torch.utils._pytree import tree_flatten, tree_leaves, tree_unflatten
 
 from autopar.runtime import rng
@@ -111,9 +112,12 @@ class _Region(torch.autograd.Function):
                     stack.enter_context(torch.autocast(device, dtype=dtype, enabled=enabled))
             stack.enter_context(torch.enable_grad())
             outputs = tree_leaves(ctx.region(*tree_unflatten(inputs, ctx.in_spec)))
-        pairs = [(out, grad) for out, grad in zip(outputs, grad_outputs)
+        roots = [(get_gradient_edge(out), grad) for out, grad in zip(outputs, grad_outputs)
                  if grad is not None and isinstance(out, torch.Tensor) and out.requires_grad]
+        # differentiating needs the outputs' autograd nodes, not their values: free those now (measured on
+        # bert-tiny's tightest plan, holding them through the backward raised the step's peak by 12%)
+        del outputs
         wanted = [x for x, wants in zip(inputs, wants_grad) if wants]
-        grads = iter(torch.autograd.grad([out for out, _ in pairs], wanted, [grad for _, grad in pairs], allow_unused=True)
-                     if pairs and wanted else [None] * len(wanted))
+        grads = iter(torch.autograd.grad([edge for edge, _ in roots], wanted, [grad for _, grad in roots], allow_unused=True)
+                     if roots and wanted else [None] * len(wanted))
         return (None,) * _FIXED_ARGS + tuple(next(grads) if wants else None for wants in wants_grad)

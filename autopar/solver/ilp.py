@@ -49,6 +49,7 @@ Constraint families (each PuLP constraint is named after its family):
                       layer r (continuous, pushed down by the memory row: q = z AND "r rebuilt")
   rebuild_reshard_{r}_{v}_{j}  T >= C_(node before v) + sum_g buffers[k,g] f[k,g]: the recompute runs a reshard
                       into v again, its buffers beside what the layer rebuilt so far (one row per edge k)
+  (R_r also pays the layer's checkpoint region in the objective: `Problem.region_s` per layer it stands for)
   rebuild_{r}         T >= C_last + flow[w,g] y[w,g] for the layer's widest node w (`widest_nodes`): the
                       gradient backward carries through the rebuilt layer, on the y of the node that makes it
                       (a row per node for the max over them doubled memory-bound solve times)
@@ -62,7 +63,7 @@ Constraint families (each PuLP constraint is named after its family):
 Objective (time of one step):
   sum (compute + comm)[v,s] x + zero_comm[v,g] z + recompute[v,g] y + sum cost[k,a,b] e[k,a,b] - sum_k zs[k]
   + sum_g sync_latency[g] u[g]   (one gradient bucket's latency per group used, `cost.sync_latency_s`)
-  + sum_k w[k]
+  + sum_k w[k] + sum_r region_s copies[r] R_r   (one checkpoint region per layer with recomputed nodes)
   + 1 us per GiB of the memory expression (a tie-break: equally fast plans -> the leaner one)
 For the infeasible report the same model minimises the memory expression instead.
 
@@ -187,6 +188,10 @@ def evaluate(problem: Problem, a: Assignment) -> tuple[MemoryBreakdown, TimeBrea
         temp = max(temp, held[region] + reshards.get(v, 0.0))
         held[region] += rebuilds[v]
     temp = max([temp] + [b + flow.get(r, 0.0) for r, b in held.items()])
+    copies: dict[str, int] = {}  # layer with recomputed nodes -> the layers it stands for: one region each
+    for v in rebuilds:
+        copies[problem.nodes[v].region] = max(copies.get(problem.nodes[v].region, 1), problem.nodes[v].copies)
+    recompute_s += problem.region_s * sum(copies.values())
     used = frozenset().union(*(node.options[c].sync_groups for node, c in zip(problem.nodes, a.choice)))
     comm_s += sum(latency_s for g, latency_s in problem.sync_latency_s if g in used)
     return (
@@ -452,10 +457,13 @@ class _Model:
             gathered.setdefault(self.problem.nodes[v].region, []).extend(zs)
         for r, (region, nodes) in enumerate(layers.items()):
             ys = {v: {self.y[v, s]: o for s, o in enumerate(self.problem.nodes[v].options) if (v, s) in self.y} for v in nodes}
-            # "layer r rebuilt", linearised from below (the memory row pushes it down)
+            # "layer r rebuilt", linearised from below (the memory row and the region's cost push it down)
             any_y = pulp.LpVariable(f"rebuilt_{r}", lowBound=0, upBound=1)
             for j, y in enumerate(y for v in nodes for y in ys[v]):
                 self.prob += any_y >= y, f"rebuilt_{r}_{j}"
+            if self.problem.region_s:
+                copies = max(self.problem.nodes[v].copies for v in nodes)
+                self.time_terms.append((any_y, self.problem.region_s * copies * _MS))
             before: list[tuple[pulp.LpVariable, float]] = []  # what the rebuild holds so far
             for j, (z, b) in enumerate(gathered.get(region, ())):  # q = z AND "layer r rebuilt"
                 both = pulp.LpVariable(f"regather_{r}_{j}", lowBound=0)

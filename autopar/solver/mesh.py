@@ -72,10 +72,8 @@ class Mesh:
     # contention, see benchmarks/calibration_accuracy.py). 0 in the GPU presets: launches there are
     # asynchronous and hide behind the kernels of any model worth sharding.
     op_overhead_s: float = 0.0
-    # Host cost activation checkpointing adds per recomputed op on top of running it again (`cost.recompute_time_s`):
-    # the region's call and its recompute in backward (`runtime.checkpoint`), spread over a layer's worth of
-    # ops as calibrate() measures it. 0 in the GPU presets (it hides behind the kernels there, as
-    # op_overhead_s does).
+    # Host cost activation checkpointing adds per recomputed op on top of running it again (`cost.recompute_time_s`).
+    # 0 in the GPU presets (it hides behind the kernels there, as op_overhead_s does).
     recompute_op_overhead_s: float = 0.0
     # Groups spanning several axes (the bucketed gradient sync of a parameter replicated over dp and tp
     # runs on one such group), measured by calibrate(): a ring over 4 ranks is not a ring over 2 with
@@ -83,6 +81,10 @@ class Mesh:
     # to be scheduled: a 16 KB all-reduce took ~6 ms over 4 ranks, ~1 ms over 2, i.e. 2-3x per ring
     # step). Unmeasured groups use the slowest axis' link.
     groups: tuple[AxisGroup, ...] = ()
+    # Fixed host cost of one checkpoint region (`runtime.checkpoint`: its call in forward, the rebuild and the
+    # nested backward in backward), charged once per layer with recomputed work (`Problem.region_s`).
+    # Measured on CPU: ~0.1 ms a region on one idle core, against ~2 us per op recomputed in it.
+    recompute_region_s: float = 0.0
 
     def __post_init__(self) -> None:
         if not self.axes:
@@ -93,9 +95,9 @@ class Mesh:
         for a in self.axes:
             if a.size < 1:
                 raise ValueError(f"mesh axis {a.name!r} has size {a.size}; sizes must be >= 1")
-        if self.op_overhead_s < 0 or self.recompute_op_overhead_s < 0:
-            raise ValueError(f"op_overhead_s and recompute_op_overhead_s must be >= 0 seconds, "
-                             f"got {self.op_overhead_s} and {self.recompute_op_overhead_s}")
+        if min(self.op_overhead_s, self.recompute_op_overhead_s, self.recompute_region_s) < 0:
+            raise ValueError(f"op_overhead_s, recompute_op_overhead_s and recompute_region_s must be >= 0 seconds, "
+                             f"got {self.op_overhead_s}, {self.recompute_op_overhead_s} and {self.recompute_region_s}")
         for g in self.groups:
             if len(g.axes) < 2 or list(g.axes) != sorted(set(g.axes)) or g.axes[-1] >= len(self.axes):
                 raise ValueError(f"mesh group over axes {g.axes}: needs two or more distinct ascending axes of {names}")
@@ -231,6 +233,7 @@ def mesh_to_json(mesh: Mesh) -> dict:
         "hardware": mesh.hardware,
         "op_overhead_s": mesh.op_overhead_s,
         "recompute_op_overhead_s": mesh.recompute_op_overhead_s,
+        "recompute_region_s": mesh.recompute_region_s,
         "groups": [{"axes": list(g.axes), **axis_to_json(g.link)} for g in mesh.groups],
     }
 
@@ -243,6 +246,7 @@ def mesh_from_json(data: dict) -> Mesh:
         groups = tuple(AxisGroup(tuple(int(i) for i in g["axes"]), _axis_from_json(g)) for g in data.get("groups", ()))
         return Mesh(axes, float(data["flops_per_s"]), float(data["mem_bandwidth_bytes_per_s"]),
                     float(data["memory_bytes"]), str(data.get("hardware", "custom")),
-                    float(data.get("op_overhead_s", 0.0)), float(data.get("recompute_op_overhead_s", 0.0)), groups)
+                    float(data.get("op_overhead_s", 0.0)), float(data.get("recompute_op_overhead_s", 0.0)), groups,
+                    float(data.get("recompute_region_s", 0.0)))
     except (KeyError, TypeError) as err:
         raise ValueError(f"not a mesh description (missing or bad field {err}): {data!r}") from err

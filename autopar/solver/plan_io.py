@@ -170,7 +170,7 @@ def _mesh_from(f: _Field) -> Mesh:
         # the overheads and groups are optional: plan files written before they existed price without them
         return Mesh(axes, f["flops_per_s"].num(), f["mem_bandwidth_bytes_per_s"].num(), f["memory_bytes"].num(),
                     f["hardware"].of(str), f.get("op_overhead_s", 0.0).num(), f.get("recompute_op_overhead_s", 0.0).num(),
-                    groups)
+                    groups, f.get("recompute_region_s", 0.0).num())
     except ValueError as err:
         raise f.fail(f"field '{f.path}': {err}") from None
 

@@ -160,6 +160,9 @@ class Problem:
     # (u, v): v reads u's output across a layer boundary; recomputed, v is in another checkpoint region than
     # u, which saves u's output as its input: recomputing u then frees nothing, so the ILP never does both
     region_inputs: tuple[tuple[int, int], ...] = ()
+    # fixed cost of a layer's checkpoint region (`Mesh.recompute_region_s`), paid once per layer with recomputed
+    # nodes (times the layers a tied class stands for): codegen outlines at least one region per such layer
+    region_s: float = 0.0
 
     def __post_init__(self) -> None:
         for e in self.edges:
@@ -595,7 +598,7 @@ def build_problem(
                 if p.op == "call_function" and p.name in cls and n.name in cls and cls[p.name] != cls[n.name]
                 and _layer_of(module_path(p)) != _layer_of(module_path(n))}
     problem = Problem(tuple(nodes), tuple(edges), budget_bytes, tuple((g, sync_latency_s(mesh, g)) for g in groups),
-                      tuple(sorted(together)), tuple(sorted(crossing)))
+                      tuple(sorted(together)), tuple(sorted(crossing)), mesh.recompute_region_s)
     return BuiltProblem(problem, grouping, strategies, dict(pricer.storage), len(grouping.cluster_of))
 
 

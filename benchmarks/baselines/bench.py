@@ -114,7 +114,7 @@ def _shared_device_numbers(meshes: dict[str, Mesh]) -> dict[str, Mesh]:
                        for g in m.groups)
         out[k] = replace(m, axes=axes, groups=groups, flops_per_s=mean("flops_per_s"),
                          mem_bandwidth_bytes_per_s=mean("mem_bandwidth_bytes_per_s"), op_overhead_s=mean("op_overhead_s"),
-                         recompute_op_overhead_s=mean("recompute_op_overhead_s"))
+                         recompute_op_overhead_s=mean("recompute_op_overhead_s"), recompute_region_s=mean("recompute_region_s"))
     return out
 
 

@@ -57,8 +57,9 @@ def _held_out(rank: int, world: int, _) -> tuple[dict, dict]:
     t_mm, t_chain, t_ckpt, *t_colls = time_ops(fns, CPU, 5, None)
     ratios = {"mm 384x128x192": (compute_time_s(2 * 384 * 128 * 192, 4 * 384 * 192, mesh) + over) / t_mm,
               "100 tiny ops": 100 * over / t_chain,
-              # 100 ops forward and backward, and the 49 in the region again with checkpointing's own cost
-              "100 tiny ops, 49 recomputed": (100 * over + 49 * (over + mesh.recompute_op_overhead_s)) / t_ckpt}
+              # 100 ops forward and backward, and the 49 in the region again with checkpointing's own costs
+              "100 tiny ops, 49 recomputed":
+                  (100 * over + 49 * (over + mesh.recompute_op_overhead_s) + mesh.recompute_region_s) / t_ckpt}
     # compute + collective as a whole (a difference of two noisy times would be noise itself)
     pred_compute = 3 * (compute_time_s(2 * 256 * 192 * 320, 4 * 256 * 320, mesh) + over)
     for (name, (pred, _)), t in zip(colls.items(), t_colls):
@@ -79,7 +80,7 @@ def test_calibrate_predicts_held_out_ops_and_collectives():
         assert ax.size == 2 and mesh.hardware == "calibrated"
         assert {c.kind for c in ax.per_kind} == {"all_reduce", "all_gather", "reduce_scatter", "all_to_all"}
         assert 0 < mesh.op_overhead_s < 1e-3 and 1e8 < mesh.flops_per_s < 1e13
-        assert 0 <= mesh.recompute_op_overhead_s < 1e-3 and ax.scalar_alpha_s is not None
+        assert 0 <= mesh.recompute_op_overhead_s < 1e-3 and 0 <= mesh.recompute_region_s < 5e-3 and ax.scalar_alpha_s is not None
         ratios = results[0][1]
         attempts.append(ratios)
         if all(abs(math.log(r)) <= math.log(FACTOR) for r in ratios.values()):

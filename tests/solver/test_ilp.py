@@ -401,6 +401,27 @@ def test_a_rebuild_holds_a_reshards_buffers_beside_what_it_rebuilt_before_it():
         assert sol.assignment.choice[into] == (0 if fits else 1) and sol.memory.total_bytes == 160 * MB
 
 
+def test_each_layer_with_recomputed_work_pays_one_checkpoint_region():
+    """Layers h.0 (a1, a2) and h.1 (b) save 10 MB per node beside a's 100 MB and its 30 MB scratch (the step's
+    largest transient, whatever is rebuilt): 141 MB needs two nodes recomputed. a1 and a2 cost 1.2 ms each to
+    recompute, b 1 ms: without a region cost a1 + b (2.2 ms) beats a1 + a2 (2.4 ms). At 0.5 ms per region,
+    a1 + b opens two regions (3.2 ms) and a1 + a2 one (2.9 ms). A tied class standing for 3 layers pays 3."""
+    a = Node("a", (Option("a", compute_s=1e-3, saved_bytes=100 * MB, temp_bytes=30 * MB),))
+    a1, a2 = (Node(n, (Option(n, compute_s=1e-3, recompute_s=1.2e-3, saved_bytes=10 * MB),), recomputable=True, region="h.0")
+              for n in ("a1", "a2"))
+    b = Node("b", (Option("b", compute_s=1e-3, recompute_s=1e-3, saved_bytes=10 * MB),), recomputable=True, region="h.1")
+    problem = Problem((a, a1, a2, b), (), 141 * MB)
+    recompute = solve_problem(problem).assignment.recompute
+    assert recompute[3] and recompute[1] + recompute[2] == 1  # one of a1, a2 (equal) and b
+    regions = dataclasses.replace(problem, region_s=0.5e-3)
+    sol = solve_problem(regions)
+    assert sol.assignment.recompute == (False, True, True, False)
+    assert sol.time.recompute_s == pytest.approx(2.9e-3) == evaluate(regions, sol.assignment)[1].recompute_s
+    assert evaluate(regions, Assignment.of([0] * 4, recompute=[1, 3]))[1].recompute_s == pytest.approx(3.2e-3)
+    tied = dataclasses.replace(regions, nodes=(a, a1, a2, dataclasses.replace(b, copies=3)))
+    assert evaluate(tied, Assignment.of([0] * 4, recompute=[3]))[1].recompute_s == pytest.approx(1e-3 + 3 * 0.5e-3)
+
+
 def test_a_recomputed_node_pays_its_input_reshards_forward_again():
     """b's input reshard (2 ms: 1 ms forward, 1 ms backward) sits in b's checkpoint region: recomputing b
     (the only way to fit) runs its forward again, 0.5 + 1 ms of recompute by hand."""

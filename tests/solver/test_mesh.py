@@ -33,7 +33,8 @@ def test_json_round_trip_of_calibrated_fields_and_old_files():
     ax = replace(make_mesh(4, hardware="cpu").axes[0],
                  per_kind=(LinkCost("all_reduce", 1.4e-3, 3.5e8), LinkCost("reduce_scatter", 2.3e-3, 1.2e8)),
                  scalar_alpha_s=3e-4)
-    m = replace(make_mesh(4, hardware="cpu"), axes=(ax,), op_overhead_s=1.2e-5, recompute_op_overhead_s=3.5e-5)
+    m = replace(make_mesh(4, hardware="cpu"), axes=(ax,), op_overhead_s=1.2e-5, recompute_op_overhead_s=3.5e-5,
+                recompute_region_s=9e-5)
     assert Mesh.from_json(m.to_json()) == m
     assert m.with_shape((2, 2)).axes[1].per_kind == ax.per_kind  # relayout keeps the measured links
     # a measured group over both axes of a 2x2 layout survives renaming its axes, not another layout
@@ -48,11 +49,11 @@ def test_json_round_trip_of_calibrated_fields_and_old_files():
         assert load_mesh(f.name) == mesh
     # files written before the fields existed load with their defaults
     old = m.to_json()
-    for key in ("op_overhead_s", "recompute_op_overhead_s", "groups"):
+    for key in ("op_overhead_s", "recompute_op_overhead_s", "recompute_region_s", "groups"):
         del old[key]
     del old["axes"][0]["per_kind"]
     del old["axes"][0]["scalar_alpha_s"]
     assert Mesh.from_json(old) == replace(m, axes=(replace(ax, per_kind=(), scalar_alpha_s=None),), op_overhead_s=0.0,
-                                          recompute_op_overhead_s=0.0)
-    with pytest.raises(ValueError, match="op_overhead_s must be >= 0"):
+                                          recompute_op_overhead_s=0.0, recompute_region_s=0.0)
+    with pytest.raises(ValueError, match="recompute_region_s must be >= 0"):
         replace(m, op_overhead_s=-1.0)
