@@ -98,7 +98,8 @@ _MS = 1e3
 _GIB = float(2**30)
 # Tie-break: among equally fast plans prefer the leaner one (1 us per GiB: far below any real time difference).
 _TIE_MS_PER_GIB = 1e-3
-_MEMORY_SLACK_BYTES = 4096.0
+# the memory row asks for this much less than the budget (HiGHS' feasibility tolerance, see add_memory_limit)
+MEMORY_SLACK_BYTES = 4096.0
 # HiGHS' own default relative MIP gap: "optimal" means within 0.01% of the best possible step time.
 DEFAULT_GAP = 1e-4
 
@@ -528,7 +529,7 @@ class _Model:
         if self.problem.budget_bytes is not None:
             # HiGHS may overshoot a row by its MIP feasibility tolerance (1e-6 GiB, ~1 KiB; seen: 1,034 bytes over
             # the row): ask for 4 KiB less
-            self.prob += _affine(self.memory_terms) <= (self.problem.budget_bytes - _MEMORY_SLACK_BYTES) / _GIB, "memory"
+            self.prob += _affine(self.memory_terms) <= (self.problem.budget_bytes - MEMORY_SLACK_BYTES) / _GIB, "memory"
 
     def assignment(self) -> Assignment:
         choice = tuple(max(range(len(xs)), key=lambda s: xs[s].varValue or 0.0) for xs in self.x)

@@ -23,6 +23,7 @@ from torch.utils import _pytree as pytree
 from autopar.api import parallelize
 from autopar.profiler.measure import block_paths, make_optimizer
 from autopar.runtime.calibrate import calibrate
+from autopar.solver.ilp import MEMORY_SLACK_BYTES
 from autopar.solver.mesh import LinkCost, Mesh, MeshAxis
 from autopar.solver.plan import Plan
 from autopar.solver.plan_io import plan_from_json, plan_to_json
@@ -90,11 +91,13 @@ def _plan_key(plan: Plan) -> str:
 
 
 def _budgets(predicted: list[float], max_budgets: int) -> list[float]:
-    """Distinct predicted baseline memories, largest first: from 'all fit' to 'only the most sharded fits'."""
+    """Distinct predicted baseline memories, largest first: from 'all fit' to 'only the most sharded fits'.
+    Each with the ILP's slack on top (`MEMORY_SLACK_BYTES`), so the baseline's own plan is one autopar may choose."""
     out: list[float] = []
     for b in sorted(predicted, reverse=True):
         if not out or b < out[-1] * (1 - BUDGET_MERGE):
             out.append(b)
+    out = [b + MEMORY_SLACK_BYTES for b in out]
     return out[:max_budgets] if max_budgets else out
 
 
