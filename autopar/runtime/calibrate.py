@@ -265,10 +265,12 @@ def _device_numbers(device: torch.device, reps: int, group) -> tuple[float, floa
         return run
 
     def plain(ops: int) -> Callable[[], None]:
-        return lambda: saving_chain(ops)(x).sum().backward()
+        run = saving_chain(ops)
+        return lambda: run(x).sum().backward()
 
     def recomputed(ops: int) -> Callable[[], None]:
-        return lambda: checkpointed(saving_chain(ops), x).sum().backward()
+        run = saving_chain(ops)  # one region called again and again, as in a step (its first call learns its outputs)
+        return lambda: checkpointed(run, x).sum().backward()
 
     mats = [(torch.randn(m, k, device=device), torch.randn(k, n, device=device)) for m, k, n in _MATMULS]
 

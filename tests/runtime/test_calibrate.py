@@ -34,11 +34,12 @@ def _held_out(rank: int, world: int, _) -> tuple[dict, dict]:
             h = torch.sin(h)
         h.sum().backward()
 
+    def body(h: torch.Tensor) -> torch.Tensor:
+        for _ in range(49):
+            h = torch.sin(h)
+        return h
+
     def recomputed() -> None:  # the same 49 sin in one checkpoint region (codegen's runner): recomputed in backward
-        def body(h: torch.Tensor) -> torch.Tensor:
-            for _ in range(49):
-                h = torch.sin(h)
-            return h
         checkpointed(body, x).sum().backward()
 
     c, d = torch.randn(256, 192), torch.randn(192, 320)
