@@ -57,24 +57,26 @@ def interpret_requested() -> bool:
     return os.environ.get("TRITON_INTERPRET", "").strip().lower() in _TRUE
 
 
-def _unusable_reason(tensors: Iterable[torch.Tensor]) -> str | None:
-    """Why the Triton path cannot run on these tensors, or None when it can."""
+def _unusable_reason(tensors: list[torch.Tensor]) -> str:
+    """Why the Triton path cannot run on these tensors (`_usable` or triton's import said no)."""
     if not triton_importable():
         return "triton is not importable (install the 'kernels' extra)"
-    tensors = list(tensors)
     bad = sorted({str(t.dtype) for t in tensors if t.dtype not in TRITON_DTYPES})
     if bad:
         return f"dtype {', '.join(bad)} has no Triton kernel (supported: float32, float16, bfloat16)"
-    devices = {t.device.type for t in tensors}
+    devices = sorted({t.device.type for t in tensors})
     if interpret_requested():
         # The interpreter runs on host memory; our kernels also read raw addresses from
         # pointer tables, which the interpreter cannot move off a GPU. So CPU tensors only.
-        if devices <= {"cpu"}:
-            return None
-        return f"TRITON_INTERPRET is set but tensors are on {sorted(devices)} (the interpreter needs cpu)"
-    if devices <= {"cuda"}:
-        return None
-    return f"tensors are on {sorted(devices)}: compiled Triton needs cuda (or set TRITON_INTERPRET=1 for cpu)"
+        return f"TRITON_INTERPRET is set but tensors are on {devices} (the interpreter needs cpu)"
+    return f"tensors are on {devices}: compiled Triton needs cuda (or set TRITON_INTERPRET=1 for cpu)"
+
+
+def _usable(tensors: list[torch.Tensor]) -> bool:
+    """The rule's conditions on the tensors in one pass (a bucket's dozens of gradients, every
+    backward): the full reason is only spelled out when impl="triton" needs it."""
+    device = "cpu" if interpret_requested() else "cuda"
+    return all(t.dtype in TRITON_DTYPES and t.device.type == device for t in tensors)
 
 
 def use_triton(impl: Impl, tensors: Iterable[torch.Tensor], op: str) -> bool:
@@ -83,11 +85,11 @@ def use_triton(impl: Impl, tensors: Iterable[torch.Tensor], op: str) -> bool:
         return False
     if impl not in ("auto", "triton"):
         raise ValueError(f"{op}: impl must be 'auto', 'triton' or 'torch', got {impl!r}")
-    reason = _unusable_reason(tensors)
-    if reason is None:
+    tensors = list(tensors)
+    if _usable(tensors) and triton_importable():  # tensors first: CPU runs never pay triton's import
         return True
     if impl == "triton":
-        raise TritonUnavailableError(f"{op}: impl='triton' but {reason}")
+        raise TritonUnavailableError(f"{op}: impl='triton' but {_unusable_reason(tensors)}")
     return False
 
 
