@@ -36,6 +36,7 @@ from torch.utils import _pytree as pytree
 
 from autopar.codegen import random as random_ops
 from autopar.codegen.edges import Edge, Step, edge_for, plan_steps, sharded_axes
+from autopar.codegen.fused_loss import fuse_cross_entropy_sums
 from autopar.codegen.python_calls import bind_python_calls
 from autopar.codegen.recompute import layer_key, outline_recompute_regions
 from autopar.codegen.schedule import start_collectives_early
@@ -319,6 +320,7 @@ class _Lowerer:
         layers = {n.name: layer_key(module_path(n)) for n in self.traced.graph.nodes}
         outline_recompute_regions(self.graph, self.root, recompute, self.origin, layers)
         start_collectives_early(self.graph)
+        fuse_cross_entropy_sums(self.graph)
         gm = fx.GraphModule(self.root, self.graph, class_name="ParallelGraph")
         bind_python_calls(gm, self.nodes, self.origin)  # last: every pass above reads ATen targets
         gm.meta["autopar"] = LoweringInfo(storage, sync_axes, buffer_specs, tuple(fed_specs), dp_axes, aliases, self.input_layout)
