@@ -41,8 +41,8 @@ def _zero(node: object) -> bool:
 
 def _match(total: fx.Node) -> tuple[fx.Node, fx.Node, int, list[fx.Node]] | None:
     """(logp, target, ignore_index, the chain's nodes) when `total` sums an unfolded cross-entropy."""
-    if not (_is(total, aten.sum.default) or (_is(total, aten.sum.dim_IntList) and list(total.args[1]) == [])):
-        return None
+    if not (_is(total, aten.sum.default) or (_is(total, aten.sum.dim_IntList) and not total.args[1])):
+        return None  # `dim` [] or None: a sum over everything
     if total.kwargs or len(total.args) > 2:
         return None  # a dtype or keepdim: not the plain sum the decomposition writes
     kept = total.args[0]

@@ -18,13 +18,14 @@ collectives in the same order. A callback queued on the autograd engine waits fo
 of them when backward ends (or call `finish()`); a bucket some of whose grads were
 never produced is launched there with zeros for them, since the peers may have them.
 Packing into the flat bucket is one concatenation (torch's C++ flatten), or
-`kernels.pack` when the bucket is cast for the wire (cast and copy in one pass). Once summed, the bucket becomes the grads: each `.grad` is set to a view
-of it and the local grads are freed (like DDP's `gradient_as_bucket_view`, but for
-the synced result only); a bucket cast for the wire is unpacked instead
-(`kernels.unpack`). A bucket's flat buffer is allocated at its launch: kept between
-steps it would be a second copy of every synced grad alive through forward (3.2 MB
-of 22 MB on a small GPT-2), which the solver's memory model does not (and should
-not) count; as the grads' storage it lives exactly as long as they do.
+`kernels.pack` when the bucket is cast for the wire (cast and copy in one pass).
+Once summed, the bucket becomes the grads: each `.grad` is set to a view of it and
+the local grads are freed (like DDP's `gradient_as_bucket_view`, but for the synced
+result only); a bucket cast for the wire is unpacked instead (`kernels.unpack`).
+A bucket's flat buffer is allocated at its launch: kept between steps it would be a
+second copy of every synced grad alive through forward (3.2 MB of 22 MB on a small
+GPT-2), which the solver's memory model does not (and should not) count; as the
+grads' storage it lives exactly as long as they do.
 
 Gradient accumulation: a grad is SUMMED over ranks, so a backward may only reduce its
 own contribution (DDP averages, for which re-reducing an already-synced grad is
