@@ -4,7 +4,7 @@ Core-ATen decomposition writes `nll_loss_forward(logp, target, reduction=mean, i
 a mask, two `where`s, an `unsqueeze`/`gather`/`squeeze` to pick each row's target, a `neg` and
 two sums (the losses' and the kept rows' count), then their quotient. The solver needs the sum
 and the count apart: a global mean all-reduces both (`runtime.deferred_loss`). Run as written,
-the sum is nine calls in forward and six autograd nodes in backward where eager runs one of each.
+the sum is nine calls in forward and five autograd nodes in backward where eager runs one of each.
 So codegen puts the sum back as `nll_loss_forward(logp, target, None, reduction=sum,
 ignore_index)[0]`, the same value: the sum over the rows whose target is not `ignore_index` of
 `-logp[row, target[row]]` (its second output, the count, is not used: the graph's own count stays,
@@ -41,10 +41,11 @@ def _zero(node: object) -> bool:
 
 def _match(total: fx.Node) -> tuple[fx.Node, fx.Node, int, list[fx.Node]] | None:
     """(logp, target, ignore_index, the chain's nodes) when `total` sums an unfolded cross-entropy."""
-    if not (_is(total, aten.sum.default) or (_is(total, aten.sum.dim_IntList) and not total.args[1])):
-        return None  # `dim` [] or None: a sum over everything
     if total.kwargs or len(total.args) > 2:
         return None  # a dtype or keepdim: not the plain sum the decomposition writes
+    whole = _is(total, aten.sum.dim_IntList) and len(total.args) == 2 and not total.args[1]
+    if not (_is(total, aten.sum.default) or whole):
+        return None  # `dim` [] or None: a sum over everything
     kept = total.args[0]
     if not (_is(kept, aten.where.self) and _only_user(kept, total) and _zero(kept.args[2])):
         return None
