@@ -38,7 +38,7 @@ from autopar.codegen import random as random_ops
 from autopar.codegen.edges import Edge, Step, edge_for, plan_steps, sharded_axes
 from autopar.codegen.fused_loss import fuse_cross_entropy_sums
 from autopar.codegen.python_calls import bind_python_calls
-from autopar.codegen.recompute import layer_key, outline_recompute_regions
+from autopar.codegen.recompute import outline_recompute_regions
 from autopar.codegen.schedule import start_collectives_early
 from autopar.codegen.shapes import LoweringError, local_block, localize_call
 from autopar.codegen.zero import regather_zero_params
@@ -47,6 +47,7 @@ from autopar.runtime.batch import batch_size_of, check_divisible, fed_spec
 from autopar.runtime.deferred_loss import deferred_all_reduce, deferred_mean
 from autopar.runtime.mesh import ProcessMesh
 from autopar.solver.plan import Plan
+from autopar.solver.regions import layer_key
 from autopar.solver.spec import Partial, Replicate, Shard, Spec
 from autopar.tracer import TracedGraph, tensor_args
 from autopar.tracer.nodes import is_tensor_node as _is_tensor_node

@@ -26,6 +26,7 @@ from autopar.solver.cost import (bucketed_all_reduce_s, collective_time_s, grad_
                                  split_axes, split_factor, strategy_cost, sync_latency_s)
 from autopar.gc_pause import gc_paused
 from autopar.solver.mesh import Mesh
+from autopar.solver.regions import layer_key, region_cuts
 from autopar.solver.reshard import reshard_buffer_bytes, reshard_cost
 from autopar.solver.spec import Replicate, Shard, Spec, Strategy
 from autopar.solver.strategies import strategy_inputs
@@ -147,6 +148,17 @@ class Edge:
         return self._at(self.zero_saving_s, i, j)
 
 
+class RegionCut(NamedTuple):
+    """Recomputed both, `second` opens another checkpoint region after `first`'s (kept work between them reads
+    first's and feeds second), unless a node of `joins` (on a path from first to second) is recomputed too, which
+    carries the region on, or a node of `between` (after first in graph order, before second) opened one already,
+    which left first in an earlier region. Nodes are problem node indices of one layer."""
+    first: int
+    second: int
+    joins: tuple[int, ...]
+    between: tuple[int, ...]
+
+
 @dataclass(frozen=True)
 class Problem:
     nodes: tuple[Node, ...]
@@ -160,8 +172,10 @@ class Problem:
     # (u, v): v reads u's output across a layer boundary; recomputed, v is in another checkpoint region than
     # u, which saves u's output as its input: recomputing u then frees nothing, so the ILP never does both
     region_inputs: tuple[tuple[int, int], ...] = ()
-    # fixed cost of a layer's checkpoint region (`Mesh.recompute_region_s`), paid once per layer with recomputed
-    # nodes (times the layers a tied class stands for): codegen outlines at least one region per such layer
+    # pairs of one layer's nodes that fall into two checkpoint regions (`regions.region_cuts`), by `second`'s graph order
+    region_cuts: tuple[RegionCut, ...] = ()
+    # fixed cost of a checkpoint region (`Mesh.recompute_region_s`), paid once per layer with recomputed nodes and
+    # once more per split (`region_cuts`), times the layers a tied class stands for (`ilp.checkpoint_regions`)
     region_s: float = 0.0
 
     def __post_init__(self) -> None:
@@ -357,7 +371,7 @@ class _Pricer:
         source = self.nodes[name]
         saved = self.costs[name].saved_outputs
         return (source.op == "call_function" and not (index < len(saved) and saved[index])
-                and _layer_of(module_path(source)) != _layer_of(module_path(consumer)))
+                and layer_key(module_path(source)) != layer_key(module_path(consumer)))
 
     def _fed(self, node) -> tuple:
         """(global shape, itemsize) of a user input as fed: each rank its rows, Shard(0) on every mesh
@@ -585,7 +599,7 @@ def build_problem(
         # a parameter's layer is its FQN's: the ILP counts a ZeRO parameter as gathered while its layer is rebuilt
         path = traced.param_fqns.get(leader.name) or module_path(leader)
         nodes.append(Node(leader.name, tuple(class_opts[cls]), recomputable=leader.op == "call_function",
-                          region=_layer_of(path), copies=len(members)))
+                          region=layer_key(path), copies=len(members)))
     groups = sorted(frozenset().union(*(o.sync_groups for n in nodes for o in n.options)))
     # a consumer whose backward keeps a producer's output (the profiler's saved_refs) must be recomputed with it
     cls = {name: grouping.class_of[c] for name, c in grouping.cluster_of.items()}
@@ -596,9 +610,9 @@ def build_problem(
                if n.op == "call_function" and not pricer.is_view(n) for ref in facts.arg_refs[n.name])
     crossing = {(cls[p.name], cls[n.name]) for n, p in sources
                 if p.op == "call_function" and p.name in cls and n.name in cls and cls[p.name] != cls[n.name]
-                and _layer_of(module_path(p)) != _layer_of(module_path(n))}
+                and layer_key(module_path(p)) != layer_key(module_path(n))}
     problem = Problem(tuple(nodes), tuple(edges), budget_bytes, tuple((g, sync_latency_s(mesh, g)) for g in groups),
-                      tuple(sorted(together)), tuple(sorted(crossing)), mesh.recompute_region_s)
+                      tuple(sorted(together)), tuple(sorted(crossing)), _cuts(traced, nodes, cls, together), mesh.recompute_region_s)
     return BuiltProblem(problem, grouping, strategies, dict(pricer.storage), len(grouping.cluster_of))
 
 
@@ -624,14 +638,49 @@ def grouping_choice(cluster: Cluster, node: str, option: int) -> int:
     return cluster.choices[option][cluster.members.index(node)]
 
 
-def _layer_of(path: str) -> str:
-    """The repeated layer a module path belongs to: the same rule as `codegen.recompute.layer_key`, which
-    outlines the recompute regions (not imported: the solver does not depend on codegen)."""
-    parts = path.split(".")
-    for i, part in enumerate(parts):
-        if part.isdigit():
-            return ".".join(parts[:i + 1])
-    return parts[0]
+def _cuts(traced: TracedGraph, nodes: list[Node], cls: Mapping[str, int], together: set[tuple[int, int]]
+          ) -> tuple[RegionCut, ...]:
+    """`Problem.region_cuts`, per layer over the classes the ILP may recompute there (those that save something,
+    or keep another's output): each class's traced nodes in the layer it is priced for (a tied class, its leader's).
+    The runs are found over the graph from the layer's first such node to its last, other layers' nodes included:
+    a layer need not be contiguous (GPT-2's top level holds the position ids and the loss)."""
+    ops = [n for n in traced.graph.nodes if n.op == "call_function"]
+    layer = {n.name: layer_key(module_path(n)) for n in ops}
+    keepers = {v for _, v in together}
+    units: dict[str, dict[int, list[int]]] = {}  # layer -> class -> positions in `ops` of its nodes there
+    for i, n in enumerate(ops):
+        c = cls.get(n.name)
+        if c is not None and nodes[c].recomputable and nodes[c].region == layer[n.name] and (
+                c in keepers or any(o.saved_bytes > 0 for o in nodes[c].options)):
+            units.setdefault(layer[n.name], {}).setdefault(c, []).append(i)
+    cuts = []
+    for by_class in units.values():
+        order = list(by_class)
+        first = min(i for positions in by_class.values() for i in positions)
+        last = max(i for positions in by_class.values() for i in positions)
+        named = [[ops[i].name for i in by_class[c]] for c in order]
+        reach = _reachable_units(ops[first:last + 1], named)
+        for i, j in sorted(region_cuts(ops[first:last + 1], named, layer), key=lambda pair: (pair[1], pair[0])):
+            on_path = tuple(order[m] for m in range(i + 1, j) if m in reach[i] and j in reach[m])
+            cuts.append(RegionCut(order[i], order[j], on_path, tuple(order[i + 1:j])))
+    return tuple(cuts)
+
+
+def _reachable_units(span: list[fx.Node], units: list[list[str]]) -> list[set[int]]:
+    """Per unit, the other units some node of which reads it, directly or through other nodes of `span`."""
+    unit_of = {name: k for k, names in enumerate(units) for name in names}
+    inside = set(span)
+    reach = []
+    for k, names in enumerate(units):
+        seen: set[fx.Node] = set()
+        stack = [n for n in span if n.name in names]
+        while stack:
+            for user in stack.pop().users:
+                if user in inside and user not in seen:
+                    seen.add(user)
+                    stack.append(user)
+        reach.append({unit_of[n.name] for n in seen if n.name in unit_of} - {k})
+    return reach
 
 
 def _classes(keys: list) -> list[int]:
