@@ -22,10 +22,10 @@ Packing into the flat bucket is one concatenation (torch's C++ flatten), or
 Once summed, the bucket becomes the grads: each `.grad` is set to a view of it and
 the local grads are freed (like DDP's `gradient_as_bucket_view`, but for the synced
 result only); a bucket cast for the wire is unpacked instead (`kernels.unpack`).
-A bucket's flat buffer is allocated at its launch: kept between steps it would be a
-second copy of every synced grad alive through forward (3.2 MB of 22 MB on a small
-GPT-2), which the solver's memory model does not (and should not) count; as the
-grads' storage it lives exactly as long as they do.
+A bucket's flat buffer is allocated at its launch and, as the grads' storage, lives
+exactly as long as they do: `zero_grad(set_to_none=True)` frees it. Kept between steps
+it would hold the synced grads' bytes through forward too (the solver counts gradients
+for the whole step either way; the measured peak of forward would not drop).
 
 Gradient accumulation: a grad is SUMMED over ranks, so a backward may only reduce its
 own contribution (DDP averages, for which re-reducing an already-synced grad is
