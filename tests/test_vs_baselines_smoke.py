@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import math
+import statistics
 import sys
 from pathlib import Path
 
@@ -14,7 +15,7 @@ from autopar.runtime.launch import run_ranks  # noqa: E402
 from autopar.solver.ilp import MEMORY_SLACK_BYTES  # noqa: E402
 from benchmarks._common import load_example  # noqa: E402
 from benchmarks.baselines.bench import Case, run_model  # noqa: E402
-from benchmarks.baselines.report import budget_rows, explain_miss, format_model, spearman, spread  # noqa: E402
+from benchmarks.baselines.report import budget_rows, explain_miss, format_model, ratio_interval, spearman, spread  # noqa: E402
 
 SYSTEMS = ("ddp", "ddp+ac", "fsdp", "fsdp+ac", "tp", "tp+ac")
 
@@ -49,6 +50,26 @@ def test_a_miss_is_explained_from_the_prices_and_the_spread():
     # priced as DDP once its loss all-reduce is set aside: the same plan, so runtime overhead
     same = ModelResult(Case("gpt2"), {}, (ddp,), {"autopar#0": replace(plan, predicted_s=0.012)}, (BudgetResult(6e6, "autopar#0"),))
     assert "runtime overhead" in explain_miss(same, budget_rows(same)[0]) and "ranked" not in explain_miss(same, budget_rows(same)[0])
+
+
+def test_the_ratio_interval_says_whether_a_miss_is_beyond_noise():
+    """Bootstrap of the ratio of medians: identical steps give an interval around 1.0, steps all twice as long one
+    around 2.0; a 5% gap under a 15% spread stays within noise, a doubling is beyond it."""
+    from benchmarks.baselines.bench import BudgetResult, ModelResult, SystemResult
+
+    steps = tuple(0.010 + 0.0001 * ((7 * i) % 30) for i in range(30))  # 10-12.9 ms, a 15% spread
+    base = SystemResult("ddp", (4,), 0.010, 5e6, statistics.median(steps), int(4.8e6), steps)
+    same = SystemResult("autopar#0", (4,), 0.010, 5e6, statistics.median(steps), int(4.8e6), steps)
+    lo, hi = ratio_interval(same, base)
+    assert lo < 1.0 < hi and ratio_interval(same, base) == (lo, hi)  # seeded
+    double = SystemResult("autopar#0", (4,), 0.010, 5e6, 2 * statistics.median(steps), int(4.8e6), tuple(2 * t for t in steps))
+    lo2, hi2 = ratio_interval(double, base)
+    assert 1.6 < lo2 <= 2.0 <= hi2 < 2.5
+    slower = SystemResult("autopar#0", (4,), 0.010, 5e6, 1.05 * statistics.median(steps), int(4.9e6), tuple(1.05 * t for t in steps))
+    result = ModelResult(Case("gpt2"), {}, (base,), {"autopar#0": slower}, (BudgetResult(6e6, "autopar#0"),))
+    assert "within noise" in explain_miss(result, budget_rows(result)[0])
+    result2 = ModelResult(Case("gpt2"), {}, (base,), {"autopar#0": double}, (BudgetResult(6e6, "autopar#0"),))
+    assert "beyond noise" in explain_miss(result2, budget_rows(result2)[0])
 
 
 @pytest.mark.timeout(120)
