@@ -9,7 +9,7 @@ from tests.codegen.harness import EPS, LR, local_sample, loss_of, reference, tra
 from tests.codegen.plans import load_zoo
 
 from autopar.api import parallelize
-from autopar.errors import PlanMismatchError
+from autopar.errors import InfeasibleError, PlanMismatchError
 from autopar.profiler import profile
 from autopar.solver import solve
 from autopar.solver.mesh import make_mesh
@@ -52,7 +52,11 @@ def test_solver_plan_tight_budget_saves_memory_and_matches_single_device():
     traced = trace_model(model, sample)
     generous = solve(traced, profile(traced), make_mesh(2, (2,), "cpu"))
     assert not any(p.zero for p in generous.params) and not generous.recomputed()  # the replicated plan fits a generous budget
-    budget = 0.5 * generous.memory.total_bytes  # below what the replicated plan needs
+    with pytest.raises(InfeasibleError) as nothing_fits:
+        solve(traced, profile(traced), make_mesh(2, (2,), "cpu"), memory_budget_bytes=1.0)
+    least = nothing_fits.value.min_memory_bytes
+    assert least < generous.memory.total_bytes
+    budget = least + 0.25 * (generous.memory.total_bytes - least)  # fits some plan, not the replicated one
     ref = reference(model, sample, 3)
     results = run_ranks(_train, 2, model, sample, budget, ref, timeout_s=180)
     for losses, zero, recomputed, total_bytes in results:

@@ -43,7 +43,7 @@ from autopar.profiler.types import NodeCost
 from autopar.solver.mesh import COLLECTIVE_KINDS, LinkCost, Mesh, MeshAxis
 from autopar.solver.spec import Replicate, Strategy
 
-__all__ = ["bucket_latency_share", "bucketed_all_reduce_s", "collective_time_s", "compute_time_s", "flat_axis", "forward_time_s",
+__all__ = ["bucket_latency_share", "bucketed_all_reduce_s", "bucketed_sync_s", "collective_time_s", "compute_time_s", "flat_axis", "forward_time_s",
            "grad_sync_groups", "input_partial_axes", "launches", "recompute_time_s", "split_factor", "strategy_cost", "sync_latency_s"]
 
 
@@ -185,7 +185,7 @@ def strategy_cost(
     if _has_backward(node_cost):
         compute += compute_time_s(node_cost.bwd_flops / factor, 2 * out_local_bytes, mesh) + bwd_launches * mesh.op_overhead_s
     comm = 0.0
-    for spec, nbytes, in_bucket, partial in _partial_grads(node_cost, strategy, mesh, in_bytes, bucketed):
+    for _, spec, nbytes, in_bucket, partial in _partial_grads(node_cost, strategy, mesh, in_bytes, bucketed):
         local = nbytes / spec.shard_factor(mesh.shape)
         if in_bucket:
             comm += bucketed_all_reduce_s(local, mesh, partial)
@@ -200,18 +200,27 @@ def bucketed_all_reduce_s(local_bytes: float, mesh: Mesh, axes: tuple[int, ...])
     return collective_time_s("all_reduce", local_bytes, flat_axis(mesh, axes), bucket_latency_share(local_bytes, GRAD_BUCKET_BYTES))
 
 
+def bucketed_sync_s(node_cost: NodeCost, strategy: Strategy, mesh: Mesh, in_bytes: Sequence[float],
+                    bucketed: Sequence[bool]) -> dict[int, float]:
+    """Per input whose gradient goes to the bucketed sync: its part of `strategy_cost`'s comm (what a parameter
+    shared by several nodes is charged by each, `problem.SharedSync`)."""
+    return {index: bucketed_all_reduce_s(nbytes / spec.shard_factor(mesh.shape), mesh, partial)
+            for index, spec, nbytes, in_bucket, partial in _partial_grads(node_cost, strategy, mesh, in_bytes, bucketed)
+            if in_bucket}
+
+
 def grad_sync_groups(node_cost: NodeCost, strategy: Strategy, mesh: Mesh, in_bytes: Sequence[float] | None,
                      bucketed: Sequence[bool] | None) -> frozenset[tuple[int, ...]]:
     """The axis groups over which the bucketed sync all-reduces the node's parameter gradients (see
     `strategy_cost`'s arguments): each group a plan uses pays `sync_latency_s` once."""
-    return frozenset(partial for _, _, in_bucket, partial in _partial_grads(node_cost, strategy, mesh, in_bytes, bucketed)
+    return frozenset(partial for _, _, _, in_bucket, partial in _partial_grads(node_cost, strategy, mesh, in_bytes, bucketed)
                      if in_bucket)
 
 
 def _partial_grads(node_cost: NodeCost, strategy: Strategy, mesh: Mesh, in_bytes: Sequence[float] | None,
                    bucketed: Sequence[bool] | None) -> list[tuple]:
-    """(input spec, global bytes, whether it is a bucketed parameter gradient, axes its gradient is partial
-    on) of every input whose gradient needs an all-reduce: Replicate on an axis the node is split on."""
+    """(input index, input spec, global bytes, whether it is a bucketed parameter gradient, axes its gradient is
+    partial on) of every input whose gradient needs an all-reduce: Replicate on an axis the node is split on."""
     if in_bytes is None or not _has_backward(node_cost):
         return []
     flags = bucketed if bucketed is not None else [False] * len(in_bytes)
@@ -219,7 +228,7 @@ def _partial_grads(node_cost: NodeCost, strategy: Strategy, mesh: Mesh, in_bytes
     for index, (spec, nbytes, in_bucket) in enumerate(zip(strategy.input_specs, in_bytes, flags)):
         partial = input_partial_axes(node_cost, strategy, len(mesh.shape), index)
         if partial:
-            out.append((spec, nbytes, in_bucket, partial))
+            out.append((index, spec, nbytes, in_bucket, partial))
     return out
 
 

@@ -32,6 +32,9 @@ Constraint families (each PuLP constraint is named after its family):
   zero_saving_gate_{k} zs[k] <= M sum_g z[src,g]   a consumer split over src's ZeRO axes pays, which src's ZeRO
                       reduce-scatter takes over; the objective subtracts zs[k]; M = max saving[k])
   sync_{g}_{v}        u[g] >= sum_{s syncs over g} x[v,s]            (`_add_sync_groups`)
+  shared_sync_{k}_{j} m[k] >= sum_s t[j,s] x[v_j,s]   (a parameter k several nodes' prices send to the bucketed
+                      sync, node v_j's part t[j,s]; the objective adds m[k] - sum_j t[j,.] x: paid once, the
+                      largest; `Problem.shared_syncs`, `_add_shared_syncs`)
   rerun_{k}           w[k] >= sum_{a,b} forward[k,a,b] e[k,a,b] - M (1 - sum_g y[dst,g])   (`_add_reruns`:
                       a recomputed node runs its input reshards again in backward; M = max forward[k])
   replaced_{k}        r[k] >= sum_{a,b} replaced[k,a,b] e[k,a,b] - M (1 - sum_g y[src,g]) - M sum_g y[dst,g]
@@ -197,6 +200,9 @@ def evaluate(problem: Problem, a: Assignment) -> tuple[MemoryBreakdown, TimeBrea
     recompute_s += problem.region_s * checkpoint_regions(problem, a.recompute)
     used = frozenset().union(*(node.options[c].sync_groups for node, c in zip(problem.nodes, a.choice)))
     comm_s += sum(latency_s for g, latency_s in problem.sync_latency_s if g in used)
+    for shared in problem.shared_syncs:  # each consumer's price has its part: the sync sends the sum once
+        charged = [seconds[a.choice[v]] for v, seconds in shared.terms]
+        comm_s += max(charged) - sum(charged)
     return (
         MemoryBreakdown(params, grads, opt, act, temp, problem.budget_bytes),
         TimeBreakdown(compute_s, comm_s, recompute_s),
@@ -269,6 +275,7 @@ class _Model:
         self._add_zero()
         self._add_zero_savings()
         self._add_sync_groups()
+        self._add_shared_syncs()
         self._add_temp()
         if objective == "time":
             terms = self.time_terms + [(var, c * _TIE_MS_PER_GIB) for var, c in self.memory_terms]
@@ -452,6 +459,15 @@ class _Model:
                 members = [s for s, o in enumerate(node.options) if axes in o.sync_groups]
                 if members:
                     self.prob += u >= pulp.lpSum(self.x[v][s] for s in members), f"sync_{g}_{v}"
+
+    def _add_shared_syncs(self) -> None:
+        for k, shared in enumerate(self.problem.shared_syncs):
+            once = pulp.LpVariable(f"shared_sync_{k}", lowBound=0)  # pushed down to the largest consumer's part
+            self.time_terms.append((once, _MS))
+            for j, (v, seconds) in enumerate(shared.terms):
+                terms = [(self.x[v][s], t) for s, t in enumerate(seconds) if t]
+                self.prob += once >= pulp.LpAffineExpression(terms), f"shared_sync_{k}_{j}"
+                self.time_terms.extend((x, -t * _MS) for x, t in terms)
 
     def _add_temp(self) -> None:
         self.temp = pulp.LpVariable("T", lowBound=0)

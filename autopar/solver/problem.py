@@ -22,7 +22,7 @@ from torch import fx
 from autopar.profiler import storage_facts
 from autopar.profiler.types import ConcreteProfile
 from autopar.solver.cluster import Cluster, Grouping, group, singletons
-from autopar.solver.cost import (bucketed_all_reduce_s, collective_time_s, grad_sync_groups, input_partial_axes, recompute_time_s,
+from autopar.solver.cost import (bucketed_all_reduce_s, bucketed_sync_s, collective_time_s, grad_sync_groups, input_partial_axes, recompute_time_s,
                                  split_axes, split_factor, strategy_cost, sync_latency_s)
 from autopar.gc_pause import gc_paused
 from autopar.solver.mesh import Mesh
@@ -159,6 +159,15 @@ class RegionCut(NamedTuple):
     between: tuple[int, ...]
 
 
+class SharedSync(NamedTuple):
+    """A parameter whose gradient several consumers price as bucketed (tied embeddings: the lookup and the
+    output projection). Each consumer's options include the sync of its part, but the sync sends the summed
+    gradient once: the step pays the largest consumer's term, not their sum. `terms`: (problem node,
+    seconds of that sync in the node's price per option)."""
+    param: str
+    terms: tuple[tuple[int, tuple[float, ...]], ...]
+
+
 @dataclass(frozen=True)
 class Problem:
     nodes: tuple[Node, ...]
@@ -177,6 +186,8 @@ class Problem:
     # fixed cost of a checkpoint region (`Mesh.recompute_region_s`), paid once per layer with recomputed nodes and
     # once more per split (`region_cuts`), times the layers a tied class stands for (`ilp.checkpoint_regions`)
     region_s: float = 0.0
+    # parameters whose bucketed gradient sync several nodes' prices include: charged once, the largest
+    shared_syncs: tuple[SharedSync, ...] = ()
 
     def __post_init__(self) -> None:
         for e in self.edges:
@@ -351,6 +362,20 @@ class _Pricer:
             info = self._nodes[name] = (role, cost, outs, ins, param, base)
         return info
 
+    def param_syncs(self, name: str, k: int) -> dict[str, float]:
+        """Per parameter whose gradient node `name` sends to the bucketed sync under its strategy k: the seconds of
+        that sync its option's price includes (`cost.bucketed_sync_s`)."""
+        role, cost, _, ins, _, _ = self._node(name)
+        if role != "call_function":
+            return {}
+        in_bytes, bucketed, _ = ins
+        producers = strategy_inputs(self.nodes[name])
+        out: dict[str, float] = {}
+        for index, seconds in bucketed_sync_s(cost, self.strategies[name][k], self.mesh, in_bytes, bucketed).items():
+            root = _param_root(producers[index][0], self.params, self.costs)
+            out[root] = out.get(root, 0.0) + seconds
+        return out
+
     def is_view(self, node: fx.Node) -> bool:
         """Every output of `node` aliases an input (a view, or a copy the profiler priced as one)."""
         return all(self.facts.aliases.get(node.name, (False,)))
@@ -469,12 +494,14 @@ def build_problem(
         n_opts = len(clusters[members[0]].choices)
         label = lambda i: str(strategies[clusters[members[0]].leader][i])  # noqa: E731
         class_opts.append([_sum([cluster_option(c, i) for c in members], label(i)) for i in range(n_opts)])
+    shared, saved_by = _shared_syncs(traced, strategies, pricer, grouping)
+
     def zero_terms(p: fx.Node, node: fx.Node, index: int, u: int, v: int) -> tuple | None:
         """For an arc from a parameter's cluster (through views) into `node`'s input `index`: per src option, the
         parameter's (ZeRO axes, local bytes) or None (no ZeRO option), and per dst option the axes on which `node`
         gets a partial gradient there. None for any other arc. What `Edge.zero_saving_s` is priced from."""
         root = _param_root(p, pricer.params, pricer.costs)
-        if root is None or grouping.cluster_of[root] != u:
+        if root is None or grouping.cluster_of[root] != u or saved_by.get(root, node.name) != node.name:
             return None
         src = []
         for i in range(len(clusters[u].choices)):
@@ -612,7 +639,8 @@ def build_problem(
                 if p.op == "call_function" and p.name in cls and n.name in cls and cls[p.name] != cls[n.name]
                 and layer_key(module_path(p)) != layer_key(module_path(n))}
     problem = Problem(tuple(nodes), tuple(edges), budget_bytes, tuple((g, sync_latency_s(mesh, g)) for g in groups),
-                      tuple(sorted(together)), tuple(sorted(crossing)), _cuts(traced, nodes, cls, together), mesh.recompute_region_s)
+                      tuple(sorted(together)), tuple(sorted(crossing)), _cuts(traced, nodes, cls, together), mesh.recompute_region_s,
+                      shared)
     return BuiltProblem(problem, grouping, strategies, dict(pricer.storage), len(grouping.cluster_of))
 
 
@@ -636,6 +664,27 @@ def _lift_correction(arc: _Arc, i: int, j: int, mesh: Mesh) -> float:
 
 def grouping_choice(cluster: Cluster, node: str, option: int) -> int:
     return cluster.choices[option][cluster.members.index(node)]
+
+
+def _shared_syncs(traced: TracedGraph, strategies, pricer: _Pricer, grouping: Grouping
+                  ) -> tuple[tuple[SharedSync, ...], dict[str, str]]:
+    """`Problem.shared_syncs`: a parameter whose gradient more than one node's price sends to the bucketed sync,
+    with each such node's part per option of its class (codegen sums the uses' gradients before the sync); and
+    per such parameter its first such node, the one whose edge carries its ZeRO saving (saved once, as paid)."""
+    terms: dict[str, list[tuple[int, tuple[float, ...]]]] = {}
+    first: dict[str, str] = {}
+    for node in traced.graph.nodes:
+        if node.op != "call_function" or node.name not in strategies:
+            continue
+        cluster = grouping.clusters[grouping.cluster_of[node.name]]
+        per_option = [pricer.param_syncs(node.name, grouping_choice(cluster, node.name, i)) for i in range(len(cluster.choices))]
+        for root in set().union(*per_option):
+            seconds = tuple(syncs.get(root, 0.0) for syncs in per_option)
+            if any(seconds):
+                terms.setdefault(root, []).append((grouping.class_of[grouping.cluster_of[node.name]], seconds))
+                first.setdefault(root, node.name)
+    shared = tuple(SharedSync(root, tuple(t)) for root, t in terms.items() if len(t) > 1)
+    return shared, {s.param: first[s.param] for s in shared}
 
 
 def _cuts(traced: TracedGraph, nodes: list[Node], cls: Mapping[str, int], together: set[tuple[int, int]]
