@@ -71,7 +71,7 @@ Objective (time of one step):
   sum (compute + comm)[v,s] x + zero_comm[v,g] z + recompute[v,g] y + sum cost[k,a,b] e[k,a,b] - sum_k zs[k]
   + sum_g sync_latency[g] u[g]   (one gradient bucket's latency per group used, `cost.sync_latency_s`)
   + sum_k w[k] + sum_r region_s copies[r] R_r   (one checkpoint region per layer with recomputed nodes)
-  + sum_v region_s copies[v] o[v]   (and one more per node that opens another: `checkpoint_regions`)
+  + sum_v region_s copies[v] o[v]   (and one more per node that opens another, in each layer it stands for)
   + 1 us per GiB of the memory expression (a tie-break: equally fast plans -> the leaner one)
 For the infeasible report the same model minimises the memory expression instead.
 
@@ -213,7 +213,7 @@ def checkpoint_regions(problem: Problem, recompute: Sequence[bool]) -> int:
     """The checkpoint regions these recompute decisions cost: one per layer with recomputed nodes, and one more per
     node that opens another (`Problem.region_cuts`, taken in graph order); times the layers a tied class stands for.
     Pairs see two recomputed nodes at a time, so kept work that reads two of them is seen through each alone
-    (measured on random recompute sets of six zoo models: the count codegen makes in 67 of 72)."""
+    (measured on random recompute sets of six zoo models: the count codegen makes in 69 of 72, else short)."""
     copies: dict[str, int] = {}  # layer with recomputed nodes -> the layers it stands for: one region each
     for v, node in enumerate(problem.nodes):
         if recompute[v] and node.region is not None:
@@ -222,7 +222,7 @@ def checkpoint_regions(problem: Problem, recompute: Sequence[bool]) -> int:
     for cut in problem.region_cuts:  # in graph order of `second`: whether a node between opened one is known
         if (recompute[cut.first] and recompute[cut.second] and not any(recompute[m] for m in cut.joins)
                 and not any(m in opened for m in cut.between)):
-            opened[cut.second] = max(problem.nodes[cut.first].copies, problem.nodes[cut.second].copies)
+            opened[cut.second] = problem.nodes[cut.second].copies
     return sum(copies.values()) + sum(opened.values())
 
 
@@ -361,8 +361,7 @@ class _Model:
                 continue
             if v not in opens:
                 opens[v] = pulp.LpVariable(f"opens_{v}", lowBound=0)
-                copies = max(self.problem.nodes[c.first].copies for c in self.problem.region_cuts if c.second == v)
-                self.time_terms.append((opens[v], self.problem.region_s * max(copies, self.problem.nodes[v].copies) * _MS))
+                self.time_terms.append((opens[v], self.problem.region_s * self.problem.nodes[v].copies * _MS))
             joined = [y for m in cut.joins for y in self._recomputed(m)]
             self.prob += (opens[v] >= pulp.lpSum(self._recomputed(u)) + pulp.lpSum(self._recomputed(v)) - 1
                           - pulp.lpSum(joined) - pulp.lpSum(opens[m] for m in cut.between if m in opens), f"cut_{k}")
