@@ -44,7 +44,7 @@ from autopar.codegen.shapes import LoweringError, local_block, localize_call
 from autopar.codegen.zero import regather_zero_params
 from autopar.runtime import collectives as C
 from autopar.runtime.batch import batch_size_of, check_divisible, fed_spec
-from autopar.runtime.deferred_loss import deferred_all_reduce, deferred_mean
+from autopar.runtime.deferred_loss import deferred_all_reduce, deferred_mean, start_count
 from autopar.runtime.mesh import ProcessMesh
 from autopar.solver.plan import Plan
 from autopar.solver.regions import layer_key
@@ -411,8 +411,9 @@ class _Lowerer:
         """The loss, summed over the axes where it is Partial by one all-reduce over a group spanning them,
         which backward does not wait for (`runtime.deferred_loss`): no synchronisation point ends the forward.
         A mean over a global count (sum / count, the count gradient-free, all-reduced over some of those
-        axes or replicated) sends the local sum and count together instead, and the count's own
-        all-reduce goes (the solver prices it so: `problem.rides_with_loss`)."""
+        axes or replicated) has its count all-reduced by `start_count` instead, which
+        `schedule.start_collectives_early` moves to the start of the forward (the solver prices it
+        as hidden there: `problem.count_hidden_in_forward`)."""
         src = self.src_spec(node)
         if any(not isinstance(p, (Partial, Replicate)) for p in src.placements):
             return self.reshard(x, node, src, Spec.replicate(len(self.mesh.shape)))  # not a scalar: gathered as usual
@@ -428,8 +429,9 @@ class _Lowerer:
             return self.graph.call_function(deferred_all_reduce, (x, group))
         total, count, dead, count_groups = mean
         replicas = math.prod(n for g, n in groups.items() if g not in count_groups)  # ranks sharing a count term
-        out = self.graph.call_function(deferred_mean, (total, count, group, replicas))
-        for n in dead:  # the division and the count's all-reduces, now done by deferred_mean
+        started = self.graph.call_function(start_count, (count, group, replicas))
+        out = self.graph.call_function(deferred_mean, (total, started, group))
+        for n in dead:  # the division and the count's own all-reduces, now done by start_count and deferred_mean
             self.graph.erase_node(n)
         return out
 

@@ -24,7 +24,6 @@ from torch.utils import _pytree as pytree
 from autopar.codegen.lower import LoweringInfo
 from autopar.codegen.shapes import LoweringError
 from autopar.runtime.batch import batch_slice
-from autopar.runtime.deferred_loss import grads_scaled_by, other_output
 from autopar.runtime.grad_norm import clip_grad_norm_
 from autopar.runtime.grad_sync import GradSync
 from autopar.runtime.mesh import ProcessMesh
@@ -50,7 +49,6 @@ class ParallelModule(nn.Module):
         object.__setattr__(self, "graph_module", gm)  # not a child: its tensors are already ours
         self.mesh, self.plan, self.info = mesh, plan, info
         self._in_spec, self._out_spec = traced.in_spec, traced.out_spec
-        self._loss_index = traced.loss_index  # None: no output is the loss
         self._sync = _make_grad_sync(self, info, mesh)
 
     def local_batch(self, batch: Any) -> Any:
@@ -74,15 +72,7 @@ class ParallelModule(nn.Module):
         flat, spec = pytree.tree_flatten((args, kwargs))
         if spec != self._in_spec:
             raise LoweringError(f"called with inputs structured as {spec}; the model was traced with {self._in_spec}")
-        with grads_scaled_by(self._sync):  # a mean loss may leave its division by the count to the sync
-            outs = list(self.graph_module(*flat))
-        if torch.is_grad_enabled():
-            if any(isinstance(t, torch.Tensor) and t.requires_grad for t in flat):
-                self._sync.forbid_deferral()  # their grads would be those of the loss's sum: it keeps its division
-            for i, out in enumerate(outs):
-                if i != self._loss_index and isinstance(out, torch.Tensor) and out.requires_grad:
-                    outs[i] = other_output(out, self._sync)  # gradient entering there stays exact
-        return pytree.tree_unflatten(outs, self._out_spec)
+        return pytree.tree_unflatten(list(self.graph_module(*flat)), self._out_spec)
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """`torch.nn.utils.clip_grad_norm_` for this module: the norm of the full gradients across all
@@ -128,4 +118,4 @@ def _make_grad_sync(module: nn.Module, info: LoweringInfo, mesh: ProcessMesh) ->
         axes = tuple(k for k in axes if mesh.shape[k] > 1)  # a one-rank axis has nothing to sum
         if axes:
             entries.append((fqn, params[fqn], (mesh.flat_group_name(axes),)))
-    return GradSync(entries, scaled=params.values())
+    return GradSync(entries)

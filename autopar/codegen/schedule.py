@@ -1,9 +1,9 @@
 """Start collectives on gradient-free values as early as their inputs allow, wait where they are used.
 
 A value without gradient that a plan reduces or gathers (labels a plan needs
-whole, a token count the loss does not take along in its own all-reduce,
-`runtime.deferred_loss`) is emitted as `all_reduce_start` + `wait` or
-`all_gather_start` + `wait_all_gather` (`runtime.collectives`). It usually
+whole, a token count) is emitted as `all_reduce_start` + `wait`,
+`all_gather_start` + `wait_all_gather` (`runtime.collectives`), or for a mean
+loss's count, `start_count`, waited by the loss's backward (`runtime.deferred_loss`). It usually
 depends on the inputs alone, yet sits where the traced graph computes it, near
 the loss: a blocking collective there would stop every rank at the end of the
 forward until the slowest arrives. This pass moves each start, with the ops
@@ -22,7 +22,7 @@ from torch import fx
 
 from autopar.runtime import collectives as C
 
-_STARTS = (C.all_reduce_start, C.all_gather_start)
+_STARTS = (C.all_reduce_start, C.all_gather_start, C.start_count)
 _WAITS = (C.wait, C.wait_all_gather)
 
 

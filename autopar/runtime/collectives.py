@@ -26,7 +26,7 @@ import torch
 from autopar.runtime import comm
 from autopar.runtime.comm import Started
 from autopar.runtime.comm import group_size_rank as _group
-from autopar.runtime.deferred_loss import deferred_all_reduce, deferred_mean
+from autopar.runtime.deferred_loss import deferred_all_reduce, deferred_mean, start_count
 from kernels import chunk_to_leading, leading_to_dim
 
 
@@ -254,5 +254,5 @@ def wait_all_gather(started: Started, x: torch.Tensor, dim: int, group: str) -> 
 COLLECTIVES = {
     f.__name__: f
     for f in (all_gather, all_gather_rs, reduce_scatter, all_reduce, grad_all_reduce, all_to_all, local_slice, replicate_to_partial,
-              all_reduce_start, all_gather_start, deferred_all_reduce, deferred_mean)
+              all_reduce_start, all_gather_start, deferred_all_reduce, start_count, deferred_mean)
 }

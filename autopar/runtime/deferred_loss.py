@@ -1,8 +1,9 @@
 """A loss whose all-reduce finishes in the background: the forward does not stop for it.
 
     loss = deferred_all_reduce(partial_loss, group)       # codegen emits this for the model's loss...
-    loss = deferred_mean(loss_sum, token_count, group)     # ...or this, for a mean over a global count
-    loss.backward()                                       # does not wait for the sum (a mean: its first op does)
+    count = start_count(token_count, group)               # ...or, for a mean over a global count, this
+    loss = deferred_mean(loss_sum, count, group)          #    early in the forward, and this at its end
+    loss.backward()                                       # does not wait for the sum
     loss.item()                                           # waits here (or during backward) for the global value
 
 The generated graph computes each rank's term of the global loss (Partial) and
@@ -20,31 +21,25 @@ holds the in-flight all-reduce and
   engine callback), so no collective is left in flight across steps.
 
 A mean over a global count (cross-entropy with ignored labels: sum of the
-kept tokens' losses / number of kept tokens over all ranks) would need a
-second all-reduce for the count, waited in the forward. `deferred_mean` sends
-(local sum, local count) as one two-element all-reduce instead; its backward
-waits for it (the gradient of sum / count is grad / count) at its first step.
+kept tokens' losses / number of kept tokens over all ranks) needs the global
+count in backward: the gradient of sum / count is grad / count. The count
+depends on the labels alone, so codegen starts its all-reduce (`start_count`)
+together with the ops computing it right after the labels' placeholder
+(`codegen.schedule`): it runs in the background during the forward and has
+finished, on every rank, long before backward reads it. `deferred_mean` then
+sends only the local sum, deferred like any loss, and its backward divides the
+scalar gradient by the count, which costs nothing. Two earlier designs cost
+more: sent at the end of the forward with the sum, the count made the first
+step of backward wait for the slowest rank's forward (3.7 ms of a 39 ms step on
+4 CPU ranks); leaving the division to the gradient sync instead took a pass
+over every gradient (1.7% of a one-rank GPT-2 step). A count computed from
+activations is started where it is computed, and backward may wait for it.
 Every rank issues these collectives at the same point of its forward, so a
 rank that reads the loss early (or never) cannot desynchronise the others.
-
-Waiting for the count at the first step of backward stops every rank until the
-slowest has finished its forward (measured: 3.7 ms of a 39 ms step on 4 CPU
-ranks). Under `grads_scaled_by(taker)` (what `ParallelModule.forward` does) the
-backward may instead pass on the gradient of the SUM and leave the division to
-the taker (`GradSync`), which divides every gradient that backward gives the
-module's parameters by the count once the all-reduce is waited at the end of
-backward. The taker accepts only when that is exact (`GradSync.defer_scale`);
-otherwise backward waits and divides here, as before. The module's other outputs
-(a Hugging Face model's logits) are passed through `other_output`: gradient
-entering there is multiplied by the count if the division was already taken
-over, or else makes the taker leave the division in backward, whichever of the
-two backward steps the engine runs first.
 """
 from __future__ import annotations
 
-import contextlib
-from contextvars import ContextVar
-from typing import Callable, Iterator, Protocol
+from typing import Callable
 
 import torch
 from torch.utils import _pytree as pytree
@@ -53,34 +48,6 @@ from autopar.runtime import comm
 from autopar.runtime.comm import Started
 
 _aten = torch.ops.aten
-
-
-class ScaleTaker(Protocol):
-    """Who may take a mean loss's division by its count out of backward (`GradSync`)."""
-
-    def loss_forward(self) -> None:
-        """A mean loss that may defer its division was computed."""
-
-    def defer_scale(self, pending: Started) -> bool:
-        """Called at the loss's backward: True when the taker will divide every gradient this backward
-        gives its parameters by the count in `pending.wait()[1]`; False: divide here."""
-
-    def gradient_enters(self) -> torch.Tensor | None:
-        """Called when gradient enters through another output of the module in this backward: the
-        count to multiply it by if the division was taken over, else None (and it stays in backward)."""
-
-
-_SCALE_TAKER: ContextVar[ScaleTaker | None] = ContextVar("autopar_scale_taker", default=None)
-
-
-@contextlib.contextmanager
-def grads_scaled_by(taker: ScaleTaker | None) -> Iterator[None]:
-    """Mean losses computed inside offer their division by the count to `taker` (None: they keep it)."""
-    token = _SCALE_TAKER.set(taker)
-    try:
-        yield
-    finally:
-        _SCALE_TAKER.reset(token)
 
 
 class DeferredSum(torch.Tensor):
@@ -133,47 +100,18 @@ class _DeferredAllReduce(torch.autograd.Function):
 
 
 class _DeferredMean(torch.autograd.Function):
-    """(sum P, count P) -> sum / count R, one all-reduce started; backward waits for it (grad / count)
-    or leaves the division to the `ScaleTaker` of the forward (see the module docstring)."""
+    """sum P -> sum / count R, the sum's all-reduce started, not waited; backward: grad / count."""
 
     @staticmethod
-    def forward(ctx, total: torch.Tensor, count: torch.Tensor, group: str, replicas: int) -> DeferredSum:
-        ctx.pending = _start_pair(total, count, group, replicas)
-        ctx.dtype = total.dtype
-        ctx.taker = _SCALE_TAKER.get()
-        if ctx.taker is not None:
-            ctx.taker.loss_forward()
-        return DeferredSum(ctx.pending, total.detach(), lambda summed, dtype=total.dtype: _mean(summed, dtype))
+    def forward(ctx, total: torch.Tensor, count: Started, group: str) -> DeferredSum:
+        dtype = total.dtype
+        ctx.pending, ctx.count, ctx.dtype = _start_sum(total, group), count, dtype
+        return DeferredSum(ctx.pending, total.detach(), lambda summed: _mean(summed, count, dtype))
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        if ctx.taker is not None and ctx.taker.defer_scale(ctx.pending):
-            return grad, None, None, None  # the gradient of the sum: the taker divides by the count
-        count = ctx.pending.wait()[1].to(ctx.dtype)
-        return grad / count, None, None, None
-
-
-class _EntersScaled(torch.autograd.Function):
-    """Identity on a module output other than the loss. Backward: the gradient entering there, times
-    the global count when the division by it was taken over (the taker's division then restores it);
-    otherwise unchanged, and the taker leaves the division in backward for the rest of this backward."""
-
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, taker: ScaleTaker) -> torch.Tensor:
-        ctx.taker = taker
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        count = ctx.taker.gradient_enters()
-        return (grad if count is None else grad * count.to(grad.dtype)), None
-
-
-def other_output(x: torch.Tensor, taker: ScaleTaker) -> torch.Tensor:
-    """`x`, an output of the module besides its loss, marked so that gradient entering through it in a
-    backward whose division by the count was taken over is scaled back (see `_EntersScaled`). Without
-    such gradient, which is every `loss.backward()`, the mark costs nothing in backward."""
-    return _EntersScaled.apply(x, taker)
+        torch.autograd.Variable._execution_engine.queue_callback(ctx.pending.wait)
+        return grad / ctx.count.wait().to(ctx.dtype), None, None
 
 
 def deferred_all_reduce(x: torch.Tensor, group: str) -> torch.Tensor:
@@ -186,21 +124,24 @@ def deferred_all_reduce(x: torch.Tensor, group: str) -> torch.Tensor:
     return _DeferredAllReduce.apply(x, group)
 
 
-def deferred_mean(total: torch.Tensor, count: torch.Tensor, group: str, replicas: int = 1) -> torch.Tensor:
-    """sum(total) / sum(count) over `group` (total: a scalar Partial sum, count: the Partial number of
-    its terms, no gradient), one all-reduce started now and waited when the value or its gradient is
-    first needed. `replicas`: how many ranks of `group` hold each count term (the count is Partial over
-    fewer axes than the sum, Replicate over the rest): each sends count / replicas."""
+def start_count(count: torch.Tensor, group: str, replicas: int = 1) -> Started:
+    """The global number of a mean's terms: `count` (Partial, no gradient) summed over `group`, started
+    now, in float64 (exact to 2**53). `replicas`: how many ranks of `group` hold each count term (the
+    count is Partial over fewer axes than the mean's sum, Replicate over the rest): each sends count / replicas."""
+    return comm.all_reduce(count.detach().to(torch.float64) / replicas, group, async_op=True)
+
+
+def deferred_mean(total: torch.Tensor, count: Started, group: str) -> torch.Tensor:
+    """sum(total) / global count over `group` (total: a scalar Partial sum; count: `start_count`'s), the
+    sum's all-reduce started now and waited when the value is first read."""
     if not (torch.is_grad_enabled() and total.requires_grad):
-        return _mean(_start_pair(total, count, group, replicas).wait(), total.dtype)
-    return _DeferredMean.apply(total, count, group, replicas)
+        return _mean(_start_sum(total, group).wait(), count, total.dtype)
+    return _DeferredMean.apply(total, count, group)
 
 
-def _start_pair(total: torch.Tensor, count: torch.Tensor, group: str, replicas: int) -> Started:
-    """The all-reduce of (sum, count), started; float64 keeps both exact (float32 terms; counts to 2**53)."""
-    pair = torch.stack([total.detach().to(torch.float64), count.detach().to(torch.float64) / replicas])
-    return comm.all_reduce(pair, group, async_op=True)
+def _start_sum(total: torch.Tensor, group: str) -> Started:
+    return comm.all_reduce(total.detach().to(torch.float64), group, async_op=True)  # float64: the terms add exactly
 
 
-def _mean(summed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    return (summed[0] / summed[1]).to(dtype)
+def _mean(summed: torch.Tensor, count: Started, dtype: torch.dtype) -> torch.Tensor:
+    return (summed / count.wait()).to(dtype)

@@ -459,9 +459,10 @@ def _sum(options: list[Option], label: str) -> Option:
 
 
 @gc_paused
-def rides_with_loss(traced: TracedGraph) -> set[tuple[str, int]]:
-    """(node, input index) of a loss's gradient-free divisor: a mean's global token count. Codegen sends
-    it in the loss's own all-reduce (`runtime.deferred_loss.deferred_mean`), so its reshard is free."""
+def count_hidden_in_forward(traced: TracedGraph) -> set[tuple[str, int]]:
+    """(node, input index) of a loss's gradient-free divisor: a mean's global token count. Codegen starts
+    its all-reduce at the start of the forward (`runtime.deferred_loss.start_count`), where it runs
+    behind the forward's compute, and backward reads it long after: its reshard is priced free."""
     if traced.loss_index is None or traced.output_names[traced.loss_index] is None:
         return set()
     loss = traced.node(traced.output_names[traced.loss_index])
@@ -535,7 +536,7 @@ def build_problem(
         return src, tuple(dst)
 
     arcs: dict[tuple[int, int, _Arc], int] = {}  # (src class, dst class, arc) -> how many (copies of tied layers)
-    free = rides_with_loss(traced)
+    free = count_hidden_in_forward(traced)
     for node in traced.graph.nodes:
         if node.op != "call_function" or node.name not in strategies:
             continue

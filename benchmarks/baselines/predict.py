@@ -24,8 +24,8 @@ own per-module cost, measured on the live world (`overheads.py`). Every baseline
 leaves out what the ILP charges for resharding 0-d tensors (`scalar_reshard_s`): the
 hand-written baselines return each rank's local mean and let the gradient averaging
 do the rest, so they run no such collective. autopar's graph returns the exact global
-mean: the loss sum and its token count go in one all-reduce that backward does not
-wait for, which the ILP does not charge (`problem.rides_with_loss`), so for a mean
+mean: its token count is all-reduced in the background from the start of the forward,
+which the ILP does not charge (`problem.count_hidden_in_forward`), so for a mean
 loss there is nothing to leave out; a 0-d value resharded inside the graph is.
 """
 from __future__ import annotations
@@ -45,7 +45,7 @@ from autopar.solver.ilp import Restrictions, solve_problem
 from autopar.solver.cost import bucketed_all_reduce_s, collective_time_s, sync_latency_s
 from autopar.solver.mesh import Mesh
 from autopar.solver.plan import Plan, TimeBreakdown
-from autopar.solver.problem import build_problem, rides_with_loss
+from autopar.solver.problem import build_problem, count_hidden_in_forward
 from autopar.solver.reshard import reshard_cost
 from autopar.solver.search import batch_dependent, splits_batch, to_plan
 from autopar.solver.spec import Replicate, Shard, Spec
@@ -169,10 +169,10 @@ class Predictor:
 
 def scalar_reshard_s(traced: TracedGraph, plan: Plan) -> float:
     """Seconds `plan` spends resharding 0-d tensors between nodes (a loss sum, a token count), forward and
-    backward, as the ILP priced them (`reshard_cost`). A mean loss's token count is not among them: it
-    rides in the loss's own deferred all-reduce, which the ILP does not charge (`rides_with_loss`)."""
+    backward, as the ILP priced them (`reshard_cost`). A mean loss's token count is not among them: its
+    all-reduce runs behind the forward, which the ILP does not charge (`count_hidden_in_forward`)."""
     strategy = {d.node: d.strategy for d in plan.nodes}
-    free = rides_with_loss(traced)
+    free = count_hidden_in_forward(traced)
     total = 0.0
     for node in traced.graph.nodes:
         if node.op != "call_function" or node.name not in strategy:

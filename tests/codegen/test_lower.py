@@ -118,16 +118,17 @@ def _order(rank, world, traced, plan):
 
 
 @pytest.mark.timeout(120)
-def test_token_count_rides_with_the_loss_sum_in_one_deferred_all_reduce():
-    """The global mean needs the loss sum and the kept-token count over all ranks: one two-element
-    all-reduce started at the end of the forward, no collective waited in the forward."""
+def test_token_count_is_all_reduced_from_the_start_of_the_forward():
+    """The global mean needs the kept-token count over all ranks: its all-reduce starts before any
+    model compute, the loss sum's at the end of the forward, and no collective is waited in the forward."""
     model, sample = load_zoo("gpt2").build(batch_size=4, seq_len=8, size="tiny", device="cpu")
     sample["labels"][0, :5] = -100  # ignored labels, all on rank 0: the count differs between ranks
     traced = trace_model(model, sample)
     plan = greedy_plan(traced, cpu_mesh((2,)), {name: "S(0)" for name in traced.input_names})
     order = [name for _, name in run_ranks(_order, 2, traced, plan, timeout_s=60)[0]]
     names = set(C.COLLECTIVES)
-    assert [name for name in order if name in names or name == "wait"] == ["deferred_mean"], order
+    assert [name for name in order if name in names or name == "wait"] == ["start_count", "deferred_mean"], order
+    assert order.index("start_count") < order.index("embedding"), order
     assert order[-2:] == ["deferred_mean", "output"], order
     results = run_ranks(run_plans, 2, (2,), [("dp", model, sample, traced, plan, reference(model, sample, 2), 2)], timeout_s=60)
     assert all(r[0][1]["loss"] < 1e-5 and r[0][1]["grad"] < 1e-4 for r in results), results

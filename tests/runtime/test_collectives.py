@@ -22,6 +22,7 @@ from autopar.runtime.collectives import (
     all_reduce_start,
     deferred_all_reduce,
     deferred_mean,
+    start_count,
     all_to_all,
     grad_all_reduce,
     local_slice,
@@ -105,15 +106,15 @@ def _all_collectives(rank: int, world_size: int, mesh_shape: tuple[int, ...], ax
     y = deferred_all_reduce(x, g)
     (y * W[0]).sum().backward()  # an op on the value before backward waits, then differentiates through it
     _check("deferred_all_reduce", y, T.sum(0), x, W[0])
-    # (sum P, count P) -> sum / count R: one all-reduce of both; backward scales by the global count
+    # (sum P, count P) -> sum / count R: the count started first; backward scales by the global count
     counts = torch.arange(1, len(T) + 1, dtype=torch.int64)  # rank r kept r + 1 tokens
     x = _leaf(T[r].sum())
-    y = deferred_mean(x, counts[r], g)
+    y = deferred_mean(x, start_count(counts[r], g), g)
     assert isinstance(y, DeferredSum), type(y)
     y.backward()
     assert_close(x.grad, 1 / counts.sum().to(x.dtype), rtol=1e-12, atol=0)
     assert_close(y.item(), (T.sum() / counts.sum()).item(), rtol=1e-12, atol=0)
-    checked += ["all_reduce", "deferred_all_reduce", "deferred_mean"]
+    checked += ["all_reduce", "deferred_all_reduce", "deferred_mean", "start_count"]
 
     x = _leaf(X)
     y = grad_all_reduce(x, g)

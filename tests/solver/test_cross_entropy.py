@@ -14,7 +14,7 @@ from torch import nn
 from autopar.profiler import profile
 from autopar.solver.cost import collective_time_s
 from autopar.solver.mesh import Mesh, MeshAxis
-from autopar.solver.problem import _Pricer, rides_with_loss
+from autopar.solver.problem import _Pricer, count_hidden_in_forward
 from autopar.solver.search import solve
 from autopar.solver.spec import Spec, Strategy
 from autopar.solver.strategies import enumerate_strategies
@@ -114,21 +114,21 @@ def test_communication_volume_counts_the_row_exchanges(monkeypatch):
     assert with_exchange["all_reduce"] - without.get("all_reduce", 0.0) == 3 * ROWS * 4
 
 
-def test_the_mean_s_token_count_is_priced_as_sent_with_the_loss():
-    """Codegen sends the global token count in the loss's own all-reduce (`deferred_mean`): the solver
-    prices the count's reshard as free, and only for a gradient-free divisor of the loss."""
+def test_the_mean_s_token_count_is_priced_as_hidden_in_the_forward():
+    """Codegen starts the global token count's all-reduce at the start of the forward (`start_count`):
+    the solver prices the count's reshard as free, and only for a gradient-free divisor of the loss."""
     traced = _traced()
     prof = profile(traced)
     loss = traced.node(traced.output_names[traced.loss_index])
     assert loss.target is torch.ops.aten.div.Tensor
-    assert rides_with_loss(traced) == {(loss.name, 1)}
+    assert count_hidden_in_forward(traced) == {(loss.name, 1)}
 
     class Ratio(nn.Module):  # a divisor computed from an input carries a gradient: priced as usual
         def forward(self, x, y):
             return x.sum() / y.sum()
 
     ratio = trace(Ratio(), (torch.empty(4, device="meta", requires_grad=True), torch.empty(4, device="meta", requires_grad=True)))
-    assert rides_with_loss(ratio) == set()
+    assert count_hidden_in_forward(ratio) == set()
     # with the count's arc free, the solver on two ranks counts local labels (Partial) rather than gathering them
     plan = solve(traced, prof, _mesh((2,)), memory_budget_bytes=1e9)
     labels_spec = next(d.strategy.output_specs[0] for d in plan.nodes if d.node == traced.input_names[1])
