@@ -19,6 +19,7 @@ from typing import Any, Literal
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.distributed.device_mesh import DeviceMesh
 from torch.utils import _pytree as pytree
 
@@ -34,22 +35,35 @@ from autopar.tracer import TracedGraph, trace
 log = logging.getLogger(__name__)
 
 
-def meta_copy(model: nn.Module) -> nn.Module:
-    """A copy of `model` whose parameters and buffers live on `meta`, tied weights still tied.
+def capture_copy(model: nn.Module, sample: Any, device: str = "meta") -> tuple[nn.Module, Any]:
+    """A copy of `model` and `sample` holding no memory, for the tracer: tensors on `meta`, or fake
+    tensors (one `FakeTensorMode`) on `device`, tied weights still tied.
 
-    (`copy.deepcopy(model).to("meta")` unties them: `.to` across device types makes a
-    new Parameter per attribute, so export would see two parameters.)
+    Model code may branch on its tensors' device (transformers' MoE routing counts tokens per
+    expert in float on CPU, in int elsewhere, since CPU's `histc` has no integer kernel): traced
+    on meta it takes the non-CPU branch, which a CPU run cannot execute. So a run on CPU traces on
+    fake CPU tensors. On GPUs the meta device stands in for CUDA, as in `autopar plan`, so that a
+    plan made there matches the graph `parallelize` traces. (`copy.deepcopy(model).to(...)`
+    unties weights: `.to` across device types makes a new Parameter per attribute.)
     """
+    if device == "meta":
+        make = lambda t: torch.empty_like(t, device="meta")  # noqa: E731
+    else:
+        mode = FakeTensorMode()
+
+        def make(t: torch.Tensor) -> torch.Tensor:
+            with mode:
+                return torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=device)
     memo: dict[int, Any] = {}
     for p in model.parameters():
-        memo[id(p)] = nn.Parameter(torch.empty_like(p, device="meta"), requires_grad=p.requires_grad)
+        memo[id(p)] = nn.Parameter(make(p), requires_grad=p.requires_grad)
     for b in model.buffers():
-        memo[id(b)] = torch.empty_like(b, device="meta")
-    return copy.deepcopy(model, memo)
+        memo[id(b)] = make(b)
+    return copy.deepcopy(model, memo), pytree.tree_map_only(torch.Tensor, make, sample)
 
 
-def meta_sample(sample: Any) -> Any:
-    return pytree.tree_map(lambda t: t.to("meta") if isinstance(t, torch.Tensor) else t, sample)
+def _capture_device(mesh: ProcessMesh) -> str:
+    return "cpu" if mesh.device_mesh.device_type == "cpu" else "meta"
 
 
 def parallelize(
@@ -77,7 +91,7 @@ def parallelize(
     """
     start = time.perf_counter()
     pmesh = ProcessMesh(device_mesh)
-    traced = trace(meta_copy(model), meta_sample(sample_input))
+    traced = trace(*capture_copy(model, sample_input, _capture_device(pmesh)))
     if plan is None:
         plan = _solve_on_rank0(traced, pmesh, memory_budget, hardware, optimizer, time_limit_s)
     else:

@@ -12,13 +12,14 @@ name: that is what a plan refers to).
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import time
 import traceback
 import warnings
 from dataclasses import dataclass, field
-from typing import Any, Mapping
+from typing import Any, Iterator, Mapping
 
 import sympy
 import torch
@@ -102,14 +103,8 @@ def trace(
     model.train()
     start = time.perf_counter()
     try:
-        dynamic_shapes = _dynamic_shapes(args, kwargs, dynamic_dims) if dynamic_dims else None
-        with warnings.catch_warnings():
-            # torch 2.13's own deep copies of pytree specs warn about its own deprecated LeafSpec:
-            # nothing a user can act on, printed once per trace.
-            warnings.filterwarnings("ignore", message=r".*isinstance\(treespec, LeafSpec\)", category=FutureWarning)
-            ep = torch.export.export(model, args, kwargs, strict=False, dynamic_shapes=dynamic_shapes)
-            decomps = {op: fn for op, fn in core_aten_decompositions().items() if op not in _KEEP_WHOLE}
-            ep = ep.run_decompositions(decomps)
+        with _without_kv_cache(model):
+            ep = _export(model, args, kwargs, dynamic_dims)
     except Exception as err:  # re-raised with the user's line: any capture failure lands here
         raise _trace_error(model, err) from err
     finally:
@@ -120,6 +115,36 @@ def trace(
     traced = _from_exported(ep, args, kwargs, dynamic_dims or {}, _canonical_param_names(model))
     log.info("tracer: %d ops in %.2f s", traced.num_ops(), time.perf_counter() - start)
     return traced
+
+
+def _export(model: nn.Module, args: tuple, kwargs: dict, dynamic_dims: Mapping[str, int] | None) -> torch.export.ExportedProgram:
+    """torch.export's capture, decomposed to core ATen but for `_KEEP_WHOLE`."""
+    dynamic_shapes = _dynamic_shapes(args, kwargs, dynamic_dims) if dynamic_dims else None
+    with warnings.catch_warnings():
+        # torch 2.13's own deep copies of pytree specs warn about its own deprecated LeafSpec:
+        # nothing a user can act on, printed once per trace.
+        warnings.filterwarnings("ignore", message=r".*isinstance\(treespec, LeafSpec\)", category=FutureWarning)
+        ep = torch.export.export(model, args, kwargs, strict=False, dynamic_shapes=dynamic_shapes)
+        decomps = {op: fn for op, fn in core_aten_decompositions().items() if op not in _KEEP_WHOLE}
+        return ep.run_decompositions(decomps)
+
+
+@contextlib.contextmanager
+def _without_kv_cache(model: nn.Module) -> Iterator[None]:
+    """A Hugging Face model with its KV cache off (`config.use_cache`, on by default) while it is captured.
+
+    The cache is for generation: a training step never reads it, and returned as an output it is
+    an object torch.export cannot capture (`DynamicCache`). The parallel module's outputs therefore
+    carry `past_key_values=None`. Every submodule's config is switched (T5's decoder stack holds a
+    copy of its own) and restored afterwards, whatever happens."""
+    configs = {id(c): c for m in model.modules() if getattr(c := getattr(m, "config", None), "use_cache", None) is True}
+    for config in configs.values():
+        config.use_cache = False
+    try:
+        yield
+    finally:
+        for config in configs.values():
+            config.use_cache = True
 
 
 # Export's runtime checks of input metadata: they produce nothing and the shapes are in node.meta

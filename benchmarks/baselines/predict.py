@@ -37,7 +37,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from autopar.api import meta_copy, meta_sample
+from autopar.api import capture_copy
 from autopar.errors import AutoparError, InfeasibleError
 from autopar.profiler import profile
 from autopar.solver import fixed_plan, solve
@@ -63,7 +63,7 @@ BASELINE_OF = {"ddp": ("1d", "never"), "fsdp": ("1d", "always"), "tp": ("2d", "n
 class Predictor:
     def __init__(self, model: nn.Module, sample: Any, meshes: dict[str, Mesh], blocks: list[str], family: str,
                  optimizer: str = "adamw", time_limit_s: float = 30.0, tp_module_overhead_s: float = 0.0):
-        self.traced = trace(meta_copy(model), meta_sample(sample))
+        self.traced = trace(*capture_copy(model, sample, "cpu"))
         self.profile = profile(self.traced, optimizer=optimizer).evaluate()
         self.meshes = meshes
         self.time_limit_s = time_limit_s

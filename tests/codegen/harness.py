@@ -14,7 +14,7 @@ from typing import Any, Sequence
 
 import torch
 
-from autopar.api import meta_copy, meta_sample
+from autopar.api import capture_copy
 from autopar.codegen import ParallelModule, lower
 from autopar.codegen.shapes import local_block
 from autopar.runtime.batch import batch_slice
@@ -47,7 +47,7 @@ def call(model: torch.nn.Module, sample: Any) -> Any:
 
 
 def trace_model(model: torch.nn.Module, sample: Any) -> TracedGraph:
-    return trace(meta_copy(model), meta_sample(sample))
+    return trace(*capture_copy(model, sample, "cpu"))
 
 
 def reference(model: torch.nn.Module, sample: Any, steps: int) -> Reference:

@@ -17,7 +17,7 @@ from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from tests.codegen.plans import load_zoo
 
-from autopar.api import meta_copy, meta_sample
+from autopar.api import capture_copy
 from autopar.codegen import ParallelModule, lower
 from autopar.profiler import profile
 from autopar.runtime.mesh import ProcessMesh
@@ -34,7 +34,7 @@ def planned():
     torch.manual_seed(0)
     model = zoo.GPT(zoo.GPTConfig(n_layer=2, n_head=8, n_embd=256, vocab_size=512, block_size=64)).train()
     sample = {"input_ids": torch.randint(0, 512, (64, 64)), "labels": torch.randint(0, 512, (64, 64))}
-    traced = trace(meta_copy(model), meta_sample(sample))
+    traced = trace(*capture_copy(model, sample, "cpu"))
     plan = solve(traced, profile(traced), make_mesh(64, MESH, "h100"), memory_budget_bytes=4e6)
     return model, sample, traced, plan
 

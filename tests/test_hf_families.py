@@ -1,0 +1,62 @@
+"""Hugging Face models as a user builds them (config defaults: KV cache on) train like one device.
+
+Each family is a tiny random model from its transformers config with dropout off,
+parallelized on 2 gloo ranks with the solver's plan; after one AdamW step the full
+parameters equal the single-device model's. Qwen2 and T5 check the KV cache
+(`config.use_cache`, on by default, T5's decoder with its own copy of the config)
+is left out of the capture and restored; Mixtral's MoE routing takes a CPU-only
+branch (`histc` in float) that a trace on meta would miss.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+import transformers as hf
+
+from tests.codegen.harness import EPS, LR, local_sample, loss_of, reference
+
+from autopar.api import parallelize
+from autopar.runtime.launch import run_ranks
+
+_LM = dict(vocab_size=256, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=128)
+FAMILIES = {
+    "qwen2": lambda: hf.Qwen2ForCausalLM(hf.Qwen2Config(**_LM, num_key_value_heads=2, attention_dropout=0.0)),
+    "mixtral": lambda: hf.MixtralForCausalLM(hf.MixtralConfig(**_LM, num_key_value_heads=2, num_local_experts=4,
+                                                               num_experts_per_tok=2, attention_dropout=0.0)),
+    "t5": lambda: hf.T5ForConditionalGeneration(hf.T5Config(vocab_size=256, d_model=64, d_kv=16, d_ff=128, num_layers=2,
+                                                            num_heads=4, dropout_rate=0.0, decoder_start_token_id=0)),
+}
+
+
+def _sample(name: str) -> dict[str, torch.Tensor]:
+    gen = torch.Generator().manual_seed(0)
+    ids = torch.randint(3, 256, (4, 16), generator=gen)
+    labels = torch.randint(3, 256, (4, 8), generator=gen) if name == "t5" else ids.clone()
+    labels[0, :3] = -100  # ignored labels, all on rank 0: a mean over a global count
+    return {"input_ids": ids, "labels": labels}
+
+
+def _train(rank, world, model, sample, want):
+    pm = parallelize(model, sample, (world,))
+    opt = torch.optim.AdamW(pm.parameters(), lr=LR, eps=EPS)
+    args, kwargs = local_sample(sample, pm)
+    loss = loss_of(pm(*args, **kwargs))
+    loss.backward()
+    opt.step()
+    full = pm.state_dict()
+    for fqn, value in want.params[-1].items():
+        torch.testing.assert_close(full[fqn], value, rtol=1e-4, atol=1e-5, msg=lambda m: f"{fqn}: {m}")
+    return loss.item(), model.config.use_cache
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("name", list(FAMILIES))
+def test_hugging_face_family_trains_like_one_device(name):
+    torch.manual_seed(0)
+    model = FAMILIES[name]().train()
+    assert model.config.use_cache  # the default a user gets
+    sample = _sample(name)
+    want = reference(model, sample, 1)
+    for loss, use_cache in run_ranks(_train, 2, model, sample, want, timeout_s=280):
+        assert loss == pytest.approx(want.losses[0], rel=1e-5)
+        assert use_cache  # the model's config is as the user left it
