@@ -2,12 +2,19 @@
 
 Each family is a tiny random model from its transformers config with dropout off,
 parallelized on 2 gloo ranks with the solver's plan; after one AdamW step the full
-parameters equal the single-device model's. Qwen2 and T5 check the KV cache
-(`config.use_cache`, on by default, T5's decoder with its own copy of the config)
-is left out of the capture and restored; Mixtral's MoE routing takes a CPU-only
-branch (`histc` in float) that a trace on meta would miss.
+parameters equal the single-device model's, and state dicts go both ways between
+the parallel module and the model (`load_state_dict`, strict: the same keys).
+- Qwen2 and T5: the KV cache (`config.use_cache`, on by default, T5's decoder with
+  its own copy of the config) is left out of the capture and restored; RoPE's
+  `inv_freq` is a non-persistent buffer; T5 ties three names to one embedding.
+- Mixtral: its MoE routing takes a CPU-only branch (`histc` in float) that a trace
+  on meta would miss.
+- DeBERTa-v2: its attention scale is `torch.tensor(head_dim)` made in the forward,
+  a constant export lifts (it was zeros once lowered: the loss was NaN).
 """
 from __future__ import annotations
+
+import copy
 
 import pytest
 import torch
@@ -23,6 +30,9 @@ FAMILIES = {
     "qwen2": lambda: hf.Qwen2ForCausalLM(hf.Qwen2Config(**_LM, num_key_value_heads=2, attention_dropout=0.0)),
     "mixtral": lambda: hf.MixtralForCausalLM(hf.MixtralConfig(**_LM, num_key_value_heads=2, num_local_experts=4,
                                                                num_experts_per_tok=2, attention_dropout=0.0)),
+    "deberta": lambda: hf.DebertaV2ForMaskedLM(hf.DebertaV2Config(vocab_size=256, hidden_size=64, num_hidden_layers=2,
+                                                                   num_attention_heads=4, intermediate_size=128,
+                                                                   hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)),
     "t5": lambda: hf.T5ForConditionalGeneration(hf.T5Config(vocab_size=256, d_model=64, d_kv=16, d_ff=128, num_layers=2,
                                                             num_heads=4, dropout_rate=0.0, decoder_start_token_id=0)),
 }
@@ -38,15 +48,20 @@ def _sample(name: str) -> dict[str, torch.Tensor]:
 
 def _train(rank, world, model, sample, want):
     pm = parallelize(model, sample, (world,))
+    assert pm.state_dict().keys() == model.state_dict().keys()
     opt = torch.optim.AdamW(pm.parameters(), lr=LR, eps=EPS)
     args, kwargs = local_sample(sample, pm)
     loss = loss_of(pm(*args, **kwargs))
     loss.backward()
     opt.step()
-    full = pm.state_dict()
-    for fqn, value in want.params[-1].items():
-        torch.testing.assert_close(full[fqn], value, rtol=1e-4, atol=1e-5, msg=lambda m: f"{fqn}: {m}")
-    return loss.item(), model.config.use_cache
+    trained = copy.deepcopy(model)
+    trained.load_state_dict(pm.state_dict())  # the parallel module's checkpoint in the model
+    for fqn, value in trained.named_parameters():
+        torch.testing.assert_close(value, want.params[-1][fqn], rtol=1e-4, atol=1e-5, msg=lambda m: f"{fqn}: {m}")
+    pm.load_state_dict(model.state_dict())  # and the model's in the parallel module
+    for fqn, value in pm.state_dict().items():
+        assert torch.equal(value, model.state_dict()[fqn]), fqn
+    return loss.item(), getattr(model.config, "use_cache", None)
 
 
 @pytest.mark.timeout(300)
@@ -54,9 +69,10 @@ def _train(rank, world, model, sample, want):
 def test_hugging_face_family_trains_like_one_device(name):
     torch.manual_seed(0)
     model = FAMILIES[name]().train()
-    assert model.config.use_cache  # the default a user gets
+    cache = getattr(model.config, "use_cache", None)
+    assert cache is (None if name == "deberta" else True)  # the default a user gets (an encoder has none)
     sample = _sample(name)
     want = reference(model, sample, 1)
     for loss, use_cache in run_ranks(_train, 2, model, sample, want, timeout_s=280):
         assert loss == pytest.approx(want.losses[0], rel=1e-5)
-        assert use_cache  # the model's config is as the user left it
+        assert use_cache == cache  # the model's config is as the user left it

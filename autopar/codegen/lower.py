@@ -70,6 +70,7 @@ class LoweringInfo:
     data_parallel_axes: tuple[int, ...]  # mesh axes on which the PLAN shards the batch (reports; not the feeding layout)
     aliases: Mapping[str, str] = field(default_factory=dict)  # tied FQN -> the FQN that holds the tensor
     input_layout: str = "shard"  # how ranks feed inputs and get outputs back: their batch slice, or everything
+    unsaved: frozenset[str] = frozenset()  # buffers outside the model's state_dict: non-persistent ones, lifted constants
 
 
 def lower(
@@ -98,7 +99,7 @@ def _device_of(mesh: ProcessMesh) -> torch.device:
 class _Lowerer:
     def __init__(self, traced, plan, mesh, params, buffers, input_layout, device):
         self.traced, self.plan, self.mesh = traced, plan, mesh
-        self.full_params, self.full_buffers = params, buffers
+        self.full_params, self.full_buffers = params, {**traced.constants, **buffers}  # a lifted constant is no buffer of the model
         self.input_layout = input_layout
         self.device = device or _device_of(mesh)
         self.decisions = {d.node: d for d in plan.nodes}
@@ -324,7 +325,9 @@ class _Lowerer:
         fuse_cross_entropy_sums(self.graph)
         gm = fx.GraphModule(self.root, self.graph, class_name="ParallelGraph")
         bind_python_calls(gm, self.nodes, self.origin)  # last: every pass above reads ATen targets
-        gm.meta["autopar"] = LoweringInfo(storage, sync_axes, buffer_specs, tuple(fed_specs), dp_axes, aliases, self.input_layout)
+        unsaved = (frozenset(self.traced.constants) | self.traced.nonpersistent_buffers) & buffer_specs.keys()
+        gm.meta["autopar"] = LoweringInfo(storage, sync_axes, buffer_specs, tuple(fed_specs), dp_axes, aliases, self.input_layout,
+                                          unsaved)
         log.info("codegen: %d nodes, %d collectives", len(gm.graph.nodes), _count_collectives(gm))
         return gm
 

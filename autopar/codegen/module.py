@@ -87,25 +87,38 @@ class ParallelModule(nn.Module):
         return specs
 
     def state_dict(self, *args: Any, **kwargs: Any) -> dict[str, torch.Tensor]:  # type: ignore[override]
-        """Full (gathered) tensors by FQN, tied names included, on every rank (a collective)."""
+        """Full (gathered) tensors by FQN, on every rank (a collective): the keys of the model's own
+        `state_dict()`, tied names included, non-persistent buffers left out."""
         specs = self._specs()
         local = self.sharded_state_dict()
         return full_state_dict(local, {fqn: specs[self.info.aliases.get(fqn, fqn)] for fqn in local}, self.mesh)
 
     def sharded_state_dict(self) -> dict[str, torch.Tensor]:
-        """This rank's local shards by FQN (what `torch.distributed.checkpoint` saves with the plan's specs)."""
-        return nn.Module.state_dict(self, keep_vars=True)
+        """This rank's local shards by FQN (what `torch.distributed.checkpoint` saves with the plan's specs).
+
+        The graph module holds a tied tensor under the names the graph reads and registers its
+        buffers as persistent, so the keys are made the model's here: each tied name, and no
+        non-persistent buffer or constant the trace lifted."""
+        own = {k: t for k, t in nn.Module.state_dict(self, keep_vars=True).items() if k not in self.info.unsaved}
+        for alias, owner in self.info.aliases.items():
+            own.setdefault(alias, own[owner])
+        return own
 
     def load_state_dict(self, state_dict: Mapping[str, torch.Tensor], strict: bool = True, assign: bool = False):  # type: ignore[override]
-        """Load FULL tensors: each rank keeps its block per the plan's storage specs."""
+        """Load FULL tensors: each rank keeps its block per the plan's storage specs. A tied tensor is
+        loaded from whichever of its names `state_dict` has (the first, if several)."""
         specs = self._specs()
         own = self.sharded_state_dict()
-        missing = sorted(set(own) - set(state_dict))
+        full: dict[str, torch.Tensor] = {}
+        for k, v in state_dict.items():
+            if k in own:
+                full.setdefault(self.info.aliases.get(k, k), v.to(own[k].device))
+        missing = sorted(k for k in own if self.info.aliases.get(k, k) not in full)
         unexpected = sorted(set(state_dict) - set(own))
         if strict and (missing or unexpected):
             raise LoweringError(f"load_state_dict: missing keys {missing}, unexpected keys {unexpected}; pass strict=False to load the intersection")
-        full = {k: v.to(own[k].device) for k, v in state_dict.items() if k in own}
-        load_full_state_dict(own, full, {fqn: specs[self.info.aliases.get(fqn, fqn)] for fqn in own}, self.mesh, strict=False)
+        owners = {k: t for k, t in own.items() if k not in self.info.aliases}
+        load_full_state_dict(owners, full, {fqn: specs[fqn] for fqn in owners}, self.mesh, strict=False)
         return nn.modules.module._IncompatibleKeys(missing, unexpected)
 
 

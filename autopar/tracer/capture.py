@@ -62,6 +62,10 @@ class TracedGraph:
     buffer_mutations: Mapping[str, str] = field(default_factory=dict)  # output node name -> buffer FQN it updates
     tied_params: Mapping[str, tuple[str, ...]] = field(default_factory=dict)  # canonical FQN -> other names of it
     symbols: Mapping[str, sympy.Symbol] = field(default_factory=dict)  # "batch"/"seq" -> the graph's symbol
+    # tensors the forward makes from Python values (DeBERTa's `torch.tensor(head_dim)`): FQN (among
+    # `buffer_fqns`' values, not the model's) -> the value, as export lifted it
+    constants: Mapping[str, torch.Tensor] = field(default_factory=dict)
+    nonpersistent_buffers: frozenset[str] = frozenset()  # buffers the model's state_dict leaves out (RoPE's inv_freq)
 
     @property
     def graph(self) -> fx.Graph:
@@ -196,7 +200,7 @@ def _from_exported(
 ) -> TracedGraph:
     sig = ep.graph_signature
     gm = ep.graph_module
-    param_fqns, buffer_fqns, input_names = {}, {}, []
+    param_fqns, buffer_fqns, input_names, constants, nonpersistent = {}, {}, [], {}, set()
     kept: dict[str, fx.Node] = {}  # canonical FQN -> the one placeholder that stands for it
     tied: dict[str, list[str]] = {}
     placeholders = {n.name: n for n in gm.graph.nodes if n.op == "placeholder"}
@@ -215,8 +219,13 @@ def _from_exported(
             param_fqns[name] = fqn
             if spec.target != fqn:
                 tied.setdefault(fqn, []).append(spec.target)
-        elif spec.kind in (InputKind.BUFFER, InputKind.CONSTANT_TENSOR):
+        elif spec.kind == InputKind.BUFFER:
             buffer_fqns[name] = spec.target
+            if not spec.persistent:
+                nonpersistent.add(spec.target)
+        elif spec.kind == InputKind.CONSTANT_TENSOR:
+            buffer_fqns[name] = spec.target
+            constants[spec.target] = ep.constants[spec.target]
         elif spec.kind == InputKind.USER_INPUT:
             input_names.append(name)
     gm.recompile()
@@ -247,6 +256,8 @@ def _from_exported(
         buffer_mutations=buffer_mutations,
         tied_params={k: tuple(v) for k, v in tied.items()},
         symbols=_symbols(gm, dynamic_dims),
+        constants=constants,
+        nonpersistent_buffers=frozenset(nonpersistent),
     )
 
 
