@@ -9,8 +9,9 @@ the parallel module and the model (`load_state_dict`, strict: the same keys).
   `inv_freq` is a non-persistent buffer; T5 ties three names to one embedding.
 - Mixtral: its MoE routing takes a CPU-only branch (`histc` in float) that a trace
   on meta would miss.
-- DeBERTa-v2: its attention scale is `torch.tensor(head_dim)` made in the forward,
-  a constant export lifts (it was zeros once lowered: the loss was NaN).
+- DeBERTa-v2, Falcon, BART: tensors made in the forward from Python values (DeBERTa's
+  attention scale `torch.tensor(head_dim)`), constants export lifts; they were zeros
+  once lowered (DeBERTa's loss was NaN, the others' off by 1e-2).
 """
 from __future__ import annotations
 
@@ -33,6 +34,11 @@ FAMILIES = {
     "deberta": lambda: hf.DebertaV2ForMaskedLM(hf.DebertaV2Config(vocab_size=256, hidden_size=64, num_hidden_layers=2,
                                                                    num_attention_heads=4, intermediate_size=128,
                                                                    hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)),
+    "falcon": lambda: hf.FalconForCausalLM(hf.FalconConfig(vocab_size=256, hidden_size=64, num_hidden_layers=2,
+                                                           num_attention_heads=4)),  # multi-query attention
+    "bart": lambda: hf.BartForConditionalGeneration(hf.BartConfig(
+        vocab_size=256, d_model=64, encoder_layers=2, decoder_layers=2, encoder_attention_heads=4, decoder_attention_heads=4,
+        encoder_ffn_dim=128, decoder_ffn_dim=128, max_position_embeddings=64, dropout=0.0, attention_dropout=0.0)),
     "t5": lambda: hf.T5ForConditionalGeneration(hf.T5Config(vocab_size=256, d_model=64, d_kv=16, d_ff=128, num_layers=2,
                                                             num_heads=4, dropout_rate=0.0, decoder_start_token_id=0)),
 }
@@ -41,7 +47,7 @@ FAMILIES = {
 def _sample(name: str) -> dict[str, torch.Tensor]:
     gen = torch.Generator().manual_seed(0)
     ids = torch.randint(3, 256, (4, 16), generator=gen)
-    labels = torch.randint(3, 256, (4, 8), generator=gen) if name == "t5" else ids.clone()
+    labels = torch.randint(3, 256, (4, 8), generator=gen) if name in ("t5", "bart") else ids.clone()
     labels[0, :3] = -100  # ignored labels, all on rank 0: a mean over a global count
     return {"input_ids": ids, "labels": labels}
 
