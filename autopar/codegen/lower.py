@@ -82,12 +82,13 @@ def lower(
     input_layout: InputLayout = "shard",
     device: torch.device | None = None,
 ) -> fx.GraphModule:
-    """This rank's GraphModule for `plan`. `params`/`buffers`: full tensors by FQN (zeros when omitted)."""
+    """This rank's GraphModule for `plan`. `params`/`buffers`: full tensors by FQN (zeros when omitted,
+    for a look at the code only; given, each must hold every tensor the graph reads)."""
     if tuple(plan.mesh.shape) != tuple(mesh.shape):
         raise LoweringError(f"plan is for mesh {plan.mesh.shape} but the process mesh is {mesh.shape}; solve again for this mesh")
     if input_layout not in ("shard", "replicate"):
         raise LoweringError(f"input_layout={input_layout!r}; use 'shard' (each rank feeds its slice of the batch) or 'replicate'")
-    return _Lowerer(traced, plan, mesh, params or {}, buffers or {}, input_layout, device).run()
+    return _Lowerer(traced, plan, mesh, params, buffers, input_layout, device).run()
 
 
 def _device_of(mesh: ProcessMesh) -> torch.device:
@@ -99,7 +100,8 @@ def _device_of(mesh: ProcessMesh) -> torch.device:
 class _Lowerer:
     def __init__(self, traced, plan, mesh, params, buffers, input_layout, device):
         self.traced, self.plan, self.mesh = traced, plan, mesh
-        self.full_params, self.full_buffers = params, {**traced.constants, **buffers}  # a lifted constant is no buffer of the model
+        self.full_params = params
+        self.full_buffers = None if buffers is None else {**traced.constants, **buffers}  # a lifted constant is no buffer of the model
         self.input_layout = input_layout
         self.device = device or _device_of(mesh)
         self.decisions = {d.node: d for d in plan.nodes}
@@ -110,7 +112,7 @@ class _Lowerer:
         self.env: dict[str, fx.Node] = {}
         self.cache: dict[tuple, fx.Node] = {}
         self.edges: dict[tuple[str, int], Edge] = {}
-        self.tied = _tied_groups(params)
+        self.tied = _tied_groups(params or {})
         self._targs: dict[str, tuple[fx.Node, ...]] = {}
         self.origin: dict[str, str] = {}  # new node name -> the traced node it implements (for recompute regions)
         self.buffer_attrs: dict[str, fx.Node] = {}  # buffer FQN -> its get_attr node
@@ -260,8 +262,13 @@ class _Lowerer:
         _set_nested(self.root, fqn, nn.Parameter(value, requires_grad=value.is_floating_point()) if is_param else value, is_param)
         return self.graph.get_attr(fqn)
 
-    def local_tensor(self, fqn: str, node: fx.Node, spec: Spec, full: Mapping[str, torch.Tensor]) -> torch.Tensor:
+    def local_tensor(self, fqn: str, node: fx.Node, spec: Spec, full: Mapping[str, torch.Tensor] | None) -> torch.Tensor:
         val = node.meta["val"]
+        if full is None:
+            full = self.traced.constants  # no tensors given: zeros but for the trace's own constants
+        elif fqn not in full:
+            raise LoweringError(f"the traced model reads {fqn!r}, which the tensors passed to lower() do not hold; "
+                                "pass the model's named_parameters(remove_duplicate=False) and named_buffers()")
         if fqn in full:
             t = full[fqn].detach()
             if tuple(t.shape) != tuple(val.shape):

@@ -12,6 +12,7 @@ from tests.codegen.harness import reference, run_plans, trace_model
 from tests.codegen.plans import cpu_mesh, greedy_plan, load_zoo
 
 from autopar.codegen import lower
+from autopar.codegen.shapes import LoweringError
 from autopar.runtime import collectives as C
 from autopar.runtime.launch import run_ranks
 from autopar.runtime.mesh import ProcessMesh
@@ -181,3 +182,16 @@ def test_the_generated_module_runs_whatever_attention_backend_lays_out_its_outpu
     with sdpa_kernel([SDPBackend.MATH]):
         want = reference(model, sample, 1).grads[0]
     run_ranks(_math_attention, 2, model, sample, traced, _dp_plan(traced), want, timeout_s=100)
+
+
+def _lower_without(rank, world, traced, plan, model, missing):
+    params = {k: v for k, v in model.named_parameters(remove_duplicate=False) if k != missing}
+    with pytest.raises(LoweringError, match=re.escape(repr(missing))):
+        lower(traced, plan, ProcessMesh((2,)), params=params, buffers=dict(model.named_buffers()))
+
+
+@pytest.mark.timeout(120)
+def test_a_tensor_missing_from_those_passed_is_an_error_not_zeros():
+    model, sample = load_zoo("gpt2").build(batch_size=4, seq_len=8, size="tiny", device="cpu")
+    traced = trace_model(model, sample)
+    run_ranks(_lower_without, 2, traced, _dp_plan(traced), model, "transformer.h.0.mlp.c_fc.weight", timeout_s=60)
