@@ -26,7 +26,7 @@ from torch.utils import _pytree as pytree
 from tests.zoo import load_zoo
 from autopar.solver.mesh import Mesh, MeshAxis
 from autopar.solver.spec import Spec, Strategy
-from autopar.solver.strategies import _cache_key, enumerate_strategies
+from autopar.solver.strategies import _cache_key, enumerate_strategies, node_strategies
 from autopar.solver.strategies.simulate import run_strategy
 from autopar.tracer import tensor_args, trace
 
@@ -221,3 +221,20 @@ def test_vocabulary_parallel_embedding_forward_and_weight_gradient():
     full_w = weight.clone().requires_grad_(True)
     (torch.nn.functional.embedding(indices, full_w) * grad_out).sum().backward()
     torch.testing.assert_close(torch.cat(grads), full_w.grad)
+
+
+@pytest.mark.parametrize("src_shape", [(4, 8), (1, 8), (8,)])
+def test_every_strategy_of_a_functional_copy_is_numerically_right(src_shape):
+    """`copy(self, src)` (a slice assignment, as T5 shifts its labels): the output is src broadcast."""
+    g = fx.Graph()
+    dst, src = g.placeholder("dst"), g.placeholder("src")
+    dst.meta["val"], src.meta["val"] = torch.empty(4, 8), torch.empty(src_shape)
+    node = g.call_function(torch.ops.aten.copy.default, (dst, src))
+    node.meta["val"] = torch.empty(4, 8)
+    values = {dst: torch.randn(4, 8), src: torch.randn(src_shape)}
+    values[node] = torch.ops.aten.copy.default(values[dst], values[src])
+    for mesh_shape in MESHES:
+        strategies = node_strategies(node, mesh_shape)
+        assert any(str(s.output_specs[0]).startswith("S(0)") for s in strategies), strategies  # not replicated only
+        for strategy in strategies:
+            check_node(node, strategy, values, mesh_shape)
