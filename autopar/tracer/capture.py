@@ -297,6 +297,8 @@ def _user_frame(err: BaseException) -> traceback.FrameSummary | None:
     while e is not None and id(e) not in seen:  # follow the cause chain: torch wraps errors
         seen.add(id(e))
         for fs in traceback.extract_tb(e.__traceback__):
+            if fs.filename.startswith("<"):
+                continue  # generated code (`<string>`, fx's `<eval_with_key>`): no line of the user's
             f = os.path.abspath(fs.filename)
             if f.startswith((_TORCH_DIR, _AUTOPAR_DIR, _STDLIB_DIR)) or "site-packages/torch" in f:
                 continue
@@ -306,6 +308,10 @@ def _user_frame(err: BaseException) -> traceback.FrameSummary | None:
 
 
 _KNOWN_FIXES = (
+    ("you need to register a pytree", "an output of a type torch cannot take apart",
+     "return tensors, or tuples, lists, dicts and dataclasses of them; turn off what returns the object "
+     "(a Hugging Face model's KV cache is turned off for you: `config.use_cache`), or register its type "
+     "with torch.utils._pytree.register_pytree_node"),
     ("data-dependent", "data-dependent control flow",
      "replace the Python `if`/`while` on a tensor value with torch.where / torch.cond, or make the branch depend on shapes only"),
     ("is not supported", "an unsupported operation", "rewrite the construct with standard torch ops"),

@@ -138,3 +138,27 @@ def test_training_mode_is_captured_and_restored():
     ops = {str(n.target) for n in traced.graph.nodes if n.op == "call_function"}
     assert any("dropout" in op or "bernoulli" in op or "rand" in op for op in ops), ops
     assert not model.training
+
+
+class Handle:
+    """An object a forward returns that holds a tensor but is no pytree: export cannot take it apart."""
+
+    def __init__(self, t):
+        self.t = t
+
+
+class ReturnsHandle(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.proj = torch.nn.Linear(4, 4)
+
+    def forward(self, x):
+        return self.proj(x).sum(), Handle(x)
+
+
+def test_an_output_torch_cannot_flatten_is_named_with_a_fix():
+    with pytest.raises(TraceError) as info:
+        trace(ReturnsHandle(), torch.randn(2, 4))
+    message = str(info.value)
+    assert "Handle" in message and "an output of a type torch cannot take apart" in message, message
+    assert "register_pytree_node" in message and "<string>" not in message, message
