@@ -238,3 +238,45 @@ def test_every_strategy_of_a_functional_copy_is_numerically_right(src_shape):
         assert any(str(s.output_specs[0]).startswith("S(0)") for s in strategies), strategies  # not replicated only
         for strategy in strategies:
             check_node(node, strategy, values, mesh_shape)
+
+
+@pytest.mark.parametrize("op, args", [
+    (torch.ops.aten.upsample_nearest2d.vec, (None, [2.0, 2.0])),
+    (torch.ops.aten.upsample_bilinear2d.vec, (None, False, [2.0, 3.0])),
+    (torch.ops.aten.upsample_nearest2d.default, ([8, 6],)),
+])
+def test_every_strategy_of_a_resampling_op_is_numerically_right(op, args):
+    """F.interpolate's ops (a U-Net's upsampling): split by batch or channels, Partial through."""
+    g = fx.Graph()
+    x = g.placeholder("x")
+    x.meta["val"] = torch.empty(4, 4, 4, 3)
+    node = g.call_function(op, (x, *args))
+    node.meta["val"] = op(torch.empty(4, 4, 4, 3), *args)
+    values = {x: torch.randn(4, 4, 4, 3)}
+    values[node] = op(values[x], *args)
+    for mesh_shape in MESHES:
+        strategies = node_strategies(node, mesh_shape)
+        if len(mesh_shape) == 1:
+            assert {str(s.output_specs[0]) for s in strategies} >= {"S(0)", "S(1)", "P"}, strategies
+        for strategy in strategies:
+            check_node(node, strategy, values, mesh_shape)
+
+
+def test_every_strategy_of_group_norm_is_numerically_right():
+    """`native_group_norm(x, w, b, N, C, HxW, group, eps)` spells the batch size out: split, it must be local."""
+    g = fx.Graph()
+    x, w, b = g.placeholder("x"), g.placeholder("w"), g.placeholder("b")
+    shapes = {x: (4, 8, 5, 5), w: (8,), b: (8,)}
+    values = {p: torch.randn(shape) for p, shape in shapes.items()}
+    for p, shape in shapes.items():
+        p.meta["val"] = torch.empty(shape)
+    args = (4, 8, 25, 2, 1e-5)
+    op = torch.ops.aten.native_group_norm.default
+    node = g.call_function(op, (x, w, b, *args))
+    node.meta["val"] = op(*(torch.empty(shapes[p]) for p in (x, w, b)), *args)
+    values[node] = op(values[x], values[w], values[b], *args)
+    for mesh_shape in MESHES:
+        strategies = node_strategies(node, mesh_shape)
+        assert any(str(s.output_specs[0]).startswith("S(0)") for s in strategies), strategies
+        for strategy in strategies:
+            check_node(node, strategy, values, mesh_shape)

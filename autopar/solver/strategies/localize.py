@@ -173,6 +173,11 @@ def local_call(node: fx.Node, strategy: Strategy, mesh_shape: Sequence[int], coo
         x = node.args[0].meta["val"]
         count = x.numel() // int(x.shape[1])  # elements per channel in the global batch
         return sync_batch_norm, (*args[:5], args[6], args[7], count, _groups_of(node, strategy, group_names)), {}
+    if op is aten.native_group_norm.default and strategy.input_specs:
+        # (x, weight, bias, N, C, HxW, group, eps) spells the batch size out: split, it is the local one
+        x = node.args[0].meta["val"]
+        n_local = strategy.input_specs[0].local_shape(tuple(int(s) for s in x.shape), mesh_shape)[0]
+        return op, args[:3] + (n_local,) + args[4:], kwargs
     val = node.meta.get("val")
     if not strategy.output_specs or not isinstance(val, torch.Tensor):
         return op, args, kwargs

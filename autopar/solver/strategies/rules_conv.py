@@ -9,6 +9,7 @@ Per mesh axis (output; input, weight[, bias]):
   (P; S(1), S(1)[, P])      input channels split: row parallel, each rank's term a partial
                             sum (the bias added once, by the Partial convention)
 Splitting a spatial dim would need halo exchange between neighbours and is not offered.
+The resampling ops of `F.interpolate` are here too (`resample_rules`): split by batch or channels.
 """
 from __future__ import annotations
 
@@ -39,4 +40,20 @@ def convolution_rules(op, args: tuple, kwargs: dict, mesh_shape: tuple[int, ...]
     return expand_over_mesh(one_axis, 1, len(mesh_shape))
 
 
-RULES = {aten.convolution.default: convolution_rules}
+# Resampling (F.interpolate: a U-Net's or diffusion model's upsampling). Each (sample, channel) plane is
+# resampled on its own, and linearly (nearest, linear, bilinear, bicubic, trilinear: a fixed weighted sum
+# of input pixels), so per mesh axis: batch or channels split, or a Partial input giving a Partial output.
+# DTensor has no rule: without one the op ran replicated, its input gathered.
+_RESAMPLE = [getattr(getattr(aten, name), overload)
+             for name in ("upsample_nearest1d", "upsample_nearest2d", "upsample_nearest3d", "_upsample_nearest_exact1d",
+                          "_upsample_nearest_exact2d", "_upsample_nearest_exact3d", "upsample_linear1d", "upsample_bilinear2d",
+                          "upsample_bicubic2d", "upsample_trilinear3d")
+             for overload in ("default", "vec")]
+
+
+def resample_rules(op, args: tuple, kwargs: dict, mesh_shape: tuple[int, ...]) -> list[Rule] | None:
+    one_axis: list[AxisRule] = [(Replicate(), Replicate()), (Partial(), Partial()), (Shard(0), Shard(0)), (Shard(1), Shard(1))]
+    return expand_over_mesh(one_axis, 1, len(mesh_shape))
+
+
+RULES = {aten.convolution.default: convolution_rules, **{op: resample_rules for op in _RESAMPLE}}
