@@ -1,6 +1,8 @@
 """`autopar.parallelize` end to end: the solver's plan (generous and tight budget) trains like one device."""
 from __future__ import annotations
 
+import copy
+import logging
 
 import pytest
 import torch
@@ -14,6 +16,7 @@ from autopar.profiler import profile
 from autopar.solver import solve
 from autopar.solver.mesh import make_mesh
 from autopar.runtime.launch import run_ranks
+from autopar.codegen.shapes import local_block
 
 
 def _train(rank, world, model, sample, budget, ref):
@@ -83,3 +86,44 @@ def test_plan_for_another_device_count_is_refused_naming_the_mesh():
     plan = solve(traced, profile(traced), make_mesh(4, (4,), "cpu"))  # made for 4 devices, run on 2
     for message in run_ranks(_load_foreign_plan, 2, model, sample, plan, timeout_s=100):
         assert message is not None and "mesh" in message and "(4,)" in message and "(2,)" in message, message
+
+
+class _Records(logging.Handler):
+    def __init__(self):
+        super().__init__()
+        self.messages: list[str] = []
+
+    def emit(self, record):
+        self.messages.append(record.getMessage())
+
+
+def _outside_loss(rank, world, model, x, y, want):
+    records = _Records()
+    logging.getLogger("autopar.codegen.module").addHandler(records)
+    pm = parallelize(model, x, (world,))
+    (local_x,), _ = pm.local_batch(((x,), {}))
+    local_y = y.chunk(world)[rank]
+    for _ in range(2):
+        pm.zero_grad()
+        # the documented recipe: a mean over this rank's rows, divided by the ranks, is its term of the global mean
+        (torch.nn.functional.cross_entropy(pm(local_x), local_y) / world).backward()
+    grads = {fqn: p.grad for fqn, p in pm.named_parameters()}
+    for fqn, g in want.items():
+        spec = pm.info.param_storage[fqn]
+        torch.testing.assert_close(grads[fqn], local_block(g, spec, pm.mesh.shape, pm.mesh.coordinate), rtol=1e-5, atol=1e-6)
+    return records.messages
+
+
+@pytest.mark.timeout(120)
+def test_a_loss_computed_outside_the_model_is_a_term_of_a_sum_and_says_so():
+    """A model returning logits, its loss computed by the caller on each rank's rows: backward follows the sum
+    over ranks, so a local mean divided by the ranks gives the single-device gradient; rank 0 logs it once."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
+    x, y = torch.randn(8, 8), torch.randint(0, 4, (8,))
+    ref = copy.deepcopy(model)
+    torch.nn.functional.cross_entropy(ref(x), y).backward()
+    want = {fqn: p.grad for fqn, p in ref.named_parameters()}
+    messages = run_ranks(_outside_loss, 2, model, x, y, want, timeout_s=100)
+    assert len(messages[0]) == 1 and "divide it by 2" in messages[0][0], messages
+    assert messages[1] == []

@@ -49,6 +49,9 @@ class ParallelModule(nn.Module):
         object.__setattr__(self, "graph_module", gm)  # not a child: its tensors are already ours
         self.mesh, self.plan, self.info = mesh, plan, info
         self._in_spec, self._out_spec = traced.in_spec, traced.out_spec
+        self._loss_index = traced.loss_index  # None: no output is the loss
+        # outputs come back as each rank's rows: a loss computed from them outside is one term of a sum
+        self._warn_outside_loss = info.input_layout == "shard" and math.prod(mesh.shape) > 1
         self._sync = _make_grad_sync(self, info, mesh)
 
     def local_batch(self, batch: Any) -> Any:
@@ -72,7 +75,26 @@ class ParallelModule(nn.Module):
         flat, spec = pytree.tree_flatten((args, kwargs))
         if spec != self._in_spec:
             raise LoweringError(f"called with inputs structured as {spec}; the model was traced with {self._in_spec}")
-        return pytree.tree_unflatten(list(self.graph_module(*flat)), self._out_spec)
+        outs = self.graph_module(*flat)
+        if self._warn_outside_loss and torch.is_grad_enabled():
+            for i, out in enumerate(outs):
+                if i != self._loss_index and isinstance(out, torch.Tensor) and out.requires_grad:
+                    out.register_hook(self._outside_loss_hook)
+        return pytree.tree_unflatten(list(outs), self._out_spec)
+
+    def _outside_loss_hook(self, grad: torch.Tensor) -> None:
+        """Gradient enters through an output other than the loss: say once what that trains on."""
+        if not self._warn_outside_loss:
+            return
+        self._warn_outside_loss = False
+        ranks = math.prod(self.mesh.shape)
+        if torch.distributed.get_rank() != 0:
+            return
+        log.warning(
+            "gradient enters the parallel module through an output other than its loss: each rank's rows of "
+            "that output are its part of the global batch, and backward follows the SUM over ranks of what each "
+            "rank backpropagates. A mean over a rank's own rows (DDP's convention) gives %d times the "
+            "single-device gradient: divide it by %d, or compute the loss inside the model. (Logged once.)", ranks, ranks)
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """`torch.nn.utils.clip_grad_norm_` for this module: the norm of the full gradients across all
