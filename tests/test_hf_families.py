@@ -21,9 +21,13 @@ import pytest
 import torch
 import transformers as hf
 
-from tests.codegen.harness import EPS, LR, local_sample, loss_of, reference
+from tests.codegen.harness import EPS, LR, local_sample, loss_of, reference, trace_model
 
 from autopar.api import parallelize
+from autopar.errors import InfeasibleError
+from autopar.profiler import profile
+from autopar.solver import solve
+from autopar.solver.mesh import make_mesh
 from autopar.runtime.launch import run_ranks
 
 _LM = dict(vocab_size=256, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=128)
@@ -52,8 +56,8 @@ def _sample(name: str) -> dict[str, torch.Tensor]:
     return {"input_ids": ids, "labels": labels}
 
 
-def _train(rank, world, model, sample, want):
-    pm = parallelize(model, sample, (world,))
+def _train(rank, world, model, sample, want, mesh=None, budget=None):
+    pm = parallelize(model, sample, mesh or (world,), memory_budget=budget)
     assert pm.state_dict().keys() == model.state_dict().keys()
     opt = torch.optim.AdamW(pm.parameters(), lr=LR, eps=EPS)
     args, kwargs = local_sample(sample, pm)
@@ -67,7 +71,8 @@ def _train(rank, world, model, sample, want):
     pm.load_state_dict(model.state_dict())  # and the model's in the parallel module
     for fqn, value in pm.state_dict().items():
         assert torch.equal(value, model.state_dict()[fqn]), fqn
-    return loss.item(), getattr(model.config, "use_cache", None)
+    split = [d.node for d in pm.plan.nodes if "grouped_mm" in d.node and not all(s.is_replicate() for s in d.strategy.input_specs)]
+    return loss.item(), getattr(model.config, "use_cache", None), split
 
 
 @pytest.mark.timeout(300)
@@ -79,6 +84,23 @@ def test_hugging_face_family_trains_like_one_device(name):
     assert cache is (None if name == "deberta" else True)  # the default a user gets (an encoder has none)
     sample = _sample(name)
     want = reference(model, sample, 1)
-    for loss, use_cache in run_ranks(_train, 2, model, sample, want, timeout_s=280):
+    for loss, use_cache, _ in run_ranks(_train, 2, model, sample, want, timeout_s=280):
         assert loss == pytest.approx(want.losses[0], rel=1e-5)
         assert use_cache == cache  # the model's config is as the user left it
+
+
+@pytest.mark.timeout(300)
+def test_mixtral_experts_split_under_a_tight_budget():
+    """Near the least memory any plan needs, the experts' matmuls (`transformers::grouped_mm_fallback`)
+    are split over the mesh (`strategies/rules_moe.py`), and training still matches one device."""
+    torch.manual_seed(0)
+    model = FAMILIES["mixtral"]().train()
+    sample = _sample("mixtral")
+    traced = trace_model(model, sample)
+    with pytest.raises(InfeasibleError) as nothing_fits:
+        solve(traced, profile(traced), make_mesh(2, (2,), "cpu"), memory_budget_bytes=1.0)
+    budget = 1.2 * nothing_fits.value.min_memory_bytes
+    want = reference(model, sample, 1)
+    for loss, _, split in run_ranks(_train, 2, model, sample, want, (2,), budget, timeout_s=280):
+        assert loss == pytest.approx(want.losses[0], rel=1e-5)
+        assert split, "no expert matmul was split"

@@ -6,11 +6,15 @@ flash-attention kernel that `scaled_dot_product_attention` dispatches to on CPU
 (`_scaled_dot_product_flash_attention_for_cpu` and its backward), so
 `FlopCounterMode` silently counts 0 for attention on CPU. `register_cpu_sdpa()`
 registers torch's own `sdpa_flop` / `sdpa_backward_flop` formulas for those two
-kernels (same argument layout as the CUDA flash kernels). The profiler calls it,
-and so does the reference measurement (`autopar.profiler.measure`), so both sides
-count attention the same way.
+kernels (same argument layout as the CUDA flash kernels), and formulas for the
+custom ops transformers runs a mixture of experts with, where they are loaded
+(`transformers::grouped_mm_fallback` and its backward: one matmul per expert over
+its tokens). The profiler calls it, and so does the reference measurement
+(`autopar.profiler.measure`), so both sides count the same way.
 """
 from __future__ import annotations
+
+import sys
 
 import torch
 from torch.utils import flop_counter
@@ -23,12 +27,29 @@ _CPU_SDPA_BWD = aten._scaled_dot_product_flash_attention_for_cpu_backward
 
 
 def register_cpu_sdpa() -> None:
-    """Register the CPU flash-attention formulas in torch's global flop registry (idempotent)."""
+    """Register the CPU flash-attention and the MoE formulas in torch's global flop registry (idempotent)."""
     if _CPU_SDPA_FWD not in flop_counter.flop_registry:
         # get_raw: sdpa_flop is already wrapped by torch's shape_wrapper.
         flop_counter.register_flop_formula(_CPU_SDPA_FWD, get_raw=True)(flop_counter.sdpa_flop)
     if _CPU_SDPA_BWD not in flop_counter.flop_registry:
         flop_counter.register_flop_formula(_CPU_SDPA_BWD, get_raw=True)(flop_counter.sdpa_backward_flop)
+    if "transformers.integrations.moe" not in sys.modules:  # what registers the MoE ops, on import
+        return
+    for op, formula in ((torch.ops.transformers.grouped_mm_fallback, grouped_mm_flop),
+                        (torch.ops.transformers.grouped_mm_fallback_backward, grouped_mm_backward_flop)):
+        if op not in flop_counter.flop_registry:
+            flop_counter.register_flop_formula(op)(formula)
+
+
+def grouped_mm_flop(input_shape, weight_shape, offs_shape, out_shape=None, **kwargs) -> int:
+    """(tokens, d_in) sorted by expert times each expert's (d_in, d_out): every token goes through one matmul."""
+    tokens, d_in = input_shape
+    return 2 * tokens * d_in * weight_shape[2]
+
+
+def grouped_mm_backward_flop(input_shape, weight_shape, offs_shape, grad_shape, out_shape=None, **kwargs) -> int:
+    """The gradients of the input and of the weights: two matmuls of the forward's size."""
+    return 2 * grouped_mm_flop(input_shape, weight_shape, offs_shape)
 
 
 def op_flops(func, args: tuple, kwargs: dict, out) -> object:

@@ -280,3 +280,23 @@ def test_every_strategy_of_group_norm_is_numerically_right():
         assert any(str(s.output_specs[0]).startswith("S(0)") for s in strategies), strategies
         for strategy in strategies:
             check_node(node, strategy, values, mesh_shape)
+
+
+def test_every_strategy_of_transformers_moe_matmul_is_numerically_right():
+    """`transformers::grouped_mm_fallback` (Mixtral's experts): split inside each expert's matmul."""
+    import transformers.integrations.moe  # noqa: F401  (registers the op)
+
+    op = torch.ops.transformers.grouped_mm_fallback.default
+    g = fx.Graph()
+    x, w, offs = g.placeholder("x"), g.placeholder("w"), g.placeholder("offs")
+    values = {x: torch.randn(10, 8), w: torch.randn(4, 8, 6), offs: torch.tensor([3, 5, 9, 10])}
+    for p in (x, w, offs):
+        p.meta["val"] = values[p]
+    node = g.call_function(op, (x, w, offs))
+    node.meta["val"] = values[node] = op(values[x], values[w], values[offs])
+    for mesh_shape in MESHES:
+        strategies = node_strategies(node, mesh_shape)
+        if len(mesh_shape) == 1:
+            assert {str(s.output_specs[0]) for s in strategies} >= {"R", "S(1)", "P"}, strategies
+        for strategy in strategies:
+            check_node(node, strategy, values, mesh_shape)

@@ -32,7 +32,7 @@ from autopar.gc_pause import gc_paused
 from autopar.solver.mesh import Mesh
 from autopar.solver.spec import Spec, Strategy
 from autopar.solver.strategies import (
-    rules_attention, rules_batch_norm, rules_conv, rules_copy, rules_cross_entropy, rules_embedding, rules_reduction)
+    rules_attention, rules_batch_norm, rules_conv, rules_copy, rules_cross_entropy, rules_embedding, rules_moe, rules_reduction)
 from autopar.solver.strategies.dtensor_adapter import candidate_specs, dtensor_rules, is_even
 from autopar.solver.strategies.expand import Rule
 from autopar.solver.strategies.rules_factory import FACTORIES, factory_rules
@@ -151,6 +151,8 @@ def _compute(node: fx.Node, mesh_shape: tuple[int, ...]) -> tuple[Strategy, ...]
             rules = factory_rules(op, args, kwargs, mesh_shape, _concrete(outs[0]))
         if rules is None and op in _OUR_RULES:
             rules = _OUR_RULES[op](op, args, kwargs, mesh_shape)
+        if rules is None and str(op) in rules_moe.RULES_BY_NAME:  # another library's custom op
+            rules = rules_moe.RULES_BY_NAME[str(op)](op, args, kwargs, mesh_shape)
         if rules is None:
             rules = dtensor_rules(op, args, kwargs, mesh_shape)
     except Exception as err:  # a rule that raises on unusual args must not stop planning

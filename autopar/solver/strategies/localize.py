@@ -47,6 +47,7 @@ _SIZE_ARG = {
     aten.view_copy.default: 1, aten.expand_copy.default: 1,
     aten.new_zeros.default: 1, aten.new_ones.default: 1, aten.new_empty.default: 1, aten.new_full.default: 1,
     aten.full.default: 0, aten.zeros.default: 0, aten.ones.default: 0, aten.empty.memory_format: 0,
+    aten.empty_permuted.default: 0,
     aten.rand.default: 0, aten.randn.default: 0,
 }
 _ARANGE = (aten.arange.default, aten.arange.start, aten.arange.start_step)

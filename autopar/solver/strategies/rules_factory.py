@@ -27,6 +27,6 @@ def factory_rules(op, args: tuple, kwargs: dict, mesh_shape: tuple[int, ...], ou
 RANDOM_FACTORIES = frozenset({aten.rand.default, aten.randn.default, aten.randint.low, aten.randint.default})
 FACTORIES = frozenset({
     aten.arange.default, aten.arange.start, aten.arange.start_step,
-    aten.full.default, aten.zeros.default, aten.ones.default, aten.empty.memory_format,
+    aten.full.default, aten.zeros.default, aten.ones.default, aten.empty.memory_format, aten.empty_permuted.default,
     aten.scalar_tensor.default,
 }) | RANDOM_FACTORIES
