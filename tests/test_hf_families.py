@@ -16,6 +16,7 @@ the parallel module and the model (`load_state_dict`, strict: the same keys).
 from __future__ import annotations
 
 import copy
+import logging
 
 import pytest
 import torch
@@ -56,13 +57,25 @@ def _sample(name: str) -> dict[str, torch.Tensor]:
     return {"input_ids": ids, "labels": labels}
 
 
+class _Records(logging.Handler):
+    def __init__(self):
+        super().__init__()
+        self.messages: list[str] = []
+
+    def emit(self, record):
+        self.messages.append(record.getMessage())
+
+
 def _train(rank, world, model, sample, want, mesh=None, budget=None):
+    records = _Records()
+    logging.getLogger("autopar.codegen.module").addHandler(records)
     pm = parallelize(model, sample, mesh or (world,), memory_budget=budget)
     assert pm.state_dict().keys() == model.state_dict().keys()
     opt = torch.optim.AdamW(pm.parameters(), lr=LR, eps=EPS)
     args, kwargs = local_sample(sample, pm)
     loss = loss_of(pm(*args, **kwargs))
     loss.backward()
+    assert not [m for m in records.messages if "other than its loss" in m], records.messages  # the logits carry none
     opt.step()
     trained = copy.deepcopy(model)
     trained.load_state_dict(pm.state_dict())  # the parallel module's checkpoint in the model

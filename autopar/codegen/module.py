@@ -75,12 +75,15 @@ class ParallelModule(nn.Module):
         flat, spec = pytree.tree_flatten((args, kwargs))
         if spec != self._in_spec:
             raise LoweringError(f"called with inputs structured as {spec}; the model was traced with {self._in_spec}")
-        outs = self.graph_module(*flat)
+        outs = list(self.graph_module(*flat))
         if self._warn_outside_loss and torch.is_grad_enabled():
             for i, out in enumerate(outs):
                 if i != self._loss_index and isinstance(out, torch.Tensor) and out.requires_grad:
-                    out.register_hook(self._outside_loss_hook)
-        return pytree.tree_unflatten(list(outs), self._out_spec)
+                    # on an alias: the loss reads the output itself (a model's logits), whose gradient
+                    # is computed in every backward; the alias gets one only from the caller's use
+                    outs[i] = out.view_as(out)
+                    outs[i].register_hook(self._outside_loss_hook)
+        return pytree.tree_unflatten(outs, self._out_spec)
 
     def _outside_loss_hook(self, grad: torch.Tensor) -> None:
         """Gradient enters through an output other than the loss: say once what that trains on."""
