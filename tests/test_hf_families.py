@@ -16,13 +16,12 @@ the parallel module and the model (`load_state_dict`, strict: the same keys).
 from __future__ import annotations
 
 import copy
-import logging
 
 import pytest
 import torch
 import transformers as hf
 
-from tests.codegen.harness import EPS, LR, local_sample, loss_of, reference, trace_model
+from tests.codegen.harness import EPS, LR, LogRecords, local_sample, loss_of, reference, trace_model
 
 from autopar.api import parallelize
 from autopar.errors import InfeasibleError
@@ -57,18 +56,9 @@ def _sample(name: str) -> dict[str, torch.Tensor]:
     return {"input_ids": ids, "labels": labels}
 
 
-class _Records(logging.Handler):
-    def __init__(self):
-        super().__init__()
-        self.messages: list[str] = []
-
-    def emit(self, record):
-        self.messages.append(record.getMessage())
-
 
 def _train(rank, world, model, sample, want, mesh=None, budget=None):
-    records = _Records()
-    logging.getLogger("autopar.codegen.module").addHandler(records)
+    records = LogRecords("autopar.codegen.module")
     pm = parallelize(model, sample, mesh or (world,), memory_budget=budget)
     assert pm.state_dict().keys() == model.state_dict().keys()
     opt = torch.optim.AdamW(pm.parameters(), lr=LR, eps=EPS)

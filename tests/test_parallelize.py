@@ -2,12 +2,11 @@
 from __future__ import annotations
 
 import copy
-import logging
 
 import pytest
 import torch
 
-from tests.codegen.harness import EPS, LR, local_sample, loss_of, reference, trace_model
+from tests.codegen.harness import EPS, LR, LogRecords, local_sample, loss_of, reference, trace_model
 from tests.codegen.plans import load_zoo
 
 from autopar.api import parallelize
@@ -88,18 +87,9 @@ def test_plan_for_another_device_count_is_refused_naming_the_mesh():
         assert message is not None and "mesh" in message and "(4,)" in message and "(2,)" in message, message
 
 
-class _Records(logging.Handler):
-    def __init__(self):
-        super().__init__()
-        self.messages: list[str] = []
-
-    def emit(self, record):
-        self.messages.append(record.getMessage())
-
 
 def _outside_loss(rank, world, model, x, y, want):
-    records = _Records()
-    logging.getLogger("autopar.codegen.module").addHandler(records)
+    records = LogRecords("autopar.codegen.module")
     pm = parallelize(model, x, (world,))
     (local_x,), _ = pm.local_batch(((x,), {}))
     local_y = y.chunk(world)[rank]

@@ -8,6 +8,7 @@ batch and compares gathered gradients and parameters with the reference.
 from __future__ import annotations
 
 import copy
+import logging
 import time
 from dataclasses import dataclass
 from typing import Any, Sequence
@@ -122,3 +123,15 @@ def run_plans(rank: int, world: int, mesh_shape: tuple[int, ...], cases: Sequenc
         worst["seconds"] = time.perf_counter() - start
         results.append((label, worst))
     return results
+
+
+class LogRecords(logging.Handler):
+    """The messages logged to `logger_name` while attached (a forked rank's logs, returned to the test)."""
+
+    def __init__(self, logger_name: str):
+        super().__init__()
+        self.messages: list[str] = []
+        logging.getLogger(logger_name).addHandler(self)
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.messages.append(record.getMessage())
