@@ -50,8 +50,11 @@ class ParallelModule(nn.Module):
         self.mesh, self.plan, self.info = mesh, plan, info
         self._in_spec, self._out_spec = traced.in_spec, traced.out_spec
         self._loss_index = traced.loss_index  # None: no output is the loss
-        # outputs come back as each rank's rows: a loss computed from them outside is one term of a sum
-        self._warn_outside_loss = info.input_layout == "shard" and math.prod(mesh.shape) > 1
+        # outputs come back as each rank's rows: a loss computed from them outside is one term of a sum.
+        # Watched in the first training forward only: a loop that computes its loss outside does so from
+        # its first step, and the watch costs an alias and a hook per output.
+        self._watch_outputs = info.input_layout == "shard" and math.prod(mesh.shape) > 1
+        self._outside_loss_logged = False
         self._sync = _make_grad_sync(self, info, mesh)
 
     def local_batch(self, batch: Any) -> Any:
@@ -76,7 +79,8 @@ class ParallelModule(nn.Module):
         if spec != self._in_spec:
             raise LoweringError(f"called with inputs structured as {spec}; the model was traced with {self._in_spec}")
         outs = list(self.graph_module(*flat))
-        if self._warn_outside_loss and torch.is_grad_enabled():
+        if self._watch_outputs and torch.is_grad_enabled():
+            self._watch_outputs = False
             for i, out in enumerate(outs):
                 if i != self._loss_index and isinstance(out, torch.Tensor) and out.requires_grad:
                     # on an alias: the loss reads the output itself (a model's logits), whose gradient
@@ -87,9 +91,9 @@ class ParallelModule(nn.Module):
 
     def _outside_loss_hook(self, grad: torch.Tensor) -> None:
         """Gradient enters through an output other than the loss: say once what that trains on."""
-        if not self._warn_outside_loss:
+        if self._outside_loss_logged:
             return
-        self._warn_outside_loss = False
+        self._outside_loss_logged = True
         ranks = math.prod(self.mesh.shape)
         if torch.distributed.get_rank() != 0:
             return

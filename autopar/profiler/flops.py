@@ -4,7 +4,7 @@ torch's registry (`flop_registry`, keyed by OpOverloadPacket) has formulas for
 mm/addmm/bmm/baddbmm/conv and the CUDA attention kernels, but not for the CPU
 flash-attention kernel that `scaled_dot_product_attention` dispatches to on CPU
 (`_scaled_dot_product_flash_attention_for_cpu` and its backward), so
-`FlopCounterMode` silently counts 0 for attention on CPU. `register_cpu_sdpa()`
+`FlopCounterMode` silently counts 0 for attention on CPU. `register_flop_formulas()`
 registers torch's own `sdpa_flop` / `sdpa_backward_flop` formulas for those two
 kernels (same argument layout as the CUDA flash kernels), and formulas for the
 custom ops transformers runs a mixture of experts with, where they are loaded
@@ -26,7 +26,7 @@ _CPU_SDPA_FWD = aten._scaled_dot_product_flash_attention_for_cpu
 _CPU_SDPA_BWD = aten._scaled_dot_product_flash_attention_for_cpu_backward
 
 
-def register_cpu_sdpa() -> None:
+def register_flop_formulas() -> None:
     """Register the CPU flash-attention and the MoE formulas in torch's global flop registry (idempotent)."""
     if _CPU_SDPA_FWD not in flop_counter.flop_registry:
         # get_raw: sdpa_flop is already wrapped by torch's shape_wrapper.

@@ -1,7 +1,7 @@
 """Independent measurement of a real training step on CPU: the reference the profiler is checked against.
 
 - FLOPs: `torch.utils.flop_counter.FlopCounterMode` over forward + backward,
-  after `register_cpu_sdpa()` (FlopCounterMode alone counts 0 for CPU flash attention).
+  after `register_flop_formulas()` (FlopCounterMode alone counts 0 for CPU flash attention).
 - Memory: `LiveStorageTracker`, a TorchDispatchMode that sees every tensor an op
   returns and keeps the sum of the sizes of all live storages (each storage once,
   however many views point at it); a storage leaves the sum when its StorageImpl
@@ -23,7 +23,7 @@ from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import FlopCounterMode
 
-from autopar.profiler.flops import register_cpu_sdpa
+from autopar.profiler.flops import register_flop_formulas
 from autopar.tracer import split_sample_input
 
 
@@ -38,7 +38,7 @@ def _call(model: nn.Module, sample_input: Any) -> torch.Tensor:
 
 def measure_flops(model: nn.Module, sample_input: Any) -> int:
     """Forward + backward FLOPs of one real step, by FlopCounterMode."""
-    register_cpu_sdpa()
+    register_flop_formulas()
     with FlopCounterMode(display=False) as counter:
         _call(model, sample_input).backward()
     model.zero_grad(set_to_none=True)

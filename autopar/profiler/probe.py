@@ -27,7 +27,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from autopar.profiler.flops import op_flops, register_cpu_sdpa
+from autopar.profiler.flops import op_flops, register_flop_formulas
 
 
 @dataclass(frozen=True)
@@ -124,7 +124,7 @@ def _fake_mode(flat: list) -> Any:
 
 
 def _run(target: Any, flat: list, spec, rg: Mapping[str, bool], used_outputs: tuple[bool, ...]) -> OpProbe:
-    register_cpu_sdpa()
+    register_flop_formulas()
     fake_mode = _fake_mode(flat)
     with fake_mode:
         made: dict[fx.Node, torch.Tensor] = {}  # one fake tensor per distinct input node

@@ -223,21 +223,33 @@ def test_vocabulary_parallel_embedding_forward_and_weight_gradient():
     torch.testing.assert_close(torch.cat(grads), full_w.grad)
 
 
+def _one_op(op, tensors: list[torch.Tensor], *rest) -> tuple[fx.Node, dict]:
+    """A graph of the single call `op(*tensors, *rest)` on placeholders, and every node's real value."""
+    g = fx.Graph()
+    values: dict = {}
+    for i, t in enumerate(tensors):
+        p = g.placeholder(f"in{i}")
+        p.meta["val"] = values[p] = t
+    node = g.call_function(op, (*values, *rest))
+    node.meta["val"] = values[node] = op(*tensors, *rest)
+    return node, values
+
+
+def _check_every_strategy(node: fx.Node, values: dict, offered: set[str]) -> None:
+    """Every strategy of `node` is numerically right, and on every mesh some output spec starts with each of `offered`."""
+    for mesh_shape in MESHES:
+        strategies = node_strategies(node, mesh_shape)
+        for label in offered:
+            assert any(str(s.output_specs[0]).startswith(label) for s in strategies), (label, strategies)
+        for strategy in strategies:
+            check_node(node, strategy, values, mesh_shape)
+
+
 @pytest.mark.parametrize("src_shape", [(4, 8), (1, 8), (8,)])
 def test_every_strategy_of_a_functional_copy_is_numerically_right(src_shape):
     """`copy(self, src)` (a slice assignment, as T5 shifts its labels): the output is src broadcast."""
-    g = fx.Graph()
-    dst, src = g.placeholder("dst"), g.placeholder("src")
-    dst.meta["val"], src.meta["val"] = torch.empty(4, 8), torch.empty(src_shape)
-    node = g.call_function(torch.ops.aten.copy.default, (dst, src))
-    node.meta["val"] = torch.empty(4, 8)
-    values = {dst: torch.randn(4, 8), src: torch.randn(src_shape)}
-    values[node] = torch.ops.aten.copy.default(values[dst], values[src])
-    for mesh_shape in MESHES:
-        strategies = node_strategies(node, mesh_shape)
-        assert any(str(s.output_specs[0]).startswith("S(0)") for s in strategies), strategies  # not replicated only
-        for strategy in strategies:
-            check_node(node, strategy, values, mesh_shape)
+    node, values = _one_op(torch.ops.aten.copy.default, [torch.randn(4, 8), torch.randn(src_shape)])
+    _check_every_strategy(node, values, {"S(0)"})  # not replicated only
 
 
 @pytest.mark.parametrize("op, args", [
@@ -247,56 +259,21 @@ def test_every_strategy_of_a_functional_copy_is_numerically_right(src_shape):
 ])
 def test_every_strategy_of_a_resampling_op_is_numerically_right(op, args):
     """F.interpolate's ops (a U-Net's upsampling): split by batch or channels, Partial through."""
-    g = fx.Graph()
-    x = g.placeholder("x")
-    x.meta["val"] = torch.empty(4, 4, 4, 3)
-    node = g.call_function(op, (x, *args))
-    node.meta["val"] = op(torch.empty(4, 4, 4, 3), *args)
-    values = {x: torch.randn(4, 4, 4, 3)}
-    values[node] = op(values[x], *args)
-    for mesh_shape in MESHES:
-        strategies = node_strategies(node, mesh_shape)
-        if len(mesh_shape) == 1:
-            assert {str(s.output_specs[0]) for s in strategies} >= {"S(0)", "S(1)", "P"}, strategies
-        for strategy in strategies:
-            check_node(node, strategy, values, mesh_shape)
+    node, values = _one_op(op, [torch.randn(4, 4, 4, 3)], *args)
+    _check_every_strategy(node, values, {"S(0)", "S(1)", "P"})
 
 
 def test_every_strategy_of_group_norm_is_numerically_right():
     """`native_group_norm(x, w, b, N, C, HxW, group, eps)` spells the batch size out: split, it must be local."""
-    g = fx.Graph()
-    x, w, b = g.placeholder("x"), g.placeholder("w"), g.placeholder("b")
-    shapes = {x: (4, 8, 5, 5), w: (8,), b: (8,)}
-    values = {p: torch.randn(shape) for p, shape in shapes.items()}
-    for p, shape in shapes.items():
-        p.meta["val"] = torch.empty(shape)
-    args = (4, 8, 25, 2, 1e-5)
-    op = torch.ops.aten.native_group_norm.default
-    node = g.call_function(op, (x, w, b, *args))
-    node.meta["val"] = op(*(torch.empty(shapes[p]) for p in (x, w, b)), *args)
-    values[node] = op(values[x], values[w], values[b], *args)
-    for mesh_shape in MESHES:
-        strategies = node_strategies(node, mesh_shape)
-        assert any(str(s.output_specs[0]).startswith("S(0)") for s in strategies), strategies
-        for strategy in strategies:
-            check_node(node, strategy, values, mesh_shape)
+    node, values = _one_op(torch.ops.aten.native_group_norm.default,
+                           [torch.randn(4, 8, 5, 5), torch.randn(8), torch.randn(8)], 4, 8, 25, 2, 1e-5)
+    _check_every_strategy(node, values, {"S(0)"})
 
 
 def test_every_strategy_of_transformers_moe_matmul_is_numerically_right():
     """`transformers::grouped_mm_fallback` (Mixtral's experts): split inside each expert's matmul."""
     import transformers.integrations.moe  # noqa: F401  (registers the op)
 
-    op = torch.ops.transformers.grouped_mm_fallback.default
-    g = fx.Graph()
-    x, w, offs = g.placeholder("x"), g.placeholder("w"), g.placeholder("offs")
-    values = {x: torch.randn(10, 8), w: torch.randn(4, 8, 6), offs: torch.tensor([3, 5, 9, 10])}
-    for p in (x, w, offs):
-        p.meta["val"] = values[p]
-    node = g.call_function(op, (x, w, offs))
-    node.meta["val"] = values[node] = op(values[x], values[w], values[offs])
-    for mesh_shape in MESHES:
-        strategies = node_strategies(node, mesh_shape)
-        if len(mesh_shape) == 1:
-            assert {str(s.output_specs[0]) for s in strategies} >= {"R", "S(1)", "P"}, strategies
-        for strategy in strategies:
-            check_node(node, strategy, values, mesh_shape)
+    node, values = _one_op(torch.ops.transformers.grouped_mm_fallback.default,
+                           [torch.randn(10, 8), torch.randn(4, 8, 6), torch.tensor([3, 5, 9, 10])])
+    _check_every_strategy(node, values, {"R", "S(1)", "P"})
