@@ -24,6 +24,7 @@ from torch.utils import _pytree as pytree
 from autopar.codegen.lower import LoweringInfo
 from autopar.codegen.shapes import LoweringError
 from autopar.runtime.batch import batch_slice
+from autopar.runtime.deferred_loss import grads_scaled_by, other_output
 from autopar.runtime.grad_norm import clip_grad_norm_
 from autopar.runtime.grad_sync import GradSync
 from autopar.runtime.mesh import ProcessMesh
@@ -78,15 +79,19 @@ class ParallelModule(nn.Module):
         flat, spec = pytree.tree_flatten((args, kwargs))
         if spec != self._in_spec:
             raise LoweringError(f"called with inputs structured as {spec}; the model was traced with {self._in_spec}")
-        outs = list(self.graph_module(*flat))
-        if self._watch_outputs and torch.is_grad_enabled():
-            self._watch_outputs = False
+        with grads_scaled_by(self._sync):  # a mean loss may leave its division by the count to the sync
+            outs = list(self.graph_module(*flat))
+        if torch.is_grad_enabled():
+            if any(isinstance(t, torch.Tensor) and t.requires_grad for t in flat):
+                self._sync.forbid_deferral()  # their grads would be those of the loss's sum: it keeps its division
+            watch, self._watch_outputs = self._watch_outputs, False
             for i, out in enumerate(outs):
                 if i != self._loss_index and isinstance(out, torch.Tensor) and out.requires_grad:
                     # on an alias: the loss reads the output itself (a model's logits), whose gradient
                     # is computed in every backward; the alias gets one only from the caller's use
-                    outs[i] = out.view_as(out)
-                    outs[i].register_hook(self._outside_loss_hook)
+                    outs[i] = other_output(out, self._sync)  # gradient entering there stays exact
+                    if watch:
+                        outs[i].register_hook(self._outside_loss_hook)
         return pytree.tree_unflatten(outs, self._out_spec)
 
     def _outside_loss_hook(self, grad: torch.Tensor) -> None:
@@ -160,4 +165,4 @@ def _make_grad_sync(module: nn.Module, info: LoweringInfo, mesh: ProcessMesh) ->
         axes = tuple(k for k in axes if mesh.shape[k] > 1)  # a one-rank axis has nothing to sum
         if axes:
             entries.append((fqn, params[fqn], (mesh.flat_group_name(axes),)))
-    return GradSync(entries)
+    return GradSync(entries, scaled=params.values())

@@ -21,25 +21,38 @@ holds the in-flight all-reduce and
   engine callback), so no collective is left in flight across steps.
 
 A mean over a global count (cross-entropy with ignored labels: sum of the
-kept tokens' losses / number of kept tokens over all ranks) needs the global
-count in backward: the gradient of sum / count is grad / count. The count
-depends on the labels alone, so codegen starts its all-reduce (`start_count`)
-together with the ops computing it right after the labels' placeholder
-(`codegen.schedule`): it runs in the background during the forward and has
-finished, on every rank, long before backward reads it. `deferred_mean` then
-sends only the local sum, deferred like any loss, and its backward divides the
-scalar gradient by the count, which costs nothing. Two earlier designs cost
-more: sent at the end of the forward with the sum, the count made the first
-step of backward wait for the slowest rank's forward (3.7 ms of a 39 ms step on
-4 CPU ranks); leaving the division to the gradient sync instead took a pass
-over every gradient (1.7% of a one-rank GPT-2 step). A count computed from
-activations is started where it is computed, and backward may wait for it.
-Every rank issues these collectives at the same point of its forward, so a
-rank that reads the loss early (or never) cannot desynchronise the others.
+kept tokens' losses / number of kept tokens over all ranks) divides its
+gradient by the global count. The count depends on the labels alone, so codegen
+starts its all-reduce (`start_count`) together with the ops computing it right
+after the labels' placeholder (`codegen.schedule`); `deferred_mean` then sends
+only the local sum, deferred like any loss. Every rank issues these
+collectives at the same point of its forward, so a rank that reads the loss
+early (or never) cannot desynchronise the others.
+
+Where the division happens. Backward's first step could divide the scalar
+gradient by the count, but waiting for the count there stops every rank in
+the middle of its step until all have computed it: on 4 CPU ranks sharing 2
+cores that one wait cost 5% of a GPT-2 step (measured against DDP with the
+same small collective waited there, and waited at the end of backward
+instead: no cost). So under `grads_scaled_by(taker)` (what
+`ParallelModule.forward` does) backward passes on the gradient of the SUM and
+the taker (`GradSync`) divides every gradient this backward gives the module's
+parameters by the count once backward ends, where it waits for its buckets
+anyway. The taker accepts only when that is exact (`GradSync.defer_scale`);
+otherwise backward divides here. The module's other outputs (a Hugging Face
+model's logits) pass through `other_output`: gradient entering there is
+multiplied by the count if the division was already taken over, or else makes
+the taker leave the division in backward, whichever of the two backward steps
+the engine runs first. Two designs came before: sending the count with the sum
+at the end of the forward made backward's first step wait for the slowest
+rank's whole forward (3.7 ms of a 39 ms step on 4 CPU ranks), and a division
+in backward with the count started early still waited mid-step (above).
 """
 from __future__ import annotations
 
-from typing import Callable
+import contextlib
+from contextvars import ContextVar
+from typing import Callable, Iterator, Protocol
 
 import torch
 from torch.utils import _pytree as pytree
@@ -48,6 +61,34 @@ from autopar.runtime import comm
 from autopar.runtime.comm import Started
 
 _aten = torch.ops.aten
+
+
+class ScaleTaker(Protocol):
+    """Who may take a mean loss's division by its count out of backward (`GradSync`)."""
+
+    def loss_forward(self) -> None:
+        """A mean loss that may defer its division was computed."""
+
+    def defer_scale(self, count: Started) -> bool:
+        """Called at the loss's backward: True when the taker will divide every gradient this backward
+        gives its parameters by `count.wait()`; False: divide here."""
+
+    def gradient_enters(self) -> torch.Tensor | None:
+        """Called when gradient enters through another output of the module in this backward: the
+        count to multiply it by if the division was taken over, else None (and it stays in backward)."""
+
+
+_SCALE_TAKER: ContextVar[ScaleTaker | None] = ContextVar("autopar_scale_taker", default=None)
+
+
+@contextlib.contextmanager
+def grads_scaled_by(taker: ScaleTaker | None) -> Iterator[None]:
+    """Mean losses computed inside offer their division by the count to `taker` (None: they keep it)."""
+    token = _SCALE_TAKER.set(taker)
+    try:
+        yield
+    finally:
+        _SCALE_TAKER.reset(token)
 
 
 class DeferredSum(torch.Tensor):
@@ -100,18 +141,47 @@ class _DeferredAllReduce(torch.autograd.Function):
 
 
 class _DeferredMean(torch.autograd.Function):
-    """sum P -> sum / count R, the sum's all-reduce started, not waited; backward: grad / count."""
+    """sum P -> sum / count R, the sum's all-reduce started, not waited; backward: grad / count, or the
+    gradient of the sum when the forward's `ScaleTaker` divides later (see the module docstring)."""
 
     @staticmethod
     def forward(ctx, total: torch.Tensor, count: Started, group: str) -> DeferredSum:
         dtype = total.dtype
         ctx.pending, ctx.count, ctx.dtype = _start_sum(total, group), count, dtype
+        ctx.taker = _SCALE_TAKER.get()
+        if ctx.taker is not None:
+            ctx.taker.loss_forward()
         return DeferredSum(ctx.pending, total.detach(), lambda summed: _mean(summed, count, dtype))
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         torch.autograd.Variable._execution_engine.queue_callback(ctx.pending.wait)
+        if ctx.taker is not None and ctx.taker.defer_scale(ctx.count):
+            return grad, None, None  # the gradient of the sum: the taker divides by the count
         return grad / ctx.count.wait().to(ctx.dtype), None, None
+
+
+class _EntersScaled(torch.autograd.Function):
+    """Identity on a module output other than the loss. Backward: the gradient entering there, times
+    the global count when the division by it was taken over (the taker's division then restores it);
+    otherwise unchanged, and the taker leaves the division in backward for the rest of this backward."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, taker: ScaleTaker) -> torch.Tensor:
+        ctx.taker = taker
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        count = ctx.taker.gradient_enters()
+        return (grad if count is None else grad * count.to(grad.dtype)), None
+
+
+def other_output(x: torch.Tensor, taker: ScaleTaker) -> torch.Tensor:
+    """`x`, an output of the module besides its loss, marked so that gradient entering through it in a
+    backward whose division by the count was taken over is scaled back (see `_EntersScaled`). Without
+    such gradient, which is every `loss.backward()`, the mark costs nothing in backward."""
+    return _EntersScaled.apply(x, taker)
 
 
 def deferred_all_reduce(x: torch.Tensor, group: str) -> torch.Tensor:

@@ -37,6 +37,24 @@ which is reduced and added to the set-aside sum. A grad zeroed in place, or
 accumulated under `no_sync()`, is not "what the sync wrote" and is reduced whole,
 which is right for both. So several backward calls before `optimizer.step()` give
 the grads of the summed losses, with or without `no_sync()`.
+
+A mean loss's division by its global token count (`runtime.deferred_loss`) can be
+taken over (`defer_scale`): backward then carries the gradient of the sum, and
+`finish` divides this backward's gradients by the count: each synced bucket
+before its unpack, the other parameters' grads in place. Backward then never
+waits for the count; `finish` does, long after it arrived. It is exact only when
+every gradient the module's parameters get in this backward came through that
+one loss, so it is accepted only when: one such loss was computed since the last
+backward ended (two losses summed into one backward keep their own divisions),
+nothing forbade it (`forbid_deferral`: inputs that require grad, whose gradients
+would be those of the sum), and no parameter holds a gradient yet (accumulation
+keeps the division in backward). Gradient entering through another output of the
+module (`gradient_enters`) is multiplied by the count if the division was taken
+over, and otherwise keeps the division in backward. A parameter of this module
+also used outside it in the same backward would have that outside gradient
+divided too: the module's parameters are its own local shards, so that takes
+reaching into the module on purpose. Without a bucket (one rank) there is no
+wait to move and the division stays in backward, where it is one scalar op.
 """
 from __future__ import annotations
 
@@ -51,6 +69,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.distributed_c10d import _resolve_process_group
 
+from autopar.runtime.comm import Started
 from autopar.solver.cost import GRAD_BUCKET_BYTES
 from kernels import pack, unpack
 
@@ -85,6 +104,7 @@ class GradSync:
     `params`: (name, parameter, group names to sum the grad over). A parameter with
     no groups is skipped (nothing to reduce). `reduce_dtype` casts the bucket for the
     wire (e.g. torch.bfloat16 halves the traffic), default: the grads' dtype.
+    `scaled`: every parameter of the module (synced or not), for `defer_scale`.
     """
 
     def __init__(
@@ -92,6 +112,7 @@ class GradSync:
         params: Iterable[tuple[str, torch.nn.Parameter, Sequence[str]]],
         bucket_bytes: int = DEFAULT_BUCKET_BYTES,
         reduce_dtype: torch.dtype | None = None,
+        scaled: Iterable[torch.nn.Parameter] = (),
     ):
         if bucket_bytes <= 0:
             raise ValueError(f"bucket_bytes must be > 0, got {bucket_bytes}")
@@ -101,7 +122,12 @@ class GradSync:
         self._buckets: list[_Bucket] = []
         self._where: dict[int, tuple[_Bucket, int]] = {}  # id(param) -> (bucket, position)
         self._next = 0  # next bucket index to launch
-        self._syncing = False  # a grad to sync arrived in the current backward: `finish` is queued for its end
+        self._callback_queued = False  # `finish` is queued for the end of the current backward
+        self._syncing = False  # a grad to sync arrived in the current backward (buckets to launch and wait)
+        self._scaled = [p for p in scaled if p.requires_grad]
+        self._losses = 0  # mean losses that may defer their division, computed since the last backward ended
+        self._forbidden = False  # something since then sends gradient into the module besides those losses
+        self._count: Started | None = None  # the global count this backward's grads are divided by in `finish`
         self._handles = []
         self._synced: dict[int, tuple[weakref.ref, int]] = {}  # id(param) -> (its grad as the last sync wrote it, version)
         self._held: dict[int, torch.Tensor] = {}  # id(param) -> synced grad set aside during this backward
@@ -165,12 +191,46 @@ class GradSync:
                 p.grad = None
         return hook
 
+    def _queue_finish(self) -> None:
+        if not self._callback_queued:
+            # Runs when this backward's graph task finishes: the waits happen before loss.backward() returns.
+            torch.autograd.Variable._execution_engine.queue_callback(self.finish)
+            self._callback_queued = True
+
+    # ------------------------------------------------------------ a mean loss's division (`deferred_loss`)
+    def loss_forward(self) -> None:
+        self._losses += 1
+
+    def forbid_deferral(self) -> None:
+        """Gradient may enter the module other than through its loss until the next backward ends."""
+        self._forbidden = True
+
+    def gradient_enters(self) -> torch.Tensor | None:
+        """Gradient enters through another output of the module in this backward (`deferred_loss.other_output`).
+        If the division by a mean loss's count was taken over, returns that count: the caller multiplies
+        what enters by it, so that `finish`'s division leaves it as it was. Otherwise the division stays
+        in backward for the rest of this backward."""
+        self._queue_finish()
+        if self._count is not None:
+            return self._count.wait()
+        self._forbidden = True
+        return None
+
+    def defer_scale(self, count: Started) -> bool:
+        """Take over the division by the global `count` (`deferred_loss.start_count`'s) when it is exact."""
+        self._queue_finish()  # the end of this backward resets the bookkeeping, whatever is decided
+        if not self._buckets or self._forbidden or self._losses != 1 or self._count is not None:
+            return False
+        if any(p.grad is not None for p in self._scaled):
+            return False
+        self._count = count
+        return True
+
     def _on_grad(self, p: torch.nn.Parameter) -> None:
         if not self.enabled:
             return
         if not self._syncing:  # first grad to sync in this backward
-            # `finish` runs when this backward's graph task ends: the waits happen before loss.backward() returns.
-            torch.autograd.Variable._execution_engine.queue_callback(self.finish)
+            self._queue_finish()
             self._syncing = True
             self.launched = 0
         bucket, pos = self._where[id(p)]
@@ -192,12 +252,28 @@ class GradSync:
         self.launched += 1
 
     def finish(self) -> None:
-        """Wait for every bucket and write the summed grads back, launching buckets whose grads never came.
+        """Wait for every bucket and write the summed grads back (launching buckets whose grads never
+        came), and divide this backward's grads by a mean loss's count if `defer_scale` took it.
 
-        Called by autograd at the end of each backward that synced; a no-op outside one.
+        Called by autograd at the end of each backward that synced or took a division; a no-op outside one.
         """
-        if not self._syncing:
+        if not self._callback_queued:
             return
+        # a 0-d tensor, never read on the host (no sync point; fake tensors have no value): no labels kept gives inf, as eager
+        scale = None if self._count is None else 1.0 / self._count.wait()
+        synced = self._finish_sync(scale) if self._syncing else set()
+        if scale is not None:
+            with torch.no_grad():
+                for p in self._scaled:
+                    if p.grad is not None and id(p) not in synced:
+                        p.grad.mul_(scale)
+        self._callback_queued = self._syncing = self._forbidden = False
+        self._losses, self._count = 0, None
+
+    def _finish_sync(self, scale: torch.Tensor | None) -> set[int]:
+        """Launch what is left, wait for every bucket and write the summed grads (times `scale`) back;
+        returns the ids of the parameters written."""
+        written: set[int] = set()
         for b in self._buckets[self._next:]:
             self._launch(b)
         for b in self._buckets:
@@ -208,6 +284,8 @@ class GradSync:
             # threads, so the next sum can only start once the previous one is complete.
             for g in b.groups[1:]:
                 dist.all_reduce(b.buffer, group=_resolve_process_group(g))
+            if scale is not None:
+                b.buffer.mul_(scale)
             if b.as_grads:
                 # The summed bucket becomes the grads' storage (no copy back; the local grads are freed).
                 # torch's C++ unflatten makes the views: a Python split + view per parameter took
@@ -220,6 +298,7 @@ class GradSync:
                         p.grad = torch.empty_like(p)
                 unpack(b.buffer, [p.grad for p in b.params])
             for p in b.params:
+                written.add(id(p))
                 held = self._held.pop(id(p), None)
                 if held is not None:
                     p.grad = held.add_(p.grad)  # the earlier synced sum + this backward's synced term
@@ -227,10 +306,11 @@ class GradSync:
             b.work, b.buffer = None, None
             b.ready.clear()
         self._next = 0
-        self._syncing = False
+        return written
 
     def remove(self) -> None:
         """Detach the hooks (the parameters stop being synced)."""
         for h in self._handles:
             h.remove()
         self._handles.clear()
+

@@ -1,9 +1,12 @@
-"""A mean loss over the global token count is exact in every use.
+"""A mean loss over the global token count is exact in every use, its division by the
+count leaving backward for the gradient sync only when that is exact.
 
 GPT-2 tiny, data parallel on 2 gloo ranks, ignored labels all on rank 0 (the two
 ranks' counts differ). Each way a training loop may use the loss (fresh grads,
 accumulation, two losses in one backward, `no_sync`, gradient through the
-logits too) is checked against the single-device gradients of the same global batch.
+logits too) is checked against the single-device gradients of the same global batch,
+and the test records what `GradSync.defer_scale` decided, so a case that silently
+took the other path fails too.
 """
 from __future__ import annotations
 
@@ -22,11 +25,19 @@ from autopar.runtime.mesh import ProcessMesh
 from autopar.tracer import split_sample_input
 
 
-def _module(model, traced, plan) -> ParallelModule:
+def _module(model, traced, plan) -> tuple[ParallelModule, list[bool]]:
     mesh = ProcessMesh((2,))
     pm = ParallelModule(lower(traced, plan, mesh, params=dict(model.named_parameters(remove_duplicate=False))),
                         traced, mesh, plan)
-    return pm
+    decisions: list[bool] = []
+    take = pm._sync.defer_scale
+
+    def recorded(count):
+        decisions.append(take(count))
+        return decisions[-1]
+
+    pm._sync.defer_scale = recorded
+    return pm, decisions
 
 
 def _grads(pm: ParallelModule) -> dict[str, torch.Tensor]:
@@ -39,50 +50,63 @@ def _close(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor], what: st
 
 
 def _cases(rank, world, model, sample, traced, plan, want):
-    pm = _module(model, traced, plan)
+    pm, decisions = _module(model, traced, plan)
     args, kwargs = batch_slice(split_sample_input(sample), rank, world)
 
     def step():
         return loss_of(pm(*args, **kwargs))
 
-    step().backward()
+    step().backward()  # fresh grads, one loss: the sync divides
+    assert decisions == [True], decisions
     _close(_grads(pm), want, "fresh")
 
-    step().backward()  # accumulation
+    step().backward()  # accumulation: the grads exist, backward divides
+    assert decisions == [True, False], decisions
     _close(_grads(pm), {k: 2 * v for k, v in want.items()}, "accumulated")
 
     pm.zero_grad(set_to_none=True)
-    (step() + step()).backward()  # two losses in one backward
+    (step() + step()).backward()  # two losses in one backward: each keeps its own division
+    assert decisions == [True, False, False, False], decisions
     _close(_grads(pm), {k: 2 * v for k, v in want.items()}, "two losses")
 
-    # no_sync: each rank's own (unreduced) term, divided by the global count
+    # no_sync: each rank's own (unreduced) term, divided by the global count (by the sync's `finish`)
     pm.zero_grad(set_to_none=True)
     with pm._sync.no_sync():
         step().backward()
     local = _grads(pm)
     pm.zero_grad(set_to_none=True)
+    with pm._sync.no_sync():
+        loss = step()
+        pm._sync.forbid_deferral()
+        loss.backward()
+    assert decisions[-2:] == [True, False], decisions
+    _close(local, _grads(pm), "no_sync, either path")
+    pm.zero_grad(set_to_none=True)
     step().backward()
     for v in local.values():
         torch.distributed.all_reduce(v)
     _close(local, _grads(pm), "no_sync terms summed")
+    return decisions
 
 
 @pytest.mark.timeout(120)
-def test_the_mean_over_the_global_count_is_exact_in_every_use():
+def test_the_count_division_moves_to_the_grad_sync_only_when_exact():
     model, sample = load_zoo("gpt2").build(batch_size=4, seq_len=8, size="tiny", device="cpu")
     sample["labels"][0, :5] = -100  # all on rank 0: the ranks' token counts differ
     traced = trace_model(model, sample)
     plan = greedy_plan(traced, cpu_mesh((2,)), {name: "S(0)" for name in traced.input_names})
     want = reference(model, sample, 1).grads[0]
-    run_ranks(_cases, 2, model, sample, traced, plan, want, timeout_s=100)
+    results = run_ranks(_cases, 2, model, sample, traced, plan, want, timeout_s=100)
+    assert results[0] == results[1]
 
 
 def _hf_cases(rank, world, model, sample, traced, plan, want, want_aux, w):
-    pm = _module(model, traced, plan)
+    pm, decisions = _module(model, traced, plan)
     args, kwargs = batch_slice(split_sample_input(sample), rank, world)
     out = pm(*args, **kwargs)
     assert out.logits.requires_grad
-    out.loss.backward()
+    out.loss.backward()  # the logits carry no gradient: the division is taken over all the same
+    assert decisions == [True], decisions
     _close(_grads(pm), want, "loss with logits returned")
     pm.zero_grad(set_to_none=True)
     out = pm(*args, **kwargs)  # gradient through the logits as well: still exact

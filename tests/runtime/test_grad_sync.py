@@ -8,7 +8,7 @@ import torch
 from torch import nn
 from torch.testing import assert_close
 
-from autopar.runtime.deferred_loss import deferred_mean, start_count
+from autopar.runtime.deferred_loss import deferred_mean, grads_scaled_by, other_output, start_count
 from autopar.runtime.grad_sync import GradSync
 from autopar.runtime.mesh import ProcessMesh
 
@@ -122,12 +122,17 @@ def test_summed_bucket_becomes_the_grads(spmd):
     assert storages == 6 and 0 < error < 1e-2
 
 
-def _gradient_through_another_output(rank: int, world_size: int) -> float:
-    """A mean loss over a global count plus gradient entering through another output, in one backward:
-    the largest error of the synced grads against one process."""
+def _gradient_through_another_output(rank: int, world_size: int, loss_first: bool) -> tuple[list[bool], float]:
+    """A mean loss plus gradient entering through another output, in one backward. `loss_first`: the
+    mean's backward runs before the other output's (it was created later): the division is taken
+    over and what enters elsewhere is scaled back; else the other output runs first and keeps it.
+    Returns the decisions and the largest error of the synced grads against one process."""
     mesh = ProcessMesh((world_size,))
     model, ref = _model(), _model()
-    GradSync([(n, p, mesh.group_names) for n, p in model.named_parameters()])
+    sync = GradSync([(n, p, mesh.group_names) for n, p in model.named_parameters()], scaled=model.parameters())
+    decisions = []
+    take = sync.defer_scale
+    sync.defer_scale = lambda count: decisions.append(take(count)) or decisions[-1]
     gen = torch.Generator().manual_seed(1)
     x, y, w = (torch.randn(GLOBAL_BATCH, n, generator=gen) for n in (8, 4, 4))
     kept = torch.arange(GLOBAL_BATCH) % 3 != 0  # a mean over the kept rows only: counts differ per rank
@@ -136,15 +141,24 @@ def _gradient_through_another_output(rank: int, world_size: int) -> float:
     def terms(out, y, w, kept):
         return ((out - y).square().sum(1) * kept).sum(), kept.sum(), (out * w).sum()
 
-    count = start_count(shard(kept).sum(), mesh.group_names[0])
-    out = model(shard(x))
-    total, _, aux = terms(out, shard(y), shard(w), shard(kept))
-    torch.autograd.backward([deferred_mean(total, count, mesh.group_names[0]), aux])
+    group = mesh.group_names[0]
+    with grads_scaled_by(sync):
+        count = start_count(shard(kept).sum(), group)
+        out = model(shard(x))
+        other = other_output(out, sync) if loss_first else None
+        total, _, _ = terms(out, shard(y), shard(w), shard(kept))
+        loss = deferred_mean(total, count, group)
+        if not loss_first:
+            other = other_output(out, sync)
+    torch.autograd.backward([loss, (other * shard(w)).sum()])
     total, count, aux = terms(ref(x), y, w, kept)
     (total / count + aux).backward()
-    return max((p.grad - q.grad).abs().max().item() for p, q in zip(model.parameters(), ref.parameters()))
+    error = max((p.grad - q.grad).abs().max().item() for p, q in zip(model.parameters(), ref.parameters()))
+    return decisions, error
 
 
-def test_gradient_entering_through_another_output_stays_exact(spmd):
-    error = spmd(_gradient_through_another_output, 2)[0]
+@pytest.mark.parametrize("loss_first", [True, False])
+def test_gradient_entering_through_another_output_stays_exact(spmd, loss_first):
+    decisions, error = spmd(_gradient_through_another_output, 2, loss_first)[0]
+    assert decisions == [loss_first]  # which of the two paths ran
     assert error < 1e-5, error
