@@ -58,14 +58,17 @@ FAMILIES = {  # name -> (model builder, input kind)
     "vit": (lambda: hf.ViTForImageClassification(hf.ViTConfig(hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
                                                               intermediate_size=128, image_size=32, patch_size=8,
                                                               num_labels=5)), "image"),
+    "swin": (lambda: hf.SwinForImageClassification(hf.SwinConfig(image_size=32, patch_size=4, embed_dim=16, depths=[2, 2],
+                                                                  num_heads=[2, 4], window_size=4, num_labels=5)), "image"),
 }
 
 
 def without_dropout(model: torch.nn.Module) -> torch.nn.Module:
-    """The same family rebuilt with every dropout probability of its config at 0 (so one device is the reference)."""
+    """The same family rebuilt with every dropout probability of its config at 0, stochastic depth
+    (`drop_path_rate`) included, so one device is the reference."""
     config = model.config
     for key, value in list(vars(config).items()):
-        if ("dropout" in key or "pdrop" in key) and isinstance(value, float):
+        if ("dropout" in key or "pdrop" in key or "drop_path" in key) and isinstance(value, float):
             setattr(config, key, 0.0)
     return type(model)(config).train()
 

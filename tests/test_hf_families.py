@@ -12,6 +12,9 @@ the parallel module and the model (`load_state_dict`, strict: the same keys).
 - DeBERTa-v2, Falcon, BART: tensors made in the forward from Python values (DeBERTa's
   attention scale `torch.tensor(head_dim)`), constants export lifts; they were zeros
   once lowered (DeBERTa's loss was NaN, the others' off by 1e-2).
+- Swin: its pooler (`nn.AdaptiveAvgPool1d`) exports an `as_strided` that restates its
+  input's layout, which no rule splits; the tracer drops it (`tracer/restride.py`).
+  Stochastic depth (`drop_path_rate`) is off: it draws per-sample masks, as dropout does.
 """
 from __future__ import annotations
 
@@ -45,11 +48,17 @@ FAMILIES = {
         encoder_ffn_dim=128, decoder_ffn_dim=128, max_position_embeddings=64, dropout=0.0, attention_dropout=0.0)),
     "t5": lambda: hf.T5ForConditionalGeneration(hf.T5Config(vocab_size=256, d_model=64, d_kv=16, d_ff=128, num_layers=2,
                                                             num_heads=4, dropout_rate=0.0, decoder_start_token_id=0)),
+    "swin": lambda: hf.SwinForImageClassification(hf.SwinConfig(image_size=32, patch_size=4, embed_dim=16, depths=[2, 2],
+                                                                num_heads=[2, 4], window_size=4, num_labels=5,
+                                                                drop_path_rate=0.0)),
 }
+NO_CACHE = ("deberta", "swin")  # encoders: no KV cache to switch off
 
 
 def _sample(name: str) -> dict[str, torch.Tensor]:
     gen = torch.Generator().manual_seed(0)
+    if name == "swin":
+        return {"pixel_values": torch.randn(4, 3, 32, 32, generator=gen), "labels": torch.randint(0, 5, (4,), generator=gen)}
     ids = torch.randint(3, 256, (4, 16), generator=gen)
     labels = torch.randint(3, 256, (4, 8), generator=gen) if name in ("t5", "bart") else ids.clone()
     labels[0, :3] = -100  # ignored labels, all on rank 0: a mean over a global count
@@ -84,7 +93,7 @@ def test_hugging_face_family_trains_like_one_device(name):
     torch.manual_seed(0)
     model = FAMILIES[name]().train()
     cache = getattr(model.config, "use_cache", None)
-    assert cache is (None if name == "deberta" else True)  # the default a user gets (an encoder has none)
+    assert cache is (None if name in NO_CACHE else True)  # the default a user gets (an encoder has none)
     sample = _sample(name)
     want = reference(model, sample, 1)
     for loss, use_cache, _ in run_ranks(_train, 2, model, sample, want, timeout_s=280):

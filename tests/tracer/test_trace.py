@@ -162,3 +162,31 @@ def test_an_output_torch_cannot_flatten_is_named_with_a_fix():
     message = str(info.value)
     assert "Handle" in message and "an output of a type torch cannot take apart" in message, message
     assert "register_pytree_node" in message and "<string>" not in message, message
+
+
+class Pooled(torch.nn.Module):
+    """Swin's pooler (`AdaptiveAvgPool1d`) next to an `as_strided` that really moves elements (a transpose)."""
+
+    def __init__(self):
+        super().__init__()
+        self.proj = torch.nn.Linear(8, 8)
+        self.pool = torch.nn.AdaptiveAvgPool1d(1)
+
+    def forward(self, x):  # x: (batch, tokens, 8)
+        h = self.proj(x)
+        pooled = self.pool(h.transpose(1, 2)).flatten(1)  # (batch, 8)
+        square = h[0, :8, :]  # (8, 8), contiguous
+        moved = torch.as_strided(square, (8, 8), (1, 8))  # its transpose: not its input, element for element
+        return pooled.sum() + (moved * torch.arange(64.0).view(8, 8)).sum()
+
+
+def test_an_as_strided_that_restates_its_input_is_dropped_and_a_real_one_kept():
+    model, x = Pooled(), torch.randn(3, 8, 8)
+    traced = trace(model, x)
+    restrided = [n for n in traced.graph.nodes if n.op == "call_function" and "as_strided" in str(n.target)]
+    # the export's own as_strided for the pool, counted on the graph before the pass
+    exported = torch.export.export(model, (x,)).run_decompositions().graph_module.graph
+    assert sum("as_strided" in str(n.target) for n in exported.nodes) == 2
+    assert len(restrided) == 1 and list(restrided[0].args[2]) == [1, 8], restrided  # the transpose stays
+    got = traced.gm(*placeholder_values(traced, model, x))
+    torch.testing.assert_close(pytree.tree_leaves(got)[0], model(x).detach(), rtol=1e-5, atol=1e-5)
