@@ -132,6 +132,7 @@ class GradSync:
         self._synced: dict[int, tuple[weakref.ref, int]] = {}  # id(param) -> (its grad as the last sync wrote it, version)
         self._held: dict[int, torch.Tensor] = {}  # id(param) -> synced grad set aside during this backward
         self._build(list(params), reduce_dtype)
+        self._unsynced = [p for p in self._scaled if id(p) not in self._where]  # scaled, never in a bucket
         if dist.is_initialized() and dist.get_rank() == 0:
             logger.info("runtime: grad sync of %d params in %d buckets (%.1f MB max)", len(self._where), len(self._buckets), bucket_bytes / 2**20)
 
@@ -185,8 +186,10 @@ class GradSync:
     def _before_accumulate_hook(self, p: torch.nn.Parameter):
         def hook(grad: torch.Tensor) -> None:
             held = p.grad
+            if held is None:  # zeroed with set_to_none: the usual case, nothing to set aside
+                return
             mark = self._synced.get(id(p))
-            if self.enabled and held is not None and mark is not None and mark[0]() is held and held._version == mark[1]:
+            if self.enabled and mark is not None and mark[0]() is held and held._version == mark[1]:
                 self._held[id(p)] = held  # already summed over ranks: keep it out of this backward's reduction
                 p.grad = None
         return hook
@@ -261,24 +264,22 @@ class GradSync:
             return
         # a 0-d tensor, never read on the host (no sync point; fake tensors have no value): no labels kept gives inf, as eager
         scale = None if self._count is None else 1.0 / self._count.wait()
-        synced = self._finish_sync(scale) if self._syncing else set()
+        if self._syncing:
+            self._finish_sync(scale)
         if scale is not None:
-            with torch.no_grad():
-                for p in self._scaled:
-                    if p.grad is not None and id(p) not in synced:
+            with torch.no_grad():  # the grads no bucket carried (all of them under `no_sync`)
+                for p in self._unsynced if self._syncing else self._scaled:
+                    if p.grad is not None:
                         p.grad.mul_(scale)
         self._callback_queued = self._syncing = self._forbidden = False
         self._losses, self._count = 0, None
 
-    def _finish_sync(self, scale: torch.Tensor | None) -> set[int]:
-        """Launch what is left, wait for every bucket and write the summed grads (times `scale`) back;
-        returns the ids of the parameters written."""
-        written: set[int] = set()
+    def _finish_sync(self, scale: torch.Tensor | None) -> None:
+        """Launch what is left, wait for every bucket and write the summed grads (times `scale`) back."""
         for b in self._buckets[self._next:]:
             self._launch(b)
+        held = self._held
         for b in self._buckets:
-            if b.work is None:
-                continue
             b.work.wait()
             # Further axes one after another: collectives on different groups may run on different
             # threads, so the next sum can only start once the previous one is complete.
@@ -290,23 +291,19 @@ class GradSync:
                 # The summed bucket becomes the grads' storage (no copy back; the local grads are freed).
                 # torch's C++ unflatten makes the views: a Python split + view per parameter took
                 # 80 us of a 7.5 ms one-rank GPT-2 step, every step.
-                for p, view in zip(b.params, torch._utils._unflatten_dense_tensors(b.buffer, b.params)):
-                    p.grad = view
+                grads = torch._utils._unflatten_dense_tensors(b.buffer, b.params)
             else:
-                for p in b.params:
-                    if p.grad is None:
-                        p.grad = torch.empty_like(p)
-                unpack(b.buffer, [p.grad for p in b.params])
-            for p in b.params:
-                written.add(id(p))
-                held = self._held.pop(id(p), None)
-                if held is not None:
-                    p.grad = held.add_(p.grad)  # the earlier synced sum + this backward's synced term
-                self._synced[id(p)] = (weakref.ref(p.grad), p.grad._version)
+                grads = [p.grad if p.grad is not None else torch.empty_like(p) for p in b.params]
+                unpack(b.buffer, grads)
+            for p, grad in zip(b.params, grads):
+                earlier = held.pop(id(p), None) if held else None
+                if earlier is not None:
+                    grad = earlier.add_(grad)  # the earlier synced sum + this backward's synced term
+                p.grad = grad
+                self._synced[id(p)] = (weakref.ref(grad), grad._version)
             b.work, b.buffer = None, None
             b.ready.clear()
         self._next = 0
-        return written
 
     def remove(self) -> None:
         """Detach the hooks (the parameters stop being synced)."""
