@@ -310,4 +310,3 @@ class GradSync:
         for h in self._handles:
             h.remove()
         self._handles.clear()
-
