@@ -47,8 +47,11 @@ every gradient the module's parameters get in this backward came through that
 one loss, so it is accepted only when: one such loss was computed since the last
 backward ended (two losses summed into one backward keep their own divisions),
 nothing forbade it (`forbid_deferral`: inputs that require grad, whose gradients
-would be those of the sum), and no parameter holds a gradient yet (accumulation
-keeps the division in backward). Gradient entering through another output of the
+would be those of the sum), no parameter holds a gradient yet (accumulation
+keeps the division in backward), backward accumulates into `.grad` at all
+(`torch.autograd.grad` returns the gradients: they must come out divided), and
+does not build a graph of them (`create_graph=True`: an in-place division at the
+end would not be differentiated). Gradient entering through another output of the
 module (`gradient_enters`) is multiplied by the count if the division was taken
 over, and otherwise keeps the division in backward. A parameter of this module
 also used outside it in the same backward would have that outside gradient
@@ -67,6 +70,7 @@ from typing import Iterable, Iterator, Sequence
 
 import torch
 import torch.distributed as dist
+from torch.autograd.graph import get_gradient_edge
 from torch.distributed.distributed_c10d import _resolve_process_group
 
 from autopar.runtime.comm import Started
@@ -125,6 +129,9 @@ class GradSync:
         self._callback_queued = False  # `finish` is queued for the end of the current backward
         self._syncing = False  # a grad to sync arrived in the current backward (buckets to launch and wait)
         self._scaled = [p for p in scaled if p.requires_grad]
+        # their AccumulateGrad nodes, held (as DDP does) so that each backward can ask the engine whether it
+        # accumulates into `.grad` at all
+        self._accumulators = [get_gradient_edge(p).node for p in self._scaled]
         self._losses = 0  # mean losses that may defer their division, computed since the last backward ended
         self._forbidden = False  # something since then sends gradient into the module besides those losses
         self._count: Started | None = None  # the global count this backward's grads are divided by in `finish`
@@ -224,10 +231,20 @@ class GradSync:
         self._queue_finish()  # the end of this backward resets the bookkeeping, whatever is decided
         if not self._buckets or self._forbidden or self._losses != 1 or self._count is not None:
             return False
-        if any(p.grad is not None for p in self._scaled):
+        if torch.is_grad_enabled():  # create_graph=True: the gradients are themselves differentiated
+            return False
+        if any(p.grad is not None for p in self._scaled) or not self._accumulates():
             return False
         self._count = count
         return True
+
+    def _accumulates(self) -> bool:
+        """This backward accumulates into some parameter's `.grad`. Not so under `torch.autograd.grad`,
+        which returns the gradients to its caller: they must leave backward divided."""
+        try:
+            return any(torch._C._will_engine_execute_node(a) for a in self._accumulators)
+        except RuntimeError:  # torch declines the question under autograd.grad(): nothing is accumulated
+            return False
 
     def _on_grad(self, p: torch.nn.Parameter) -> None:
         if not self.enabled:

@@ -3,8 +3,8 @@ count leaving backward for the gradient sync only when that is exact.
 
 GPT-2 tiny, data parallel on 2 gloo ranks, ignored labels all on rank 0 (the two
 ranks' counts differ). Each way a training loop may use the loss (fresh grads,
-accumulation, two losses in one backward, `no_sync`, gradient through the
-logits too) is checked against the single-device gradients of the same global batch,
+accumulation, two losses in one backward, `no_sync`, `torch.autograd.grad`, `create_graph`,
+gradient through the logits too) is checked against the single-device gradients of the same global batch,
 and the test records what `GradSync.defer_scale` decided, so a case that silently
 took the other path fails too.
 """
@@ -86,6 +86,22 @@ def _cases(rank, world, model, sample, traced, plan, want):
     for v in local.values():
         torch.distributed.all_reduce(v)
     _close(local, _grads(pm), "no_sync terms summed")
+
+    # torch.autograd.grad returns each rank's term, accumulating nothing: backward divides
+    pm.zero_grad(set_to_none=True)
+    names, params = zip(*pm.named_parameters())
+    terms = torch.autograd.grad(step(), params)
+    assert decisions[-1] is False, decisions
+    for t in terms:
+        torch.distributed.all_reduce(t)
+    _close(dict(zip(names, terms)), want, "autograd.grad terms summed")
+
+    # create_graph=True: the gradients are built as a graph, so backward divides
+    pm.zero_grad(set_to_none=True)
+    step().backward(create_graph=True)
+    assert decisions[-1] is False, decisions
+    _close({k: v.detach() for k, v in _grads(pm).items()}, want, "create_graph")
+    pm.zero_grad(set_to_none=True)
     return decisions
 
 
