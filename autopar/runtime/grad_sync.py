@@ -51,7 +51,8 @@ would be those of the sum), no parameter holds a gradient yet (accumulation
 keeps the division in backward), backward accumulates into `.grad` at all
 (`torch.autograd.grad` returns the gradients: they must come out divided), and
 does not build a graph of them (`create_graph=True`: an in-place division at the
-end would not be differentiated). Gradient entering through another output of the
+end would not be differentiated), and no parameter carries a gradient hook of
+someone else's (it would see the gradient of the sum). Gradient entering through another output of the
 module (`gradient_enters`) is multiplied by the count if the division was taken
 over, and otherwise keeps the division in backward. A parameter of this module
 also used outside it in the same backward would have that outside gradient
@@ -233,10 +234,19 @@ class GradSync:
             return False
         if torch.is_grad_enabled():  # create_graph=True: the gradients are themselves differentiated
             return False
-        if any(p.grad is not None for p in self._scaled) or not self._accumulates():
+        if any(p.grad is not None for p in self._scaled) or self._foreign_hooks() or not self._accumulates():
             return False
         self._count = count
         return True
+
+    def _foreign_hooks(self) -> bool:
+        """Some parameter carries a gradient hook besides the sync's own: it would see the gradient of the
+        sum, N times the loss's (a clamp there would clamp the wrong values)."""
+        for p in self._scaled:
+            ours = 1 if id(p) in self._where else 0  # the pre-accumulate and post-accumulate hooks of a synced one
+            if len(p._backward_hooks or ()) > ours or len(p._post_accumulate_grad_hooks or ()) > ours:
+                return True
+        return False
 
     def _accumulates(self) -> bool:
         """This backward accumulates into some parameter's `.grad`. Not so under `torch.autograd.grad`,

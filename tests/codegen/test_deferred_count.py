@@ -3,7 +3,7 @@ count leaving backward for the gradient sync only when that is exact.
 
 GPT-2 tiny, data parallel on 2 gloo ranks, ignored labels all on rank 0 (the two
 ranks' counts differ). Each way a training loop may use the loss (fresh grads,
-accumulation, two losses in one backward, `no_sync`, `torch.autograd.grad`, `create_graph`,
+accumulation, two losses in one backward, `no_sync`, `torch.autograd.grad`, `create_graph`, a gradient hook,
 gradient through the logits too) is checked against the single-device gradients of the same global batch,
 and the test records what `GradSync.defer_scale` decided, so a case that silently
 took the other path fails too.
@@ -91,16 +91,29 @@ def _cases(rank, world, model, sample, traced, plan, want):
     pm.zero_grad(set_to_none=True)
     names, params = zip(*pm.named_parameters())
     terms = torch.autograd.grad(step(), params)
-    assert decisions[-1] is False, decisions
     for t in terms:
         torch.distributed.all_reduce(t)
     _close(dict(zip(names, terms)), want, "autograd.grad terms summed")
+    assert decisions[-1] is False, decisions
 
     # create_graph=True: the gradients are built as a graph, so backward divides
     pm.zero_grad(set_to_none=True)
     step().backward(create_graph=True)
-    assert decisions[-1] is False, decisions
     _close({k: v.detach() for k, v in _grads(pm).items()}, want, "create_graph")
+    assert decisions[-1] is False, decisions
+
+    # a gradient hook of the user's sees this rank's term of the loss's gradient (here it clamps it)
+    pm.zero_grad(set_to_none=True)
+    first = next(iter(pm.parameters()))
+    (term,) = torch.autograd.grad(step(), first)  # this rank's term, unclamped
+    bound = term.abs().max().item() / 2
+    clamped = term.clamp(-bound, bound)
+    torch.distributed.all_reduce(clamped)
+    handle = first.register_hook(lambda g: g.clamp(-bound, bound))
+    step().backward()
+    handle.remove()
+    torch.testing.assert_close(first.grad, clamped, rtol=1e-4, atol=1e-6)
+    assert decisions[-1] is False, decisions
     pm.zero_grad(set_to_none=True)
     return decisions
 
