@@ -3,7 +3,7 @@
     python benchmarks/hf_families.py                        # every family, 2 ranks, ample memory
     python benchmarks/hf_families.py --only qwen2,t5 --mesh 2x2 --memory 1.2e6
 
-A diagnostic sweep, wider than `tests/test_hf_families.py` (six of these families):
+A diagnostic sweep, wider than `tests/test_hf_families.py` (seven of these families):
 each family is a tiny random model from its transformers config, dropout off, with
 the config's defaults otherwise (KV cache on). It is parallelized with the solver's
 plan on gloo ranks and takes one step; the table gives the loss and the largest

@@ -234,19 +234,19 @@ class GradSync:
             return False
         if torch.is_grad_enabled():  # create_graph=True: the gradients are themselves differentiated
             return False
-        if any(p.grad is not None for p in self._scaled) or self._foreign_hooks() or not self._accumulates():
+        if not self._params_untouched() or not self._accumulates():
             return False
         self._count = count
         return True
 
-    def _foreign_hooks(self) -> bool:
-        """Some parameter carries a gradient hook besides the sync's own: it would see the gradient of the
-        sum, N times the loss's (a clamp there would clamp the wrong values)."""
+    def _params_untouched(self) -> bool:
+        """No parameter holds a gradient (accumulation) or carries a gradient hook besides the sync's own
+        (it would see the gradient of the sum, N times the loss's: a clamp there clamps the wrong values)."""
         for p in self._scaled:
             ours = 1 if id(p) in self._where else 0  # the pre-accumulate and post-accumulate hooks of a synced one
-            if len(p._backward_hooks or ()) > ours or len(p._post_accumulate_grad_hooks or ()) > ours:
-                return True
-        return False
+            if p.grad is not None or len(p._backward_hooks or ()) > ours or len(p._post_accumulate_grad_hooks or ()) > ours:
+                return False
+        return True
 
     def _accumulates(self) -> bool:
         """This backward accumulates into some parameter's `.grad`. Not so under `torch.autograd.grad`,

@@ -22,14 +22,12 @@ from torch import fx
 
 log = logging.getLogger(__name__)
 
-_AS_STRIDED = (torch.ops.aten.as_strided.default,)
-
 
 def drop_identity_as_strided(gm: fx.GraphModule) -> int:
     """Replace every `as_strided` of `gm` that reads its input in place by that input; returns how many."""
     dropped = 0
     for node in list(gm.graph.nodes):
-        if node.op == "call_function" and node.target in _AS_STRIDED and _reads_in_place(node):
+        if node.op == "call_function" and node.target is torch.ops.aten.as_strided.default and _reads_in_place(node):
             node.replace_all_uses_with(node.args[0])
             gm.graph.erase_node(node)
             dropped += 1
