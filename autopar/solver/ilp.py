@@ -82,12 +82,14 @@ per byte first) changed nothing on 26 memory-bound solves of the tiny models and
 (hf_llama-tiny on 2x2 at 60% of its need) hit the time limit with a 10% slower plan, against
 27 s to the optimum without it: HiGHS' own heuristics, which a start holds back, found better plans.
 
-Times are entered in milliseconds and bytes in GiB so coefficients stay near 1
-for the solver's tolerances; everything outside this module is seconds/bytes.
+Times are entered in milliseconds and bytes in GiB, or in a smaller power of two for a
+model whose most replicated plan needs less (`memory_unit_bytes`), so coefficients stay
+near 1 for the solver's tolerances; everything outside this module is seconds/bytes.
 """
 from __future__ import annotations
 
 import logging
+import math
 import time
 from dataclasses import dataclass, field
 from typing import Literal, Mapping, Sequence
@@ -106,10 +108,26 @@ _MS = 1e3
 _GIB = float(2**30)
 # Tie-break: among equally fast plans prefer the leaner one (1 us per GiB: far below any real time difference).
 _TIE_MS_PER_GIB = 1e-3
-# the memory row asks for this much less than the budget (HiGHS' feasibility tolerance, see add_memory_limit)
+# the memory row asks for this much less than the budget at most: 4e-6 of the memory unit (HiGHS' feasibility
+# tolerance, see add_memory_limit), 4 KiB for a unit of 1 GiB
 MEMORY_SLACK_BYTES = 4096.0
 # HiGHS' own default relative MIP gap: "optimal" means within 0.01% of the best possible step time.
 DEFAULT_GAP = 1e-4
+
+
+def memory_unit_bytes(problem: Problem) -> float:
+    """The unit bytes enter the model in: GiB, or the power of two at or below what the problem's most
+    replicated plan needs (every node's largest option) when that is less.
+
+    HiGHS' tolerances are absolute: a cost under 1e-7 counts as zero and a row may be exceeded by 1e-6.
+    A tiny model in GiB (a few MB: 0.002) minimised its memory among plans the solver could not tell apart:
+    Mixtral-tiny on 2x2 reported a least memory of 2.43 MB where a 1.34 MB plan exists (Qwen2-tiny: 1.06
+    against 0.77 MB), and a memory-bound plan exceeded its budget by up to 905 bytes beyond the 4 KiB slack.
+    """
+    most = sum(max((o.static_bytes + o.saved_bytes for o in node.options), default=0.0) for node in problem.nodes)
+    if most <= 0.0:
+        return _GIB
+    return min(_GIB, 2.0 ** math.floor(math.log2(most)))
 
 
 @dataclass(frozen=True)
@@ -263,6 +281,7 @@ class _Model:
     def __init__(self, problem: Problem, restrictions: Restrictions, objective: Literal["time", "memory"]):
         self.problem = problem
         self.restrictions = restrictions
+        self.per_byte = 1.0 / memory_unit_bytes(problem)
         self.prob = pulp.LpProblem(f"autopar_{objective}", pulp.LpMinimize)
         self.time_terms: list[tuple[pulp.LpVariable, float]] = []
         self.memory_terms: list[tuple[pulp.LpVariable, float]] = []
@@ -278,7 +297,8 @@ class _Model:
         self._add_shared_syncs()
         self._add_temp()
         if objective == "time":
-            terms = self.time_terms + [(var, c * _TIE_MS_PER_GIB) for var, c in self.memory_terms]
+            tie = _TIE_MS_PER_GIB / (self.per_byte * _GIB)  # per unit of the memory terms
+            terms = self.time_terms + [(var, c * tie) for var, c in self.memory_terms]
         else:
             terms = self.memory_terms
         self.prob += _affine(terms), "objective"
@@ -296,7 +316,7 @@ class _Model:
                 var = pulp.LpVariable(f"x_{v}_{s}", lowBound=0, upBound=ub, cat=pulp.LpInteger)
                 xs.append(var)
                 self.time_terms.append((var, (o.compute_s + o.comm_s) * _MS))
-                self.memory_terms.append((var, (o.static_bytes + o.saved_bytes) / _GIB))
+                self.memory_terms.append((var, (o.static_bytes + o.saved_bytes) * self.per_byte))
             self.prob += pulp.lpSum(xs) == 1, f"onehot_{v}"
             self.x.append(xs)
 
@@ -347,7 +367,7 @@ class _Model:
                 self.prob += y <= pulp.lpSum(self.x[v][s] for s in members), f"recompute_{v}_{g}"
                 self.y.update(((v, s), y) for s in members)
                 self.time_terms.append((y, recompute_s * _MS))
-                self.memory_terms.append((y, (held - saved) / _GIB))
+                self.memory_terms.append((y, (held - saved) * self.per_byte))
         for u, v in self.problem.recompute_with:
             if self._recomputed(u):
                 self.prob += pulp.lpSum(self._recomputed(u)) <= pulp.lpSum(self._recomputed(v)), f"together_{u}_{v}"
@@ -391,7 +411,7 @@ class _Model:
             e = self.problem.edges[k]
             if e.saved_bytes is None:
                 continue
-            terms = _pair_terms(ev, e.saved_bytes, 1 / _GIB)
+            terms = _pair_terms(ev, e.saved_bytes, self.per_byte)
             recomputed = self._recomputed(e.dst)
             if not recomputed:
                 self.memory_terms.extend(terms)
@@ -409,7 +429,7 @@ class _Model:
             src_y = self._recomputed(e.src)
             if e.replaced_bytes is None or not src_y:
                 continue
-            terms = _pair_terms(ev, e.replaced_bytes, 1 / _GIB)
+            terms = _pair_terms(ev, e.replaced_bytes, self.per_byte)
             big_m = max(c for _, c in terms)
             w = pulp.LpVariable(f"r_{k}", lowBound=0)
             off = big_m * (1 - pulp.lpSum(src_y)) + big_m * pulp.lpSum(self._recomputed(e.dst))
@@ -433,8 +453,8 @@ class _Model:
                 self.prob += (z == chosen if self.restrictions.zero == "always" else z <= chosen), f"zero_{v}_{g}"
                 self.z.update(((v, s), z) for s in members)
                 self.time_terms.append((z, comm_s * _MS))
-                self.memory_terms.append((z, -saving / _GIB))
-                self.gathered.setdefault(v, []).append((z, gathered / _GIB))
+                self.memory_terms.append((z, -saving * self.per_byte))
+                self.gathered.setdefault(v, []).append((z, gathered * self.per_byte))
 
     def _add_zero_savings(self) -> None:
         """A ZeRO parameter's reduce-scatter takes over the bucketed all-reduce of its gradient that a consumer
@@ -473,15 +493,15 @@ class _Model:
         self.memory_terms.append((self.temp, 1.0))
         for v, node in enumerate(self.problem.nodes):
             if any(o.temp_bytes > 0 for o in node.options):
-                terms = [(self.x[v][s], o.temp_bytes / _GIB) for s, o in enumerate(node.options) if o.temp_bytes > 0]
+                terms = [(self.x[v][s], o.temp_bytes * self.per_byte) for s, o in enumerate(node.options) if o.temp_bytes > 0]
                 self.prob += self.temp >= pulp.LpAffineExpression(terms), f"temp_{v}"
         for v, terms in self.gathered.items():  # at most one of a node's z is 1: one row per node
             self.prob += self.temp >= pulp.LpAffineExpression(terms), f"gather_{v}"
         # a reshard's buffers (`Edge.buffer_bytes`); rows that no plan's T can bind (each node's least temp) left out
-        floor = max((min(o.temp_bytes for o in node.options) for node in self.problem.nodes), default=0.0) / _GIB
+        floor = max((min(o.temp_bytes for o in node.options) for node in self.problem.nodes), default=0.0) * self.per_byte
         for k, ev in self.e.items():
             e = self.problem.edges[k]
-            terms = _pair_terms(ev, e.buffer_bytes, 1 / _GIB) if e.buffer_bytes is not None else []
+            terms = _pair_terms(ev, e.buffer_bytes, self.per_byte) if e.buffer_bytes is not None else []
             if terms and max(c for _, c in terms) > floor:
                 self.prob += self.temp >= pulp.LpAffineExpression(terms), f"reshard_buffers_{k}"
         self._add_rebuilds()
@@ -521,10 +541,10 @@ class _Model:
                 node = self.problem.nodes[v]
                 for j, edge_terms in enumerate(holds.get(v, ())):  # the recompute reshards v's input
                     self.prob += self.temp >= _affine(before + edge_terms), f"rebuild_reshard_{r}_{v}_{j}"
-                made = [(y, o.saved_bytes / node.copies / _GIB) for y, o in ys[v].items() if o.saved_bytes > 0]
+                made = [(y, o.saved_bytes / node.copies * self.per_byte) for y, o in ys[v].items() if o.saved_bytes > 0]
                 made += saves.get(v, [])
                 if widest.get(region) == v:  # the gradient through the layer, on the y of the node that makes it
-                    flow = [(y, o.grad_flow_bytes / _GIB) for y, o in ys[v].items() if o.grad_flow_bytes > 0]
+                    flow = [(y, o.grad_flow_bytes * self.per_byte) for y, o in ys[v].items() if o.grad_flow_bytes > 0]
                 if made:
                     c = pulp.LpVariable(f"rebuilt_{r}_upto_{v}", lowBound=0)
                     self.prob += c >= _affine(before + made), f"rebuilt_{r}_upto_{v}"
@@ -562,9 +582,9 @@ class _Model:
                 self.prob += f <= pulp.lpSum(members), f"rebuilt_reshard_{k}_{g}"
                 fs.append(f)
                 if saved > 0:
-                    saves.setdefault(e.dst, []).append((f, saved / node.copies / _GIB))
+                    saves.setdefault(e.dst, []).append((f, saved / node.copies * self.per_byte))
                 if buffers > 0:
-                    held.append((f, buffers / _GIB))
+                    held.append((f, buffers * self.per_byte))
             self.prob += pulp.lpSum(fs) == pulp.lpSum(recomputed), f"rebuilt_reshard_{k}"
             if held:
                 holds.setdefault(e.dst, []).append(held)
@@ -573,9 +593,10 @@ class _Model:
     def add_memory_limit(self) -> None:
         """The budget row (kept out of the model until the unconstrained optimum is known not to fit)."""
         if self.problem.budget_bytes is not None:
-            # HiGHS may overshoot a row by its MIP feasibility tolerance (1e-6 GiB, ~1 KiB; seen: 1,034 bytes over
-            # the row): ask for 4 KiB less
-            self.prob += _affine(self.memory_terms) <= (self.problem.budget_bytes - MEMORY_SLACK_BYTES) / _GIB, "memory"
+            # HiGHS may overshoot a row by its MIP feasibility tolerance (1e-6 units: in GiB ~1 KiB; seen: 1,034 bytes
+            # over the row): ask for 4e-6 units less
+            slack_bytes = MEMORY_SLACK_BYTES / (self.per_byte * _GIB)
+            self.prob += _affine(self.memory_terms) <= (self.problem.budget_bytes - slack_bytes) * self.per_byte, "memory"
 
     def assignment(self) -> Assignment:
         choice = tuple(max(range(len(xs)), key=lambda s: xs[s].varValue or 0.0) for xs in self.x)

@@ -19,10 +19,8 @@ GIB = 2**30
 MB = 2**20
 
 
-def brute_force(problem: Problem, restrictions: Restrictions = Restrictions()):
-    """(best time, best assignment) over every combination that fits; None when nothing fits."""
-    best = None
-    n = len(problem.nodes)
+def every_assignment(problem: Problem, restrictions: Restrictions = Restrictions()):
+    """Every (option, recompute, ZeRO) combination the restrictions allow."""
     for choice in itertools.product(*(range(len(node.options)) for node in problem.nodes)):
         if any(v in restrictions.allowed and c not in restrictions.allowed[v] for v, c in enumerate(choice)):
             continue
@@ -30,14 +28,23 @@ def brute_force(problem: Problem, restrictions: Restrictions = Restrictions()):
         z_ok = [problem.nodes[v].options[c].zero is not None for v, c in enumerate(choice)]
         for rc in itertools.product(*([False, True] if ok else [False] for ok in rc_ok)):
             for z in itertools.product(*([False, True] if ok else [False] for ok in z_ok)):
-                a = Assignment(choice, rc, z)
-                mem, t = evaluate(problem, a)
-                if problem.budget_bytes is not None and mem.total_bytes > problem.budget_bytes * (1 + 1e-9):
-                    continue
-                if best is None or t.total_s < best[0] - 1e-12:
-                    best = (t.total_s, a)
-    assert n == len(problem.nodes)
+                yield Assignment(choice, rc, z)
+
+
+def brute_force(problem: Problem, restrictions: Restrictions = Restrictions()):
+    """(best time, best assignment) over every combination that fits; None when nothing fits."""
+    best = None
+    for a in every_assignment(problem, restrictions):
+        mem, t = evaluate(problem, a)
+        if problem.budget_bytes is not None and mem.total_bytes > problem.budget_bytes * (1 + 1e-9):
+            continue
+        if best is None or t.total_s < best[0] - 1e-12:
+            best = (t.total_s, a)
     return best
+
+
+def least_memory(problem: Problem) -> float:
+    return min(evaluate(problem, a)[0].total_bytes for a in every_assignment(problem))
 
 
 def dp_vs_tp(bandwidth_bytes_per_s: float, budget_bytes: float | None) -> Problem:
@@ -148,29 +155,38 @@ def test_grouped_edge_classes_price_like_the_dense_matrix():
     assert sol.time.total_s == pytest.approx(3.7)
 
 
-def random_problem(rng: random.Random) -> Problem:
+def random_problem(rng: random.Random, gib: float = GIB, second: float = 1.0) -> Problem:
+    """3-5 nodes of 1-3 options, sizes in units of `gib` bytes and times in units of `second`."""
     nodes = []
     for v in range(rng.randint(3, 5)):
         opts = []
         for s in range(rng.randint(1, 3)):
-            static = rng.choice([0.0, rng.uniform(0, 4)]) * GIB
-            zero = ZeroOption(rng.choice([2, 4]), rng.uniform(0, 2), static / 4) if static and rng.random() < 0.6 else None
-            opts.append(Option(f"o{s}", compute_s=rng.uniform(0, 5), comm_s=rng.uniform(0, 1), recompute_s=rng.uniform(0, 2),
-                               saved_bytes=rng.uniform(0, 2) * GIB, temp_bytes=rng.uniform(0, 1) * GIB,
+            static = rng.choice([0.0, rng.uniform(0, 4)]) * gib
+            zero = ZeroOption(rng.choice([2, 4]), rng.uniform(0, 2) * second, static / 4) if static and rng.random() < 0.6 else None
+            opts.append(Option(f"o{s}", compute_s=rng.uniform(0, 5) * second, comm_s=rng.uniform(0, 1) * second,
+                               recompute_s=rng.uniform(0, 2) * second, saved_bytes=rng.uniform(0, 2) * gib,
+                               temp_bytes=rng.uniform(0, 1) * gib,
                                param_bytes=static / 4, grad_bytes=static / 4, optimizer_bytes=static / 2, zero=zero))
         nodes.append(Node(f"n{v}", tuple(opts), recomputable=v > 0))
     edges = []
     for v in range(1, len(nodes)):
         u = rng.randrange(v)
-        edges.append(Edge.dense(u, v, [[rng.choice([0.0, rng.uniform(0, 3)]) for _ in nodes[v].options] for _ in nodes[u].options]))
-    return Problem(tuple(nodes), tuple(edges), rng.uniform(2, 12) * GIB)
+        edges.append(Edge.dense(u, v, [[rng.choice([0.0, rng.uniform(0, 3) * second]) for _ in nodes[v].options]
+                                       for _ in nodes[u].options]))
+    return Problem(tuple(nodes), tuple(edges), rng.uniform(2, 12) * gib)
 
 
-def test_random_problems_match_brute_force():
+# A tiny model's sizes: a "GiB" of 1.5 KB and a "second" of 1 ms. HiGHS' tolerances are absolute, so bytes
+# in GiB would put every difference between these plans below them (`ilp.memory_unit_bytes`).
+TINY = dict(gib=1500.0, second=1e-3)
+
+
+@pytest.mark.parametrize("sizes", [{}, TINY], ids=["gib", "tiny"])
+def test_random_problems_match_brute_force(sizes):
     rng = random.Random(0)
     checked = infeasible = 0
     for _ in range(25):
-        p = random_problem(rng)
+        p = random_problem(rng, **sizes)
         ref = brute_force(p)
         if ref is None:
             with pytest.raises(InfeasibleError) as info:
@@ -179,10 +195,18 @@ def test_random_problems_match_brute_force():
             infeasible += 1
             continue
         sol = solve_problem(p)
-        assert sol.time.total_s == pytest.approx(ref[0], rel=1e-6, abs=1e-6)
+        assert sol.time.total_s == pytest.approx(ref[0], rel=1e-6, abs=1e-9)
         assert sol.memory.total_bytes <= p.budget_bytes * (1 + 1e-6)
         checked += 1
     assert checked >= 15 and infeasible >= 1  # both outcomes exercised
+
+
+@pytest.mark.parametrize("sizes", [{}, TINY], ids=["gib", "tiny"])
+def test_the_least_memory_is_the_brute_force_minimum(sizes):
+    rng = random.Random(1)
+    for _ in range(25):
+        p = random_problem(rng, **sizes)
+        assert min_memory(p).memory.total_bytes == pytest.approx(least_memory(p), rel=1e-9)
 
 
 def test_cbc_agrees_with_highs_and_solves_are_deterministic():
