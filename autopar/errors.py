@@ -11,11 +11,16 @@ class TraceError(AutoparError):
 
 
 class InfeasibleError(AutoparError):
-    """No plan fits the memory budget; carries the minimum that would fit."""
+    """No plan fits the memory budget; carries the minimum that would fit.
 
-    def __init__(self, message: str, min_memory_bytes: float | None = None):
+    `min_memory_bytes`: what the leanest plan found needs (a budget of that fits). `lower_bound_bytes`: what
+    every plan needs at least, as the solver proved it: the same number unless the search for the leanest
+    plan stopped at its time limit."""
+
+    def __init__(self, message: str, min_memory_bytes: float | None = None, lower_bound_bytes: float | None = None):
         super().__init__(message)
         self.min_memory_bytes = min_memory_bytes
+        self.lower_bound_bytes = min_memory_bytes if lower_bound_bytes is None else lower_bound_bytes
 
 
 class PlanMismatchError(AutoparError):

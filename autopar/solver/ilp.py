@@ -664,14 +664,18 @@ def solve_problem(
         model.add_memory_limit()
         try:
             out = _run(model, backend, max(time_limit_s - spent_s, 1.0), True, mip_rel_gap)
-        except AutoparError:  # no plan in time: say so only if one exists (below the minimum it may not prove none)
+        except AutoparError as no_plan:  # none in time: "no plan fits" only where the least need is proven above the budget
             infeasible = _infeasible(problem, time_limit_s, backend, restrictions)
-            if infeasible.min_memory_bytes > problem.budget_bytes:
+            if infeasible.lower_bound_bytes > problem.budget_bytes:
                 raise infeasible from None
+            if infeasible.min_memory_bytes > problem.budget_bytes:
+                raise AutoparError(
+                    f"{no_plan} or a budget of {_gib(infeasible.min_memory_bytes)} (the leanest plan found needs that; "
+                    f"the solver could not rule out a plan that fits {_gib(problem.budget_bytes)})") from None
             raise
         spent_s += out.solve_s
         if out.status == "infeasible":
-            raise _infeasible(problem, time_limit_s, backend, restrictions)
+            raise _infeasible(problem, time_limit_s, backend, restrictions, proven=True)
         a = model.assignment()
         memory, step = evaluate(problem, a)
     report = SolverReport(out.backend, out.status, spent_s, len(model.prob.variables()), len(model.prob.constraints), out.gap)
@@ -706,8 +710,19 @@ def _gib(n: float) -> str:
     return f"{n:.0f} B"
 
 
-def _infeasible(problem: Problem, time_limit_s: float, backend: Backend, restrictions: Restrictions) -> InfeasibleError:
-    best = min_memory(problem, time_limit_s, backend, restrictions).memory
+def _infeasible(problem: Problem, time_limit_s: float, backend: Backend, restrictions: Restrictions,
+                proven: bool = False) -> InfeasibleError:
+    """`proven`: the budget was proven infeasible (no plan needs as little), whatever min_memory's bound says."""
+    leanest = min_memory(problem, time_limit_s, backend, restrictions)
+    return infeasible_error(leanest.memory, problem.budget_bytes or 0.0, leanest.report.gap, time_limit_s, proven)
+
+
+def infeasible_error(best: MemoryBreakdown, budget_bytes: float, gap: float | None, time_limit_s: float,
+                     proven: bool = False) -> InfeasibleError:
+    """What to tell a user whose budget no plan fits: the leanest plan's need and its largest part. `gap`: the
+    relative gap the search for it left at its time limit (None: proven least), stated with the bound it
+    proves, so that a user who asks for less than the leanest plan found learns whether any could fit;
+    `proven`: the budget itself was proven too small, which bounds the least need from below too."""
     parts = {
         "parameters": best.params_bytes,
         "gradients": best.grads_bytes,
@@ -716,8 +731,14 @@ def _infeasible(problem: Problem, time_limit_s: float, backend: Backend, restric
         "largest temporary": best.temp_bytes,
     }
     name, size = max(parts.items(), key=lambda kv: kv[1])
+    bound_bytes = best.total_bytes * (1.0 - gap) if gap else best.total_bytes
+    if proven:
+        bound_bytes = min(max(bound_bytes, budget_bytes), best.total_bytes)
+    found = "" if not gap else (
+        f" (the leanest plan found in time_limit_s={time_limit_s:g}; none needs less than {_gib(bound_bytes)})")
     return InfeasibleError(
-        f"no plan fits: needs {_gib(best.total_bytes)} per device ({name} {_gib(size)}); "
-        f"budget {_gib(problem.budget_bytes or 0)}; raise --memory or use more devices",
+        f"no plan fits: needs {_gib(best.total_bytes)} per device ({name} {_gib(size)}){found}; "
+        f"budget {_gib(budget_bytes)}; raise --memory or use more devices",
         min_memory_bytes=best.total_bytes,
+        lower_bound_bytes=bound_bytes,
     )

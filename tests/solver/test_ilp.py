@@ -12,7 +12,7 @@ import random
 import pytest
 
 from autopar.errors import InfeasibleError
-from autopar.solver.ilp import Restrictions, _Model, evaluate, min_memory, solve_problem
+from autopar.solver.ilp import Restrictions, _Model, evaluate, infeasible_error, min_memory, solve_problem
 from autopar.solver.problem import Assignment, Edge, Node, Option, Problem, ZeroOption
 
 GIB = 2**30
@@ -130,6 +130,21 @@ def test_infeasible_budget_reports_the_minimum_and_what_dominates():
     assert info.value.min_memory_bytes == pytest.approx(2.125 * GIB)
     assert "needs 2.1 GiB per device (optimizer state 1.0 GiB); budget 1.0 GiB" in str(info.value)
     assert min_memory(p).memory.total_bytes == pytest.approx(2.125 * GIB)
+
+
+def test_a_least_memory_not_proven_in_time_is_reported_with_the_bound_it_proved():
+    p = dp_vs_tp(bandwidth_bytes_per_s=10e9, budget_bytes=1 * GIB)
+    best = min_memory(p).memory  # 2.125 GiB, proven
+    proven = infeasible_error(best, 1 * GIB, None, 30.0)
+    assert proven.min_memory_bytes == proven.lower_bound_bytes == pytest.approx(2.125 * GIB)
+    assert "none needs less" not in str(proven)
+    # stopped at the time limit 20% above the solver's bound: a budget between the two may fit
+    open_ = infeasible_error(best, 1 * GIB, 0.2, 30.0)
+    assert open_.min_memory_bytes == pytest.approx(2.125 * GIB)
+    assert open_.lower_bound_bytes == pytest.approx(0.8 * 2.125 * GIB)
+    assert "(the leanest plan found in time_limit_s=30; none needs less than 1.7 GiB)" in str(open_)
+    # a budget proven infeasible bounds the least need from below too
+    assert infeasible_error(best, 2 * GIB, 0.2, 30.0, proven=True).lower_bound_bytes == pytest.approx(2 * GIB)
 
 
 def test_resharding_edges_pick_the_globally_cheapest_chain():
