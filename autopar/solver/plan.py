@@ -67,7 +67,9 @@ class TimeBreakdown:
 @dataclass(frozen=True)
 class SolverReport:
     backend: str  # "highs" or "cbc"
-    status: str  # "optimal", "time_limit", "fixed" (plan given by the caller)
+    # "optimal", "time_limit", "fixed" (plan given by the caller), "leanest" (the time-optimising search found
+    # no plan within the budget in time: the leanest plan, which fits)
+    status: str
     solve_s: float
     num_variables: int
     num_constraints: int

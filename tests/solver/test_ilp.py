@@ -11,7 +11,7 @@ import random
 
 import pytest
 
-from autopar.errors import InfeasibleError
+from autopar.errors import AutoparError, InfeasibleError
 from autopar.solver.ilp import Restrictions, _Model, evaluate, infeasible_error, min_memory, solve_problem
 from autopar.solver.problem import Assignment, Edge, Node, Option, Problem, ZeroOption
 
@@ -145,6 +145,28 @@ def test_a_least_memory_not_proven_in_time_is_reported_with_the_bound_it_proved(
     assert "(the leanest plan found in time_limit_s=30; none needs less than 1.7 GiB)" in str(open_)
     # a budget proven infeasible bounds the least need from below too
     assert infeasible_error(best, 2 * GIB, 0.2, 30.0, proven=True).lower_bound_bytes == pytest.approx(2 * GIB)
+
+
+def test_when_the_time_search_finds_nothing_in_time_the_leanest_plan_that_fits_is_the_answer(monkeypatch):
+    from autopar.solver import ilp
+
+    real_run = ilp._run
+
+    def memory_row_finds_nothing(model, backend, time_limit_s, presolve=False, mip_rel_gap=ilp.DEFAULT_GAP):
+        if model.prob.constraints.get("memory") is not None:  # as HiGHS on Mixtral-tiny 2x2 at 1.5 MB in 29 s
+            raise AutoparError("the ILP found no plan within time_limit_s=1 (highs, status Not Solved); raise time_limit_s")
+        return real_run(model, backend, time_limit_s, presolve, mip_rel_gap)
+
+    monkeypatch.setattr(ilp, "_run", memory_row_finds_nothing)
+    base = dp_vs_tp(bandwidth_bytes_per_s=10e9, budget_bytes=None)
+    # resharding x for TP costs 10 s: the unconstrained plan is data parallel (4.25 GiB)
+    p = Problem(base.nodes, (base.edges[0], Edge.dense(1, 2, [[0.0, 10.0], [0.0, 10.0]])), 3 * GIB)
+    sol = solve_problem(p)
+    assert sol.report.status == "leanest"
+    assert sol.memory.total_bytes == pytest.approx(least_memory(p)) and sol.memory.total_bytes <= 3 * GIB
+    with pytest.raises(InfeasibleError) as info:  # below the least: proven, as before
+        solve_problem(dataclasses.replace(p, budget_bytes=2 * GIB))
+    assert info.value.min_memory_bytes == pytest.approx(least_memory(p))
 
 
 def test_resharding_edges_pick_the_globally_cheapest_chain():
