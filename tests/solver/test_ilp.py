@@ -147,23 +147,36 @@ def test_a_least_memory_not_proven_in_time_is_reported_with_the_bound_it_proved(
     assert infeasible_error(best, 2 * GIB, 0.2, 30.0, proven=True).lower_bound_bytes == pytest.approx(2 * GIB)
 
 
-def test_when_the_time_search_finds_nothing_in_time_the_leanest_plan_that_fits_is_the_answer(monkeypatch):
+@pytest.mark.parametrize("started_search_finds", [True, False])
+def test_when_the_time_search_finds_nothing_in_time_it_searches_again_from_the_leanest_plan(monkeypatch, started_search_finds):
     from autopar.solver import ilp
 
     real_run = ilp._run
+    started = []
 
-    def memory_row_finds_nothing(model, backend, time_limit_s, presolve=False, mip_rel_gap=ilp.DEFAULT_GAP):
-        if model.prob.constraints.get("memory") is not None:  # as HiGHS on Mixtral-tiny 2x2 at 1.5 MB in 29 s
+    def memory_row_finds_nothing(model, backend, time_limit_s, presolve=False, mip_rel_gap=ilp.DEFAULT_GAP, warm_start=False):
+        if warm_start:
+            started.append([[var.varValue for var in xs] for xs in model.x])  # the start handed to the solver
+        if model.prob.constraints.get("memory") is not None and (not warm_start or not started_search_finds):
+            # as HiGHS on Mixtral-tiny 2x2 at 1.5 MB in 29 s
             raise AutoparError("the ILP found no plan within time_limit_s=1 (highs, status Not Solved); raise time_limit_s")
-        return real_run(model, backend, time_limit_s, presolve, mip_rel_gap)
+        return real_run(model, backend, time_limit_s, presolve, mip_rel_gap, warm_start)
 
     monkeypatch.setattr(ilp, "_run", memory_row_finds_nothing)
     base = dp_vs_tp(bandwidth_bytes_per_s=10e9, budget_bytes=None)
     # resharding x for TP costs 10 s: the unconstrained plan is data parallel (4.25 GiB)
     p = Problem(base.nodes, (base.edges[0], Edge.dense(1, 2, [[0.0, 10.0], [0.0, 10.0]])), 3 * GIB)
     sol = solve_problem(p)
-    assert sol.report.status == "leanest"
-    assert sol.memory.total_bytes == pytest.approx(least_memory(p)) and sol.memory.total_bytes <= 3 * GIB
+    leanest = min_memory(p)
+    assert started == [[[1.0 if s == c else 0.0 for s in range(len(node.options))]
+                        for node, c in zip(p.nodes, leanest.assignment.choice)]]
+    assert sol.memory.total_bytes <= 3 * GIB
+    if started_search_finds:
+        assert sol.report.status == "optimal"
+        assert sol.time.total_s == pytest.approx(brute_force(p)[0]) and sol.time.total_s < leanest.time.total_s
+    else:  # nothing better found: the leanest plan is the answer
+        assert sol.report.status == "leanest"
+        assert sol.memory.total_bytes == pytest.approx(least_memory(p)) and sol.time.total_s == leanest.time.total_s
     with pytest.raises(InfeasibleError) as info:  # below the least: proven, as before
         solve_problem(dataclasses.replace(p, budget_bytes=2 * GIB))
     assert info.value.min_memory_bytes == pytest.approx(least_memory(p))
