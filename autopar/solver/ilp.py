@@ -123,7 +123,7 @@ def memory_unit_bytes(problem: Problem) -> float:
     HiGHS' tolerances are absolute: a cost under 1e-7 counts as zero and a row may be exceeded by 1e-6.
     A tiny model in GiB (a few MB: 0.002) minimised its memory among plans the solver could not tell apart:
     Mixtral-tiny on 2x2 reported a least memory of 2.43 MB where a 1.34 MB plan exists (Qwen2-tiny: 1.06
-    against 0.77 MB), and a memory-bound plan exceeded its budget by up to 905 bytes beyond the 4 KiB slack.
+    against 0.59 MB), and a memory-bound plan exceeded its budget by up to 905 bytes beyond the 4 KiB slack.
     """
     most = sum(max((o.static_bytes + o.saved_bytes for o in node.options), default=0.0) for node in problem.nodes)
     if most <= 0.0:
