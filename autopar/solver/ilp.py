@@ -109,6 +109,7 @@ _MS = 1e3
 _GIB = float(2**30)
 # Tie-break: among equally fast plans prefer the leaner one (1 us per GiB: far below any real time difference).
 _TIE_MS_PER_GIB = 1e-3
+_LEAST_COST_MS = 1e-9
 # the memory row asks for this much less than the budget at most: 4e-6 of the memory unit (HiGHS' feasibility
 # tolerance, see add_memory_limit), 4 KiB for a unit of 1 GiB
 MEMORY_SLACK_BYTES = 4096.0
@@ -299,7 +300,9 @@ class _Model:
         self._add_temp()
         if objective == "time":
             tie = _TIE_MS_PER_GIB / (self.per_byte * _GIB)  # per unit of the memory terms
-            terms = self.time_terms + [(var, c * tie) for var, c in self.memory_terms]
+            # Tie terms under 1e-9 ms are left out: below HiGHS' tolerances they tell no plans apart, and such
+            # costs (7e-12 on Qwen2-tiny 2x2 at 1.2 MB) stalled HiGHS in a restart past its time limit
+            terms = self.time_terms + [(var, c * tie) for var, c in self.memory_terms if abs(c * tie) >= _LEAST_COST_MS]
         else:
             terms = self.memory_terms
         self.prob += _affine(terms), "objective"
