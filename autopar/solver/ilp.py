@@ -700,7 +700,7 @@ def _leanest_instead(problem: Problem, time_limit_s: float, backend: Backend, re
     """The time-optimising search found no plan within the budget in time. If the leanest plan fits, the
     search runs once more from it (a MIP start) and answers with what it finds: Mixtral-tiny on 2x2 at 1.5
     MB, where the first search found nothing in 29 s, the leanest plan is priced 20.8 ms a step and the
-    search from it finds one at 6.0 ms. Else "no plan fits" where the least need is proven above the budget,
+    search from it finds one at 6.0-6.4 ms. Else "no plan fits" where the least need is proven above the budget,
     or the time-limit error with the leanest plan's need."""
     leanest = min_memory(problem, time_limit_s, backend, restrictions)
     budget = problem.budget_bytes or 0.0
