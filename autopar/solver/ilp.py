@@ -603,7 +603,9 @@ class _Model:
             self.prob += _affine(self.memory_terms) <= (self.problem.budget_bytes - slack_bytes) * self.per_byte, "memory"
 
     def start_from(self, a: Assignment) -> None:
-        """A MIP start: the options of `a` (the solver completes the rest)."""
+        """A MIP start: the options of `a` (the solver completes the rest; what an earlier solve left is cleared)."""
+        for var in self.prob.variables():
+            var.varValue = None
         for v, xs in enumerate(self.x):
             for s, var in enumerate(xs):
                 var.setInitialValue(1 if s == a.choice[v] else 0)
@@ -680,7 +682,7 @@ def solve_problem(
         try:
             out = _run(model, backend, max(time_limit_s - spent_s, 1.0), True, mip_rel_gap)
         except AutoparError as no_plan:  # none in time
-            return _leanest_instead(problem, time_limit_s, backend, restrictions, no_plan, began, mip_rel_gap)
+            return _leanest_instead(model, time_limit_s, backend, no_plan, began, mip_rel_gap)
         spent_s += out.solve_s
         if out.status == "infeasible":
             raise _infeasible(problem, time_limit_s, backend, restrictions)
@@ -695,14 +697,15 @@ def solve_problem(
     return Solution(a, memory, step, report)
 
 
-def _leanest_instead(problem: Problem, time_limit_s: float, backend: Backend, restrictions: Restrictions,
-                     no_plan: AutoparError, began: float, mip_rel_gap: float) -> Solution:
-    """The time-optimising search found no plan within the budget in time. If the leanest plan fits, the
-    search runs once more from it (a MIP start) and answers with what it finds: Mixtral-tiny on 2x2 at 1.5
+def _leanest_instead(model: _Model, time_limit_s: float, backend: Backend, no_plan: AutoparError, began: float,
+                     mip_rel_gap: float) -> Solution:
+    """`model` (with its memory row) found no plan within the budget in time. If the leanest plan fits, the
+    same model is searched once more from it (a MIP start) and answers with what it finds: Mixtral-tiny on 2x2 at 1.5
     MB, where the first search found nothing in 29 s, the leanest plan is priced 20.8 ms a step and the
     search from it finds one at 6.0-6.4 ms. Else "no plan fits" where the least need is proven above the budget,
     or the time-limit error with the leanest plan's need."""
-    leanest = min_memory(problem, time_limit_s, backend, restrictions)
+    problem = model.problem
+    leanest = min_memory(problem, time_limit_s, backend, model.restrictions)
     budget = problem.budget_bytes or 0.0
     if leanest.memory.total_bytes > budget:
         infeasible = infeasible_error(leanest.memory, budget, leanest.report.gap, time_limit_s)
@@ -711,8 +714,6 @@ def _leanest_instead(problem: Problem, time_limit_s: float, backend: Backend, re
         raise AutoparError(
             f"{no_plan} or a budget of {_gib(leanest.memory.total_bytes)} (the leanest plan found needs that; "
             f"the solver could not rule out a plan that fits {_gib(budget)})") from None
-    model = _Model(problem, restrictions, "time")
-    model.add_memory_limit()
     model.start_from(leanest.assignment)
     a, memory, step, status, gap = leanest.assignment, leanest.memory, leanest.time, "leanest", None
     try:
