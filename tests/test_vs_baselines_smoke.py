@@ -15,6 +15,7 @@ from autopar.runtime.launch import run_ranks  # noqa: E402
 from autopar.solver.ilp import MEMORY_SLACK_BYTES  # noqa: E402
 from benchmarks._common import load_example  # noqa: E402
 from benchmarks.baselines.bench import Case, run_model  # noqa: E402
+from benchmarks.baselines.measure import balanced_orders  # noqa: E402
 from benchmarks.baselines.report import budget_rows, explain_miss, format_model, ratio_interval, spearman, spread  # noqa: E402
 
 SYSTEMS = ("ddp", "ddp+ac", "fsdp", "fsdp+ac", "tp", "tp+ac")
@@ -26,6 +27,18 @@ def test_spearman_against_hand_ranks():
     # ranks (1, 2, 3) vs (1.5, 1.5, 3): pearson of ranks = 0.866...
     assert spearman([1, 2, 3], [5, 5, 9]) == pytest.approx(math.sqrt(3) / 2)
     assert math.isnan(spearman([1, 2], [2, 1]))
+
+
+@pytest.mark.parametrize("n", range(1, 14))
+def test_each_system_follows_each_other_equally_often(n):
+    orders = balanced_orders(n)
+    assert all(sorted(order) == list(range(n)) for order in orders)
+    follows = {(a, b): 0 for a in range(n) for b in range(n) if a != b}
+    for order in orders:
+        for before, after in zip(order, order[1:]):
+            follows[before, after] += 1
+    assert set(follows.values()) <= {1 if n % 2 == 0 else 2}
+    assert len(orders) == (n if n % 2 == 0 else 2 * n)
 
 
 def test_a_miss_is_explained_from_the_prices_and_the_spread():

@@ -93,24 +93,45 @@ def peak_bytes(system: Trainable) -> int:
     return int(_max_over_ranks([float(tracker.peak_bytes)])[0])
 
 
-def measure_interleaved(systems: Sequence[Trainable], steps: int = 10, warmup: int = 2) -> list[Measurement]:
-    """Time `steps` steps of every system, round-robin, then track one step's peak memory of each.
+def balanced_orders(n: int) -> list[list[int]]:
+    """Orders of systems 0..n-1 in which each system directly follows each other exactly once
+    per cycle (n orders for an even n; for an odd n, those and their reverses: twice each).
 
-    Round-robin (one step of each system per round) rather than one system after the
+    Williams' design for first-order carry-over effects: the first order alternates from both
+    ends (0, 1, n-1, 2, n-2, ...), so its neighbours' differences mod n are all distinct;
+    the others add 1, 2, ... mod n to it, which keeps those differences.
+    """
+    first, low, high = [0], 1, n - 1
+    while len(first) < n:
+        first.append(low)
+        low += 1
+        if len(first) < n:
+            first.append(high)
+            high -= 1
+    orders = [[(x + shift) % n for x in first] for shift in range(n)]
+    return orders if n % 2 == 0 else orders + [order[::-1] for order in orders]
+
+
+def measure_interleaved(systems: Sequence[Trainable], steps: int = 10, warmup: int = 2) -> list[Measurement]:
+    """Time `steps` steps of every system, interleaved, then track one step's peak memory of each.
+
+    Interleaved (one step of each system per round) rather than one system after the
     other: on a shared machine the load drifts over minutes, and interleaving spreads
-    that drift evenly over the systems being compared. Each round starts one system
-    further on, so every system follows every other equally often: a step runs slower
-    right after some systems' (measured on one rank: about 2% right after autopar's,
-    whichever system it was). Every rank of the default group must call this with the
-    same systems in the same order.
+    that drift evenly over the systems being compared. A step's time also depends on
+    which system ran just before it (measured in one gpt2-tiny run on 4 ranks: DDP's
+    step 15.5-19.5 ms and autopar's 18.0-22.2 ms by predecessor), so the rounds follow
+    `balanced_orders`: over each cycle of its orders every system directly follows
+    every other equally often. (Rounds that only rotated one fixed order left each
+    system always behind the same one.) Every rank of the default group must call
+    this with the same systems in the same order.
     """
     for system in systems:
         for _ in range(warmup):  # also creates the optimizer state
             system.train_step()
     times: list[list[float]] = [[] for _ in systems]
+    orders = balanced_orders(len(systems))
     for step in range(steps):
-        for k in range(len(systems)):
-            i = (step + k) % len(systems)
+        for i in orders[step % len(orders)]:
             dist.barrier()
             start = time.perf_counter()
             systems[i].train_step()
