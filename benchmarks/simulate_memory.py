@@ -38,7 +38,7 @@ from autopar.api import parallelize  # noqa: E402
 from autopar.profiler.measure import FakeStorageTracker, make_optimizer  # noqa: E402
 from autopar.solver.plan import Plan  # noqa: E402
 from autopar.solver.plan_io import plan_from_json  # noqa: E402
-from autopar.tracer import split_sample_input  # noqa: E402
+from benchmarks.baselines.bench import local_inputs  # noqa: E402
 
 
 @dataclass(frozen=True)
@@ -102,7 +102,9 @@ def simulate_step(model: torch.nn.Module, sample, plan: Plan, rank: int = 0, opt
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world)
     try:
         pm = parallelize(copy.deepcopy(model), sample, tuple(plan.mesh.shape), plan=plan, optimizer=optimizer)
-        args, kwargs = pm.local_batch(split_sample_input(sample))
+        # this rank's rows copied, as vs_baselines feeds them: a slice of the global batch is a view that keeps
+        # the whole batch's storage alive (counted as static, it added the other ranks' rows to the peak)
+        args, kwargs = local_inputs(pm, sample)
         opt = make_optimizer(pm, optimizer)
         with FakeTensorMode(allow_non_fake_inputs=True) as fake:
             for _ in range(2):

@@ -39,6 +39,9 @@ class OpProbe:
     extra_saved_bytes: sympy.Expr  # kept tensors that are neither inputs nor outputs (e.g. SDPA logsumexp)
     temp_bytes: sympy.Expr  # most scratch alive at once inside the op's forward or backward (created and dropped there)
     out_strides: tuple[tuple[sympy.Expr, ...], ...] = ()  # strides the real CPU kernel gives each output
+    # per index into tensor_args(node): bytes of the gradient the op's backward makes for that input, alive
+    # when its backward ends (0 where it hands on the output's gradient itself or a view of it: add, views)
+    grad_input_bytes: tuple[sympy.Expr, ...] = ()
 
 
 def to_expr(x: Any) -> sympy.Expr:
@@ -172,7 +175,11 @@ def _run(target: Any, flat: list, spec, rg: Mapping[str, bool], used_outputs: tu
                 extra[s] = t.untyped_storage().nbytes()
 
         fwd_temp = fwd.peak_scratch({*out_ids, *extra})
-        bwd_flops, bwd_temp = _backward(outs, used_outputs, list(made.values()))
+        bwd_flops, bwd_temp, grads = _backward(outs, used_outputs, list(made.values()))
+        made_grad = {id(t): g for t, g in zip(made.values(), grads)}  # input tensor -> the new gradient storage's bytes
+        grad_input_bytes = []
+        for t in arg_tensors:  # an input passed twice (mul(x, x)) gets its one gradient at its first place
+            grad_input_bytes.append(to_expr(made_grad.pop(id(t), 0)))
     return OpProbe(
         fwd_flops=to_expr(fwd.flops),
         bwd_flops=to_expr(bwd_flops),
@@ -181,21 +188,35 @@ def _run(target: Any, flat: list, spec, rg: Mapping[str, bool], used_outputs: tu
         extra_saved_bytes=to_expr(sum(extra.values())),
         temp_bytes=to_expr(sympy.Max(to_expr(fwd_temp), to_expr(bwd_temp))),
         out_strides=tuple(tuple(to_expr(s) for s in o.stride()) for o in outs),
+        grad_input_bytes=tuple(grad_input_bytes),
     )
 
 
-def _backward(outs: list[torch.Tensor], used_outputs: tuple[bool, ...], inputs: list[torch.Tensor]) -> tuple[Any, Any]:
-    """FLOPs and scratch bytes of the op's backward, for gradients of the outputs the graph uses."""
+def _backward(outs: list[torch.Tensor], used_outputs: tuple[bool, ...], inputs: list[torch.Tensor]) -> tuple[Any, Any, list]:
+    """FLOPs and scratch bytes of the op's backward, for gradients of the outputs the graph uses, and per input
+    the bytes of the gradient storage it makes for that input (0 where none, or the output's gradient passed on)."""
     grad_of = [
         o for i, o in enumerate(outs)
         if o.requires_grad and o.is_floating_point() and (i >= len(used_outputs) or used_outputs[i])
     ]
     wanted = [t for t in inputs if t.requires_grad]
     if not grad_of or not wanted:
-        return 0, 0
+        return 0, 0, [0] * len(inputs)
     grad_outputs = [torch.empty_like(o) for o in grad_of]
     bwd = _Watch()
     with bwd:
         grads = torch.autograd.grad(grad_of, wanted, grad_outputs, allow_unused=True)
     kept = {StorageWeakRef(g.untyped_storage()) for g in grads if g is not None}
-    return bwd.flops, bwd.peak_scratch(kept)
+    passed_on = {StorageWeakRef(g.untyped_storage()) for g in grad_outputs}
+    by_input = dict(zip(map(id, wanted), grads))
+    new: list = []
+    counted: set[StorageWeakRef] = set()  # two inputs given one storage (views of one gradient) count it once
+    for t in inputs:
+        g = by_input.get(id(t))
+        ref = None if g is None else StorageWeakRef(g.untyped_storage())
+        if ref is None or ref in passed_on or ref in counted:
+            new.append(0)
+        else:
+            counted.add(ref)
+            new.append(g.untyped_storage().nbytes())
+    return bwd.flops, bwd.peak_scratch(kept), new

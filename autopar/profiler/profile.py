@@ -92,6 +92,8 @@ def profile(traced: TracedGraph, optimizer: str = "adamw") -> GraphProfile:
             saved_refs=saved_refs.get(node.name, ()),
             requires_grad=facts.requires_grad.get(node.name, False),
             value_bytes=tuple(_ZERO if v is None else to_expr(tensor_bytes(v)) for v in vals),
+            grad_input_bytes=p.grad_input_bytes if p else (),
+            self_saved_bytes=sum((out_bytes[j] for j in p.saved_own), p.extra_saved_bytes) if p else _ZERO,
         )
     params = _params(traced, opt)
     log.info("profiler: %d nodes (%d probed op signatures) in %.2f s", len(nodes), len(set(map(id, probes.values()))),

@@ -32,6 +32,11 @@ class NodeProfile:
     saved_refs: tuple[tuple[str, int], ...] = ()  # (producer, output index) of each storage this node's backward keeps
     requires_grad: bool = False  # the node's output needs a gradient (it runs a backward step)
     value_bytes: tuple[sympy.Expr, ...] = ()  # per output: numel * itemsize even for views (size of its gradient)
+    # per tensor input: the gradient storage its backward makes for it (`probe.OpProbe.grad_input_bytes`)
+    grad_input_bytes: tuple[sympy.Expr, ...] = ()
+    # what its own backward keeps of its outputs and beyond them (softmax's output, SDPA's logsumexp): alive
+    # through its backward step, after its consumers' steps freed what they kept
+    self_saved_bytes: sympy.Expr = sympy.Integer(0)
 
 
 @dataclass(frozen=True)
@@ -59,6 +64,8 @@ class NodeCost:
     saved_refs: tuple[tuple[str, int], ...] = ()
     requires_grad: bool = False
     value_bytes: tuple[float, ...] = ()
+    grad_input_bytes: tuple[float, ...] = ()
+    self_saved_bytes: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -97,6 +104,8 @@ class GraphProfile:
                 saved_refs=p.saved_refs,
                 requires_grad=p.requires_grad,
                 value_bytes=tuple(num(b) for b in p.value_bytes),
+                grad_input_bytes=tuple(num(b) for b in p.grad_input_bytes),
+                self_saved_bytes=num(p.self_saved_bytes),
             )
             for name, p in self.nodes.items()
         }

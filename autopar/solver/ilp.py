@@ -57,9 +57,12 @@ Constraint families (each PuLP constraint is named after its family):
   rebuild_reshard_{r}_{v}_{j}  T >= C_(node before v) + sum_g buffers[k,g] f[k,g]: the recompute runs a reshard
                       into v again, its buffers beside what the layer rebuilt so far (one row per edge k)
   (R_r also pays the layer's checkpoint region in the objective: `Problem.region_s` per layer it stands for)
-  rebuild_{r}         T >= C_last + flow[w,g] y[w,g] for the layer's widest node w (`widest_nodes`): the
-                      gradient backward carries through the rebuilt layer, on the y of the node that makes it
-                      (a row per node for the max over them doubled memory-bound solve times)
+  rebuild_{r}_grad_{v}  T >= C_(node before v) + sum_g saved[k,g] f[k,g] + flow[v,g] y[v,g]: backward's step
+                      through v in the rebuilt layer holds what was rebuilt before v (later nodes' saved tensors
+                      are freed by then; so are v's outputs, unless v's own backward keeps them: in flow), the
+                      inputs v saved again, and the gradients of the step: the one arriving and those v makes for
+                      its activation inputs (a gated MLP's product makes two of its own size beside the one arriving)
+  rebuild_{r}         T >= C_last: the whole rebuilt layer
                       with f = e * "dst recomputed" as
   rebuilt_reshard_{k}_{g}  f[k,g] <= sum of e[k,a,b] over the pairs (a,b) of equal (kept, buffers), group g
                       (`_rebuilt_reshards`)
@@ -155,11 +158,11 @@ def evaluate(problem: Problem, a: Assignment) -> tuple[MemoryBreakdown, TimeBrea
     params = grads = opt = act = temp = 0.0
     # backward rebuilds a recomputed layer in graph order: per recomputed node what it rebuilds (its saved bytes, the
     # resharded inputs it saves again) and the largest buffers of a reshard of its inputs run again before it
-    rebuilds: dict[int, float] = {}
+    rebuilds: dict[int, float] = {}  # its saved outputs
+    resaved: dict[int, float] = {}  # the resharded inputs its rebuild saves again
     reshards: dict[int, float] = {}
     regathered: dict[str, float] = {}  # layer -> its ZeRO parameters' gathered bytes (saved by the rebuild)
-    flow: dict[str, float] = {}  # layer -> the gradient backward carries through it (its widest node's)
-    widest = widest_nodes(problem)
+    flows: dict[int, float] = {}  # recomputed node -> the gradients backward holds at its step through the rebuilt layer
     kept = {u for u, v in problem.recompute_with if not a.recompute[v]}  # a consumer that is not recomputed saves them
     kept |= {u for u, v in problem.region_inputs if a.recompute[v]}  # ... and a recomputed one of another region too
     for v, node in enumerate(problem.nodes):
@@ -181,14 +184,14 @@ def evaluate(problem: Problem, a: Assignment) -> tuple[MemoryBreakdown, TimeBrea
         if a.recompute[v]:
             if not node.recomputable:
                 raise ValueError(f"node {node.name!r} cannot be recomputed (a placeholder, or it saves nothing)")
-            if widest.get(node.region) == v:
-                flow[node.region] = o.grad_flow_bytes
+            flows[v] = o.grad_flow_bytes
             recompute_s += o.recompute_s
             act += o.held_input_bytes  # its region's inputs from other layers
             if v in kept:
                 act += o.saved_bytes
             if node.region is not None:
                 rebuilds[v] = 0.0 if v in kept else o.saved_bytes / node.copies
+                resaved[v] = 0.0
         else:
             act += o.saved_bytes
         temp = max(temp, o.temp_bytes)
@@ -200,7 +203,7 @@ def evaluate(problem: Problem, a: Assignment) -> tuple[MemoryBreakdown, TimeBrea
             recompute_s += e.forward_cost(i, j)
             # its region reshards again, so nothing resharded is kept through the step, but the rebuild saves it
             if dst.region is not None:
-                rebuilds[e.dst] += e.saved(i, j) / dst.copies
+                resaved[e.dst] += e.saved(i, j) / dst.copies
                 reshards[e.dst] = max(reshards.get(e.dst, 0.0), e.buffers(i, j))
         else:
             act += e.saved(i, j)
@@ -209,14 +212,16 @@ def evaluate(problem: Problem, a: Assignment) -> tuple[MemoryBreakdown, TimeBrea
         if a.zero[e.src]:  # the ZeRO reduce-scatter takes over the consumer's bucketed all-reduce
             comm_s -= e.zero_saving(i, j)
     # a rebuilt layer holds its re-gathered ZeRO parameters and what it rebuilt so far, beside a reshard's buffers
-    # while its recompute runs one, and beside the gradient of its widest node while backward runs through it
+    # while its recompute runs one. Backward then runs through it in reverse: at a node's step, what the layer
+    # rebuilt before the node is still held, and the inputs the node saved again, beside the gradients of the step
+    # (`Option.grad_flow_bytes`); its outputs were freed by its consumers' steps, unless its own backward keeps them
     held: dict[str, float] = {}
     for v in sorted(rebuilds):
         region = problem.nodes[v].region
         held.setdefault(region, regathered.get(region, 0.0))
-        temp = max(temp, held[region] + reshards.get(v, 0.0))
-        held[region] += rebuilds[v]
-    temp = max([temp] + [b + flow.get(r, 0.0) for r, b in held.items()])
+        temp = max(temp, held[region] + reshards.get(v, 0.0), held[region] + resaved[v] + flows[v])
+        held[region] += rebuilds[v] + resaved[v]
+    temp = max([temp, *held.values()])  # the whole layer rebuilt
     recompute_s += problem.region_s * checkpoint_regions(problem, a.recompute)
     used = frozenset().union(*(node.options[c].sync_groups for node, c in zip(problem.nodes, a.choice)))
     comm_s += sum(latency_s for g, latency_s in problem.sync_latency_s if g in used)
@@ -244,18 +249,6 @@ def checkpoint_regions(problem: Problem, recompute: Sequence[bool]) -> int:
                 and not any(m in opened for m in cut.between)):
             opened[cut.second] = problem.nodes[cut.second].copies
     return sum(copies.values()) + sum(opened.values())
-
-
-def widest_nodes(problem: Problem) -> dict[str, int]:
-    """Per layer, the recomputable node with the largest gradient in any option (the MLP's hidden activation
-    in a transformer block): while backward runs through the rebuilt layer, its gradient is alive too."""
-    widest: dict[str, tuple[float, int]] = {}
-    for v, node in enumerate(problem.nodes):
-        if node.recomputable and node.region is not None:
-            flow = max(o.grad_flow_bytes for o in node.options)
-            if flow > widest.get(node.region, (0.0, -1))[0]:
-                widest[node.region] = (flow, v)
-    return {region: v for region, (_, v) in widest.items()}
 
 
 def _node_vars(table: Mapping[tuple[int, int], pulp.LpVariable], v: int) -> list[pulp.LpVariable]:
@@ -417,6 +410,8 @@ class _Model:
                 continue
             terms = _pair_terms(ev, e.saved_bytes, self.per_byte)
             recomputed = self._recomputed(e.dst)
+            if not terms:  # no pair of the edge's options saves a copy
+                continue
             if not recomputed:
                 self.memory_terms.extend(terms)
                 continue
@@ -434,6 +429,8 @@ class _Model:
             if e.replaced_bytes is None or not src_y:
                 continue
             terms = _pair_terms(ev, e.replaced_bytes, self.per_byte)
+            if not terms:
+                continue
             big_m = max(c for _, c in terms)
             w = pulp.LpVariable(f"r_{k}", lowBound=0)
             off = big_m * (1 - pulp.lpSum(src_y)) + big_m * pulp.lpSum(self._recomputed(e.dst))
@@ -514,14 +511,13 @@ class _Model:
         """What backward holds while it rebuilds a recomputed layer (see `evaluate`), as a chain over the layer's
         nodes in graph order: C_v >= C_(v before) + what v rebuilds (its saved bytes, the resharded inputs it saves
         again). The chain starts at the layer's ZeRO parameters, gathered again by the rebuild and saved by it.
-        A reshard the recompute runs for v holds its buffers beside C_(before v); backward through the rebuilt
-        layer holds the gradient of its widest node beside all of it (C_last). A row per reshard with the whole
-        prefix in it would be long; the chain keeps every row short."""
+        A reshard the recompute runs for v holds its buffers beside C_(before v); backward's step through v holds
+        its gradients beside C_(before v) and the inputs v saved again. A row per reshard with the whole prefix in it would be long; the chain keeps
+        every row short."""
         layers: dict[str, list[int]] = {}  # layer -> its nodes with recompute variables, in graph order
         for v in sorted({v for v, _ in self.y}):
             if self.problem.nodes[v].region is not None:
                 layers.setdefault(self.problem.nodes[v].region, []).append(v)
-        widest = widest_nodes(self.problem)
         saves, holds = self._rebuilt_reshards()
         gathered: dict[str, list[tuple[pulp.LpVariable, float]]] = {}  # layer -> its parameters' (z, gathered GiB)
         for v, zs in self.gathered.items():
@@ -540,20 +536,21 @@ class _Model:
                 both = pulp.LpVariable(f"regather_{r}_{j}", lowBound=0)
                 self.prob += both >= z + any_y - 1, f"regather_{r}_{j}"
                 before.append((both, b))
-            flow: list[tuple[pulp.LpVariable, float]] = []
             for v in nodes:
                 node = self.problem.nodes[v]
                 for j, edge_terms in enumerate(holds.get(v, ())):  # the recompute reshards v's input
                     self.prob += self.temp >= _affine(before + edge_terms), f"rebuild_reshard_{r}_{v}_{j}"
+                # backward's step through v: the layer rebuilt before v, what v saved again, its gradients (on v's y)
+                flow = [(y, o.grad_flow_bytes * self.per_byte) for y, o in ys[v].items() if o.grad_flow_bytes > 0]
+                if flow:
+                    self.prob += self.temp >= _affine(before + saves.get(v, []) + flow), f"rebuild_{r}_grad_{v}"
                 made = [(y, o.saved_bytes / node.copies * self.per_byte) for y, o in ys[v].items() if o.saved_bytes > 0]
                 made += saves.get(v, [])
-                if widest.get(region) == v:  # the gradient through the layer, on the y of the node that makes it
-                    flow = [(y, o.grad_flow_bytes * self.per_byte) for y, o in ys[v].items() if o.grad_flow_bytes > 0]
                 if made:
                     c = pulp.LpVariable(f"rebuilt_{r}_upto_{v}", lowBound=0)
                     self.prob += c >= _affine(before + made), f"rebuilt_{r}_upto_{v}"
                     before = [(c, 1.0)]
-            self.prob += self.temp >= _affine(before + flow), f"rebuild_{r}"
+            self.prob += self.temp >= _affine(before), f"rebuild_{r}"
 
     def _rebuilt_reshards(self) -> tuple[dict[int, list[tuple[pulp.LpVariable, float]]],
                                          dict[int, list[list[tuple[pulp.LpVariable, float]]]]]:
@@ -711,9 +708,10 @@ def _leanest_instead(model: _Model, time_limit_s: float, backend: Backend, no_pl
         infeasible = infeasible_error(leanest.memory, budget, leanest.report.gap, time_limit_s)
         if infeasible.lower_bound_bytes > budget:
             raise infeasible from None
+        need, asked = _need_and_budget(leanest.memory.total_bytes, budget)
         raise AutoparError(
-            f"{no_plan} or a budget of {_gib(leanest.memory.total_bytes)} (the leanest plan found needs that; "
-            f"the solver could not rule out a plan that fits {_gib(budget)})") from None
+            f"{no_plan} or a budget of {need} (the leanest plan found needs that; "
+            f"the solver could not rule out a plan that fits {asked})") from None
     model.start_from(leanest.assignment)
     a, memory, step, status, gap = leanest.assignment, leanest.memory, leanest.time, "leanest", None
     try:
@@ -749,12 +747,24 @@ def min_memory(
     return Solution(a, memory, step, report)
 
 
-def _gib(n: float) -> str:
-    """Bytes in the largest binary unit that keeps a digit before the point (tiny test models need MiB)."""
+def _gib(n: float, digits: int = 1, up: bool = False) -> str:
+    """Bytes in the largest binary unit that keeps a digit before the point (tiny test models need MiB);
+    `up`: rounded up, for a need a user may copy as the budget."""
     for unit, size in (("GiB", _GIB), ("MiB", 2.0**20), ("KiB", 2.0**10)):
         if n >= size:
-            return f"{n / size:.1f} {unit}"
-    return f"{n:.0f} B"
+            value = math.ceil(n / size * 10**digits - 1e-9) / 10**digits if up else n / size
+            return f"{value:.{digits}f} {unit}"
+    return f"{math.ceil(n) if up else n:.0f} B"
+
+
+def _need_and_budget(need_bytes: float, budget_bytes: float) -> tuple[str, str]:
+    """Both in the same words, the need rounded up, with as many digits as it takes to tell them apart ("needs
+    2.6 MiB; budget 2.6 MiB" read as a contradiction, and 2.6 MiB as a budget would not fit)."""
+    for digits in range(1, 4):
+        need, budget = _gib(need_bytes, digits, up=True), _gib(budget_bytes, digits)
+        if need != budget:
+            break
+    return need, budget
 
 
 def _infeasible(problem: Problem, time_limit_s: float, backend: Backend, restrictions: Restrictions) -> InfeasibleError:
@@ -782,9 +792,10 @@ def infeasible_error(best: MemoryBreakdown, budget_bytes: float, gap: float | No
         bound_bytes = min(max(bound_bytes, budget_bytes), best.total_bytes)
     found = "" if not gap else (
         f" (the leanest plan found in time_limit_s={time_limit_s:g}; none needs less than {_gib(bound_bytes)})")
+    need, budget = _need_and_budget(best.total_bytes, budget_bytes)
     return InfeasibleError(
-        f"no plan fits: needs {_gib(best.total_bytes)} per device ({name} {_gib(size)}){found}; "
-        f"budget {_gib(budget_bytes)}; raise --memory or use more devices",
+        f"no plan fits: needs {need} per device ({name} {_gib(size)}){found}; "
+        f"budget {budget}; raise --memory or use more devices",
         min_memory_bytes=best.total_bytes,
         lower_bound_bytes=bound_bytes,
     )

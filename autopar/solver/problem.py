@@ -56,7 +56,10 @@ class Option:
     recompute_s: float = 0.0  # forward compute paid again in backward when recomputed
     saved_bytes: float = 0.0  # activations kept for backward (freed by recompute)
     temp_bytes: float = 0.0  # largest transient while it runs (a max, not a sum, across a tied class)
-    grad_flow_bytes: float = 0.0  # its largest output's gradient, alive while backward passes it (a max, too)
+    # what backward holds at this node's step beside what the layer saved before it: its largest output's gradient,
+    # the gradients it makes for its activation inputs (a gated MLP's product makes two of its own size) and what
+    # its own backward keeps (softmax's output) (a max, too)
+    grad_flow_bytes: float = 0.0
     # recomputed, its checkpoint region saves its inputs: those from another layer (another region) that no
     # backward keeps otherwise are held through the step only because it is recomputed
     held_input_bytes: float = 0.0
@@ -357,7 +360,8 @@ class _Pricer:
             if role == "placeholder":
                 ins = self._fed(node)
             base = (role, cost.op, cost.fwd_flops, cost.bwd_flops, cost.output_bytes, cost.saved_outputs,
-                    cost.extra_saved_bytes, cost.temp_bytes, cost.requires_grad, outs, ins,
+                    cost.extra_saved_bytes, cost.temp_bytes, cost.requires_grad, cost.value_bytes, cost.grad_input_bytes,
+                    cost.self_saved_bytes, outs, ins,
                     param and (param.param_bytes, param.grad_bytes, param.optimizer_bytes))
             info = self._nodes[name] = (role, cost, outs, ins, param, base)
         return info
@@ -429,8 +433,13 @@ class _Pricer:
         shards = [s.shard_factor(mesh.shape) for s in strat.output_specs] or [1]
         saved = sum(b / shards[min(i, len(shards) - 1)] for i, (b, s) in enumerate(zip(cost.output_bytes, cost.saved_outputs)) if s)
         saved += cost.extra_saved_bytes / shards[0]
-        flow = max((b / shards[min(i, len(shards) - 1)] for i, b in enumerate(cost.value_bytes)), default=0.0) \
-            if cost.requires_grad else 0.0
+        flow = 0.0
+        if cost.requires_grad:  # the gradient arriving, those made for inputs that are not parameters (theirs are
+            # grads), and what the node's own backward keeps (its consumers' steps, before it, freed theirs)
+            flow = max((b / shards[min(i, len(shards) - 1)] for i, b in enumerate(cost.value_bytes)), default=0.0)
+            flow += sum(b / spec.shard_factor(mesh.shape)
+                        for b, spec, param in zip(cost.grad_input_bytes, strat.input_specs, bucketed) if b and not param)
+            flow += cost.self_saved_bytes / shards[0]
         return Option(str(strat), compute_s=compute_s, comm_s=comm_s, recompute_s=recompute_time_s(cost, strat, mesh),
                       sync_groups=grad_sync_groups(cost, strat, mesh, in_bytes, bucketed),
                       saved_bytes=saved, temp_bytes=cost.temp_bytes / split_factor(strat, mesh), grad_flow_bytes=flow,

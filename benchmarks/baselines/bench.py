@@ -158,7 +158,7 @@ def _plan_all(case: Case, model, sample, meshes, tp_overhead_s: float) -> dict[s
     return {"baselines": baselines, "budgets": budgets, "plans": plans, "loss_sync_s": loss_sync_s}
 
 
-def _local_inputs(pm, sample) -> tuple[tuple, dict]:
+def local_inputs(pm, sample) -> tuple[tuple, dict]:
     """This rank's rows of the global batch (the plan-independent convention), copied so they own their storage."""
     local = pm.local_batch(split_sample_input(sample))
     return pytree.tree_map(lambda t: t.clone() if isinstance(t, torch.Tensor) else t, local)
@@ -166,7 +166,7 @@ def _local_inputs(pm, sample) -> tuple[tuple, dict]:
 
 def _autopar_system(name: str, case: Case, model, sample, plan: Plan) -> Trainable:
     pm = parallelize(copy.deepcopy(model), sample, tuple(plan.mesh.shape), plan=plan, optimizer=case.optimizer)
-    args, kwargs = _local_inputs(pm, sample)
+    args, kwargs = local_inputs(pm, sample)
     opt = make_optimizer(pm, case.optimizer)
 
     def step() -> None:

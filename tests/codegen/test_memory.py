@@ -206,8 +206,12 @@ def test_a_rebuilt_layer_holds_its_regathered_zero_parameters():
 
 
 def test_a_rebuilt_layer_holds_the_gradient_backward_carries_through_it():
-    """While backward runs through a rebuilt layer, the gradient of its activations is alive beside them
-    (measured on gpt2: the MLP hidden activation's gradient next to the rebuilt layer at the peak)."""
+    """While backward runs through a rebuilt layer, the gradients of its steps are alive beside what the layer
+    rebuilt before the step (measured on gpt2: the MLP hidden activation's gradient next to the rebuilt layer at
+    the peak). Each layer here: `a` saves 2 GiB, `b` after it 0.25 GiB, and b's step holds 0.5 GiB of
+    gradients beside all of a's (2.75 GiB with the gathered weight, more than the rebuilt layer's 2.5); a's own
+    step holds 1 GiB of gradients, but a's output is freed by then (b's step, which kept it, is done), so that
+    step holds only the gathered weight beside them."""
     import pytest as _pytest
 
     from autopar.errors import InfeasibleError
@@ -217,16 +221,18 @@ def test_a_rebuilt_layer_holds_the_gradient_backward_carries_through_it():
     gib = 2**30
     nodes = [Node("inp", (Option("S(0)", saved_bytes=0.5 * gib),))]
     for i in range(2):
-        nodes.append(Node(f"l{i}", (Option("S(0)", compute_s=5.0, saved_bytes=2 * gib, recompute_s=1.0, grad_flow_bytes=0.5 * gib),),
+        nodes.append(Node(f"a{i}", (Option("S(0)", compute_s=5.0, saved_bytes=2 * gib, recompute_s=1.0, grad_flow_bytes=1 * gib),),
+                          recomputable=True, region=f"h.{i}"))
+        nodes.append(Node(f"b{i}", (Option("S(0)", compute_s=1.0, saved_bytes=0.25 * gib, recompute_s=0.1, grad_flow_bytes=0.5 * gib),),
                           recomputable=True, region=f"h.{i}"))
         nodes.append(Node(f"w{i}", (Option("R", param_bytes=0.5 * gib, grad_bytes=0.5 * gib, optimizer_bytes=1 * gib,
                                            zero=ZeroOption(factor=2, comm_s=1.0, gathered_bytes=0.25 * gib)),), region=f"h.{i}"))
     problem = Problem(tuple(nodes), ())
-    memory, _ = evaluate(problem, Assignment.of([0] * 5, recompute=[1, 3], zero=[2, 4]))
-    assert memory.temp_bytes == (2 + 0.25 + 0.5) * gib  # one rebuilt layer, its weight gathered, the gradient through it
-    memory, _ = evaluate(problem, Assignment.of([0] * 5, zero=[2, 4]))
-    assert memory.temp_bytes == 0.25 * gib  # nothing rebuilt: the gradient is not added
-    # the least memory: ZeRO (2 GiB) + the input (0.5) + 2.75 GiB transient; without the gradient 4.75 would "fit" 5
+    memory, _ = evaluate(problem, Assignment.of([0] * 7, recompute=[1, 2, 4, 5], zero=[3, 6]))
+    assert memory.temp_bytes == (0.25 + 2 + 0.5) * gib  # b's step: the gathered weight, a's output, b's gradients
+    memory, _ = evaluate(problem, Assignment.of([0] * 7, zero=[3, 6]))
+    assert memory.temp_bytes == 0.25 * gib  # nothing rebuilt: the gradients are not added
+    # the least memory: ZeRO (2 GiB) + the input (0.5) + 2.75 GiB transient; without the gradients 4.75 would "fit" 5
     with _pytest.raises(InfeasibleError) as err:
         solve_problem(Problem(tuple(nodes), (), 5.0 * gib))
     assert abs(err.value.min_memory_bytes - 5.25 * gib) < 1e-3 * gib

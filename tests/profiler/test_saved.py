@@ -92,3 +92,38 @@ def test_scratch_is_a_peak_not_a_sum():
             del b
             kept = torch.empty(50)
         assert watch.peak_scratch({StorageWeakRef(kept.untyped_storage())}) == 200 * 4
+
+
+class GatedMLP(nn.Module):
+    """A Llama MLP's gate: down(silu(gate(x)) * up(x)), then a softmax over the features."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.gate = nn.Linear(16, 64, bias=False)
+        self.up = nn.Linear(16, 64, bias=False)
+        self.down = nn.Linear(64, 16, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = F.silu(self.gate(x)) * self.up(x)
+        return self.down(h).softmax(-1).square().mean()
+
+
+def test_each_backward_step_makes_gradients_for_its_inputs_and_keeps_what_it_saved_of_itself():
+    """Per input, the gradient storage a node's backward makes (by hand: the gated product makes one of its size
+    for each factor; a matmul one for the activation and one for the weight; a view none, it hands the
+    gradient on), and what its own backward keeps of its outputs (softmax its result; silu nothing of its own)."""
+    traced = _trace(GatedMLP)
+    cost = profile(traced).evaluate(batch=4, seq=32)
+    hidden, features = 4 * 32 * 64 * 4, 4 * 32 * 16 * 4
+    by_op = lambda op: [c for c in cost.nodes.values() if c.op == op]  # noqa: E731
+    (mul,) = [c for c in by_op("aten.mul.Tensor") if c.value_bytes == (hidden,)]
+    assert mul.grad_input_bytes == (hidden, hidden) and mul.self_saved_bytes == 0
+    (silu,) = by_op("aten.silu.default")
+    assert silu.grad_input_bytes == (hidden,) and silu.self_saved_bytes == 0
+    (softmax,) = by_op("aten._softmax.default")
+    assert softmax.grad_input_bytes == (features,) and softmax.self_saved_bytes == features
+    weight = 64 * 16 * 4
+    down = [c for c in by_op("aten.mm.default") if c.value_bytes == (4 * 32 * 16 * 4,)]
+    assert [sorted(c.grad_input_bytes) for c in down] == [sorted((hidden, weight))]
+    views = [c for c in by_op("aten.view.default") if c.requires_grad]
+    assert views and all(sum(c.grad_input_bytes) == 0 for c in views)

@@ -12,7 +12,7 @@ import random
 import pytest
 
 from autopar.errors import AutoparError, InfeasibleError
-from autopar.solver.ilp import Restrictions, _Model, evaluate, infeasible_error, min_memory, solve_problem
+from autopar.solver.ilp import Restrictions, _Model, _need_and_budget, evaluate, infeasible_error, min_memory, solve_problem
 from autopar.solver.problem import Assignment, Edge, Node, Option, Problem, ZeroOption
 
 GIB = 2**30
@@ -20,13 +20,17 @@ MB = 2**20
 
 
 def every_assignment(problem: Problem, restrictions: Restrictions = Restrictions()):
-    """Every (option, recompute, ZeRO) combination the restrictions allow."""
+    """Every (option, recompute, ZeRO) combination the restrictions allow, with recompute as the ILP pairs it:
+    u only with the v that keeps its output (`recompute_with`), never both of u and a reader in another region
+    (`region_inputs`)."""
     for choice in itertools.product(*(range(len(node.options)) for node in problem.nodes)):
         if any(v in restrictions.allowed and c not in restrictions.allowed[v] for v, c in enumerate(choice)):
             continue
         rc_ok = [problem.nodes[v].recomputable and problem.nodes[v].options[c].saved_bytes > 0 for v, c in enumerate(choice)]
         z_ok = [problem.nodes[v].options[c].zero is not None for v, c in enumerate(choice)]
         for rc in itertools.product(*([False, True] if ok else [False] for ok in rc_ok)):
+            if any(rc[u] and not rc[v] for u, v in problem.recompute_with) or any(rc[u] and rc[v] for u, v in problem.region_inputs):
+                continue
             for z in itertools.product(*([False, True] if ok else [False] for ok in z_ok)):
                 yield Assignment(choice, rc, z)
 
@@ -128,8 +132,11 @@ def test_infeasible_budget_reports_the_minimum_and_what_dominates():
     # By hand: w S(1) holds 2 GiB static (ZeRO on w R also 2 GiB, plus a 1 GiB gathered transient);
     # x S(0) (a placeholder, never recomputed) 128 MiB; mm recomputed saves nothing. Minimum 2.125 GiB.
     assert info.value.min_memory_bytes == pytest.approx(2.125 * GIB)
-    assert "needs 2.1 GiB per device (optimizer state 1.0 GiB); budget 1.0 GiB" in str(info.value)
+    # the need rounded up, a budget the user can copy (2.1 GiB would not fit)
+    assert "needs 2.2 GiB per device (optimizer state 1.0 GiB); budget 1.0 GiB" in str(info.value)
     assert min_memory(p).memory.total_bytes == pytest.approx(2.125 * GIB)
+    # a budget just below the need: as many digits as it takes to tell the two apart (not "needs 2.7; budget 2.7")
+    assert _need_and_budget(2.68 * MB, 2.66 * MB) == ("2.68 MiB", "2.66 MiB")
 
 
 def test_a_least_memory_not_proven_in_time_is_reported_with_the_bound_it_proved():
@@ -205,25 +212,35 @@ def test_grouped_edge_classes_price_like_the_dense_matrix():
     assert sol.time.total_s == pytest.approx(3.7)
 
 
-def random_problem(rng: random.Random, gib: float = GIB, second: float = 1.0) -> Problem:
-    """3-5 nodes of 1-3 options, sizes in units of `gib` bytes and times in units of `second`."""
+def random_problem(rng: random.Random, gib: float = GIB, second: float = 1.0, layered: bool = False) -> Problem:
+    """3-5 nodes of 1-3 options, sizes in units of `gib` bytes and times in units of `second`. Layered: nodes
+    after the first fall into two layers (regions), so a recomputed layer's rebuild is priced (gradients at each
+    backward step, reshards run again and the inputs they save, a consumer keeping its producer's output)."""
     nodes = []
-    for v in range(rng.randint(3, 5)):
+    count = rng.randint(3, 5)
+    for v in range(count):
         opts = []
         for s in range(rng.randint(1, 3)):
             static = rng.choice([0.0, rng.uniform(0, 4)]) * gib
             zero = ZeroOption(rng.choice([2, 4]), rng.uniform(0, 2) * second, static / 4) if static and rng.random() < 0.6 else None
             opts.append(Option(f"o{s}", compute_s=rng.uniform(0, 5) * second, comm_s=rng.uniform(0, 1) * second,
                                recompute_s=rng.uniform(0, 2) * second, saved_bytes=rng.uniform(0, 2) * gib,
-                               temp_bytes=rng.uniform(0, 1) * gib,
+                               temp_bytes=rng.uniform(0, 1) * gib, grad_flow_bytes=rng.uniform(0, 2) * gib if layered else 0.0,
                                param_bytes=static / 4, grad_bytes=static / 4, optimizer_bytes=static / 2, zero=zero))
-        nodes.append(Node(f"n{v}", tuple(opts), recomputable=v > 0))
+        region = f"h.{2 * v // (count + 1)}" if layered and v > 0 else None
+        nodes.append(Node(f"n{v}", tuple(opts), recomputable=v > 0, region=region))
     edges = []
     for v in range(1, len(nodes)):
         u = rng.randrange(v)
-        edges.append(Edge.dense(u, v, [[rng.choice([0.0, rng.uniform(0, 3) * second]) for _ in nodes[v].options]
-                                       for _ in nodes[u].options]))
-    return Problem(tuple(nodes), tuple(edges), rng.uniform(2, 12) * gib)
+        edge = Edge.dense(u, v, [[rng.choice([0.0, rng.uniform(0, 3) * second]) for _ in nodes[v].options]
+                                 for _ in nodes[u].options])
+        if layered:
+            table = lambda scale: tuple(tuple(rng.choice([0.0, rng.uniform(0, scale) * gib]) for _ in nodes[v].options)
+                                        for _ in nodes[u].options)
+            edge = dataclasses.replace(edge, saved_bytes=table(1), buffer_bytes=table(2))
+        edges.append(edge)
+    keeps = tuple((e.src, e.dst) for e in edges if e.src > 0 and rng.random() < 0.5) if layered else ()
+    return Problem(tuple(nodes), tuple(edges), rng.uniform(2, 12) * gib, recompute_with=keeps)
 
 
 # A tiny model's sizes: a "GiB" of 1.5 KB and a "second" of 1 ms. HiGHS' tolerances are absolute, so bytes
@@ -231,7 +248,8 @@ def random_problem(rng: random.Random, gib: float = GIB, second: float = 1.0) ->
 TINY = dict(gib=1500.0, second=1e-3)
 
 
-@pytest.mark.parametrize("sizes", [{}, TINY], ids=["gib", "tiny"])
+@pytest.mark.parametrize("sizes", [{}, TINY, dict(layered=True), dict(TINY, layered=True)],
+                         ids=["gib", "tiny", "layered", "layered-tiny"])
 def test_random_problems_match_brute_force(sizes):
     rng = random.Random(0)
     checked = infeasible = 0
@@ -251,7 +269,7 @@ def test_random_problems_match_brute_force(sizes):
     assert checked >= 15 and infeasible >= 1  # both outcomes exercised
 
 
-@pytest.mark.parametrize("sizes", [{}, TINY], ids=["gib", "tiny"])
+@pytest.mark.parametrize("sizes", [{}, TINY, dict(layered=True)], ids=["gib", "tiny", "layered"])
 def test_the_least_memory_is_the_brute_force_minimum(sizes):
     rng = random.Random(1)
     for _ in range(25):
