@@ -66,6 +66,14 @@ def _capture_device(mesh: ProcessMesh) -> str:
     return "cpu" if mesh.device_mesh.device_type == "cpu" else "meta"
 
 
+def capture_device_for(hardware: str) -> str:
+    """The device `parallelize` traces on where a plan for `hardware` (a `Mesh.hardware` name) runs: a plan
+    made ahead (`autopar plan --save`) must be traced the same way to match. Exported on fake CPU tensors,
+    a `.contiguous()` the CPU kernels already satisfy leaves no `clone` in the graph; on meta it does
+    (gpt2, llama, bert-tiny: two each)."""
+    return "cpu" if hardware == "cpu" or hardware.endswith("-cpu") else "meta"
+
+
 def parallelize(
     model: nn.Module,
     sample_input: Any,

@@ -52,14 +52,17 @@ def _build(source: PlanSource):
     return load_model_file(source.model_file, source.batch_size, source.seq_len, **extra)
 
 
-def _trace_and_profile(source: PlanSource):
+def _trace_and_profile(source: PlanSource, hardware: str = ""):
+    """`hardware`: the `Mesh.hardware` the plan runs on; traced as `parallelize` will trace it there."""
+    from autopar.api import capture_copy, capture_device_for
     from autopar.profiler import profile
     from autopar.tracer import trace
 
     with phase("loading model"):
         model, sample = _build(source)
     with phase("tracing"):
-        traced = trace(model, sample)
+        device = capture_device_for(hardware)
+        traced = trace(*capture_copy(model, sample, device)) if device != "meta" else trace(model, sample)
     with phase("profiling"):
         prof = profile(traced, optimizer=source.optimizer)
     return traced, prof
@@ -112,9 +115,8 @@ def cmd_plan(args: Any) -> int:
     if args.mesh and math.prod(args.mesh) != args.gpus:
         shape = "x".join(map(str, args.mesh))
         raise UsageError(f"--mesh {shape} has {math.prod(args.mesh)} devices but --gpus is {args.gpus}\n  fix: make the product of the --mesh sizes equal --gpus (or drop --mesh to try every shape)")
-    if not args.load:
-        _mesh(args.hardware, args.gpus, args.mesh)  # unknown hardware fails before tracing
-    traced, prof = _trace_and_profile(source)
+    hardware = _mesh(args.hardware, args.gpus, args.mesh).hardware  # unknown hardware fails before tracing
+    traced, prof = _trace_and_profile(source, hardware)
     budget = args.memory
     shapes: list = []
     if args.load:
@@ -185,7 +187,7 @@ def _explain_context(plan: Plan, model_file: str | None) -> ExplainContext | Non
         return None
     if source.model_file and not Path(source.model_file).is_file():
         raise UsageError(f"the plan's model file {source.model_file!r} does not exist here\n  fix: pass --model MODEL.py")
-    traced, prof = _trace_and_profile(source)
+    traced, prof = _trace_and_profile(source, plan.mesh.hardware)
     diffs = [d for d in plan_differences(plan, traced, plan.mesh, plan.fingerprint.budget_bytes) if "mesh" not in d and "hardware" not in d]
     if diffs:
         raise PlanMismatchError(f"the plan was made for a different model than {source.model_file or source.hf_config}: {'; '.join(diffs)}\n  fix: pass --model with the file the plan was made from", tuple(diffs))

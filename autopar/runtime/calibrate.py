@@ -65,8 +65,10 @@ _MIN_BLOCK_S = 0.02  # time a block of repetitions at least this long (spans sch
 
 
 def calibrate(group: dist.ProcessGroup | None = None, mesh_shape: tuple[int, ...] | None = None,
-              hardware_name: str = "calibrated", reps: int = 5) -> Mesh:
-    """`reps`: timed blocks per measurement (the median block is kept)."""
+              hardware_name: str | None = None, reps: int = 5) -> Mesh:
+    """`reps`: timed blocks per measurement (the median block is kept). `hardware_name` defaults to
+    "calibrated-<device type>" (e.g. calibrated-cpu): a plan made for it is traced as it will run
+    (`api.capture_device_for`)."""
     if not dist.is_initialized():
         raise AutoparError("calibrate() needs an initialised process group: call torch.distributed.init_process_group first (torchrun does)")
     world = dist.get_world_size(group)
@@ -74,6 +76,7 @@ def calibrate(group: dist.ProcessGroup | None = None, mesh_shape: tuple[int, ...
     if math.prod(mesh_shape) != world:
         raise AutoparError(f"mesh shape {' * '.join(map(str, mesh_shape))} = {math.prod(mesh_shape)} != world size ({world})")
     device = _device(group)
+    hardware_name = hardware_name or f"calibrated-{device.type}"
     rank = dist.get_rank(group)
     names = default_axis_names(len(mesh_shape))
     axes = []

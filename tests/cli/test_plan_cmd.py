@@ -4,10 +4,14 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 
 from autopar.cli import main
+from autopar.model_file import load_model_file
+from autopar.runtime.launch import run_ranks
 from autopar.solver.plan_io import load_plan
 from tests.cli.plans import EXAMPLES
+from tests.codegen.harness import EPS, LR, local_sample, loss_of, reference
 
 GPT2 = str(EXAMPLES / "gpt2.py")
 MLP = str(EXAMPLES / "mlp.py")
@@ -62,6 +66,35 @@ def test_load_reuses_the_plan(planned, capsys):
     s = json.loads(out)
     assert s["solver"]["solve_s"] == saved.solver.solve_s  # not re-solved: the file's own numbers
     assert s["time"]["total_s"] == saved.time.total_s
+
+
+def _train_with_plan(rank, world, model, sample, path):
+    from autopar.api import parallelize
+
+    pm = parallelize(model, sample, (world,), plan=path)
+    opt = torch.optim.AdamW(pm.parameters(), lr=LR, eps=EPS)
+    args, kwargs = local_sample(sample, pm)
+    losses = []
+    for _ in range(2):
+        opt.zero_grad()
+        loss = loss_of(pm(*args, **kwargs))
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    return losses
+
+
+@pytest.mark.timeout(120)
+def test_a_plan_saved_for_cpu_trains_where_it_was_planned_for(planned):
+    """`autopar plan --hardware cpu --save` traces as `parallelize` on CPU ranks does (fake CPU tensors, where
+    a `.contiguous()` the kernels satisfy leaves no clone): traced on meta, the file named two clones the
+    ranks' graph does not have, and loading it failed."""
+    d, _ = planned
+    torch.manual_seed(0)
+    model, sample = load_model_file(GPT2, 2, 16, device="cpu", size="tiny")
+    ref = reference(model, sample, 2)
+    for losses in run_ranks(_train_with_plan, 2, model, sample, str(d / "plan.json"), timeout_s=100):
+        torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref.losses), rtol=1e-5, atol=0)
 
 
 def test_load_mismatched_plan(planned, capsys):

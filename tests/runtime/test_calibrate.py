@@ -78,7 +78,7 @@ def test_calibrate_predicts_held_out_ops_and_collectives():
         assert results[0][0] == results[1][0]  # every rank returns the same (MAX/MIN-reduced) mesh
         mesh = Mesh.from_json(results[0][0])
         ax = mesh.axes[0]
-        assert ax.size == 2 and mesh.hardware == "calibrated"
+        assert ax.size == 2 and mesh.hardware == "calibrated-cpu"
         assert {c.kind for c in ax.per_kind} == {"all_reduce", "all_gather", "reduce_scatter", "all_to_all"}
         assert 0 < mesh.op_overhead_s < 1e-3 and 1e8 < mesh.flops_per_s < 1e13
         assert 0 <= mesh.recompute_op_overhead_s < 1e-3 and 0 <= mesh.recompute_region_s < 5e-3 and ax.scalar_alpha_s is not None
