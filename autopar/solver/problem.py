@@ -55,7 +55,9 @@ class Option:
     comm_s: float = 0.0  # collectives inside the strategy, forward + backward
     recompute_s: float = 0.0  # forward compute paid again in backward when recomputed
     saved_bytes: float = 0.0  # activations kept for backward (freed by recompute)
-    temp_bytes: float = 0.0  # largest transient while it runs (a max, not a sum, across a tied class)
+    # largest transient while it runs: its scratch, and in backward the gradients of its step beside it (a max,
+    # not a sum, across a tied class)
+    temp_bytes: float = 0.0
     # what backward holds at this node's step beside what the layer saved before it: its largest output's gradient,
     # the gradients it makes for its activation inputs (a gated MLP's product makes two of its own size) and what
     # its own backward keeps (softmax's output) (a max, too)
@@ -433,17 +435,22 @@ class _Pricer:
         shards = [s.shard_factor(mesh.shape) for s in strat.output_specs] or [1]
         saved = sum(b / shards[min(i, len(shards) - 1)] for i, (b, s) in enumerate(zip(cost.output_bytes, cost.saved_outputs)) if s)
         saved += cost.extra_saved_bytes / shards[0]
-        flow = 0.0
-        if cost.requires_grad:  # the gradient arriving, those made for inputs that are not parameters (theirs are
-            # grads), and what the node's own backward keeps (its consumers' steps, before it, freed theirs)
-            flow = max((b / shards[min(i, len(shards) - 1)] for i, b in enumerate(cost.value_bytes)), default=0.0)
-            flow += sum(b / spec.shard_factor(mesh.shape)
-                        for b, spec, param in zip(cost.grad_input_bytes, strat.input_specs, bucketed) if b and not param)
-            flow += cost.self_saved_bytes / shards[0]
+        grads = 0.0
+        if cost.requires_grad:  # the gradient arriving, and those made for inputs that are not parameters (theirs are grads)
+            grads = max((b / shards[min(i, len(shards) - 1)] for i, b in enumerate(cost.value_bytes)), default=0.0)
+            grads += sum(b / spec.shard_factor(mesh.shape)
+                         for b, spec, param in zip(cost.grad_input_bytes, strat.input_specs, bucketed) if b and not param)
+        # Backward's step through the node holds its gradients beside its scratch and the kept activations (the
+        # loss's step, first of all: the logits' gradients beside the saved log-softmax; GPT-2 small on 4 ranks,
+        # three 196 MiB tensors at once), less what its consumers kept of its outputs: their steps, which made
+        # its gradient, came first and freed it (unless its own backward keeps it). In a rebuilt layer, where the
+        # rebuild rows count what was rebuilt before it, it holds what its own backward kept too: `grad_flow_bytes`.
+        own = cost.self_saved_bytes / shards[0]
+        temp = cost.temp_bytes / split_factor(strat, mesh) + max(0.0, grads - (saved - own))
+        flow = grads + own if grads else 0.0
         return Option(str(strat), compute_s=compute_s, comm_s=comm_s, recompute_s=recompute_time_s(cost, strat, mesh),
                       sync_groups=grad_sync_groups(cost, strat, mesh, in_bytes, bucketed),
-                      saved_bytes=saved, temp_bytes=cost.temp_bytes / split_factor(strat, mesh), grad_flow_bytes=flow,
-                      held_input_bytes=held_bytes)
+                      saved_bytes=saved, temp_bytes=temp, grad_flow_bytes=flow, held_input_bytes=held_bytes)
 
 
 def _tensor_bytes(val) -> float:
