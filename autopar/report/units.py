@@ -1,6 +1,8 @@
 """Byte, time and FLOP quantities as people write them ("80GB", "512MiB", "412 ms")."""
 from __future__ import annotations
 
+import math
+
 import re
 
 # Decimal units are powers of 1000 (as disk and GPU vendors count: an "80GB" H100 has 80e9+ bytes);
@@ -24,14 +26,15 @@ def parse_bytes(text: str) -> float:
     return value
 
 
-def fmt_bytes(n: float | None) -> str:
-    """Binary units (GiB), the unit device memory is reported in by nvidia-smi and torch.cuda."""
+def fmt_bytes(n: float | None, up: bool = False) -> str:
+    """Binary units (GiB), the unit device memory is reported in by nvidia-smi and torch.cuda. `up`: rounded up,
+    for a need the user may pass back as a budget."""
     if n is None:
         return "-"
     for unit, size in (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
         if abs(n) >= size:
-            return f"{n / size:.2f} {unit}"
-    return f"{n:.0f} B"
+            return f"{math.ceil(n / size * 100 - 1e-9) / 100 if up else n / size:.2f} {unit}"
+    return f"{math.ceil(n) if up else n:.0f} B"
 
 
 def fmt_seconds(s: float | None) -> str:

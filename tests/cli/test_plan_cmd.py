@@ -115,6 +115,10 @@ def test_infeasible_budget_names_the_minimum(capsys):
     first, fix = err.strip().splitlines()[-2:]  # after the phase timings
     assert "no plan fits: needs" in first and "per device" in first
     assert fix.strip().startswith("fix: pass --memory")
+    # the budget the fix names fits: passed back as it is, the same command plans
+    budget = fix.split("--memory ")[1].split()[0]
+    code, _, err = run(capsys, "plan", MLP, "--size", "tiny", "--batch-size", "8", "--gpus", "2", "--hardware", "cpu", "--memory", budget)
+    assert code == 0, err
 
 
 def test_profile_command(capsys):
