@@ -6,7 +6,7 @@ import copy
 import pytest
 import torch
 
-from tests.codegen.harness import EPS, LR, LogRecords, local_sample, loss_of, reference, trace_model
+from tests.codegen.harness import LogRecords, reference, trace_model, train
 from tests.codegen.plans import load_zoo
 
 from autopar.api import parallelize
@@ -20,15 +20,7 @@ from autopar.codegen.shapes import local_block
 
 def _train(rank, world, model, sample, budget, ref):
     pm = parallelize(model, sample, (world,), memory_budget=budget)
-    opt = torch.optim.AdamW(pm.parameters(), lr=LR, eps=EPS)
-    args, kwargs = local_sample(sample, pm)
-    losses = []
-    for _ in range(3):
-        opt.zero_grad()
-        loss = loss_of(pm(*args, **kwargs))
-        loss.backward()
-        opt.step()
-        losses.append(loss.item())
+    losses = train(pm, sample, 3)
     full = pm.state_dict()
     for fqn, want in ref.params[-1].items():
         torch.testing.assert_close(full[fqn], want, rtol=1e-4, atol=1e-4, msg=lambda m: f"{fqn}: {m}")

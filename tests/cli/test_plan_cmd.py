@@ -11,7 +11,7 @@ from autopar.model_file import load_model_file
 from autopar.runtime.launch import run_ranks
 from autopar.solver.plan_io import load_plan
 from tests.cli.plans import EXAMPLES
-from tests.codegen.harness import EPS, LR, local_sample, loss_of, reference
+from tests.codegen.harness import reference, train
 
 GPT2 = str(EXAMPLES / "gpt2.py")
 MLP = str(EXAMPLES / "mlp.py")
@@ -71,17 +71,7 @@ def test_load_reuses_the_plan(planned, capsys):
 def _train_with_plan(rank, world, model, sample, path):
     from autopar.api import parallelize
 
-    pm = parallelize(model, sample, (world,), plan=path)
-    opt = torch.optim.AdamW(pm.parameters(), lr=LR, eps=EPS)
-    args, kwargs = local_sample(sample, pm)
-    losses = []
-    for _ in range(2):
-        opt.zero_grad()
-        loss = loss_of(pm(*args, **kwargs))
-        loss.backward()
-        opt.step()
-        losses.append(loss.item())
-    return losses
+    return train(parallelize(model, sample, (world,), plan=path), sample, 2)
 
 
 @pytest.mark.timeout(120)

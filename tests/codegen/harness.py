@@ -72,6 +72,20 @@ def local_sample(sample: Any, pm: ParallelModule) -> Any:
     return batch_slice(split_sample_input(sample), torch.distributed.get_rank(), torch.distributed.get_world_size())
 
 
+def train(pm: ParallelModule, sample: Any, steps: int) -> list[float]:
+    """`steps` AdamW steps of `pm` on this rank's slice of `sample`, as `reference` trains one device: the losses."""
+    opt = torch.optim.AdamW(pm.parameters(), lr=LR, eps=EPS)
+    args, kwargs = local_sample(sample, pm)
+    losses = []
+    for _ in range(steps):
+        opt.zero_grad()
+        loss = loss_of(pm(*args, **kwargs))
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    return losses
+
+
 def check_plan(model: torch.nn.Module, sample: Any, traced: TracedGraph, plan: Plan, ref: Reference, steps: int,
                mesh: ProcessMesh, label: str) -> dict[str, float]:
     """Train `steps` steps under `plan`; raise AssertionError naming the first mismatch; return the max errors."""
