@@ -136,13 +136,10 @@ def _with_fix(err: AutoparError) -> str:
     if "fix:" in text:
         return text
     if isinstance(err, InfeasibleError) and err.min_memory_bytes:
-        from autopar.solver.ilp import MEMORY_SLACK_BYTES
+        from autopar.solver.ilp import budget_that_fits
 
-        # rounded up, and beyond what the solver keeps below a budget (at most `MEMORY_SLACK_BYTES`, a few
-        # millionths of its memory unit, which is no more than the replicated plan's need): passed back as it
-        # is, the budget fits the leanest plan
-        need_bytes = err.min_memory_bytes
-        need = fmt_bytes(need_bytes + min(MEMORY_SLACK_BYTES, 1e-3 * need_bytes), up=True).replace(" ", "")
+        # rounded up: passed back as it is, the budget fits the leanest plan
+        need = fmt_bytes(budget_that_fits(err.min_memory_bytes), up=True).replace(" ", "")
         return f"{text}\n  fix: pass --memory {need} or more, or plan for more --gpus"
     return f"{text}\n  fix: rerun with --debug for details"
 

@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import math
-
 import re
 
 # Decimal units are powers of 1000 (as disk and GPU vendors count: an "80GB" H100 has 80e9+ bytes);

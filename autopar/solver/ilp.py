@@ -184,7 +184,6 @@ def evaluate(problem: Problem, a: Assignment) -> tuple[MemoryBreakdown, TimeBrea
         if a.recompute[v]:
             if not node.recomputable:
                 raise ValueError(f"node {node.name!r} cannot be recomputed (a placeholder, or it saves nothing)")
-            flows[v] = o.grad_flow_bytes
             recompute_s += o.recompute_s
             act += o.held_input_bytes  # its region's inputs from other layers
             if v in kept:
@@ -192,6 +191,7 @@ def evaluate(problem: Problem, a: Assignment) -> tuple[MemoryBreakdown, TimeBrea
             if node.region is not None:
                 rebuilds[v] = 0.0 if v in kept else o.saved_bytes / node.copies
                 resaved[v] = 0.0
+                flows[v] = o.grad_flow_bytes
         else:
             act += o.saved_bytes
         temp = max(temp, o.temp_bytes)
@@ -512,8 +512,8 @@ class _Model:
         nodes in graph order: C_v >= C_(v before) + what v rebuilds (its saved bytes, the resharded inputs it saves
         again). The chain starts at the layer's ZeRO parameters, gathered again by the rebuild and saved by it.
         A reshard the recompute runs for v holds its buffers beside C_(before v); backward's step through v holds
-        its gradients beside C_(before v) and the inputs v saved again. A row per reshard with the whole prefix in it would be long; the chain keeps
-        every row short."""
+        its gradients beside C_(before v) and the inputs v saved again. A row per reshard with the whole prefix in
+        it would be long; the chain keeps every row short."""
         layers: dict[str, list[int]] = {}  # layer -> its nodes with recompute variables, in graph order
         for v in sorted({v for v, _ in self.y}):
             if self.problem.nodes[v].region is not None:
@@ -755,6 +755,13 @@ def _gib(n: float, digits: int = 1, up: bool = False) -> str:
             value = math.ceil(n / size * 10**digits - 1e-9) / 10**digits if up else n / size
             return f"{value:.{digits}f} {unit}"
     return f"{math.ceil(n) if up else n:.0f} B"
+
+
+def budget_that_fits(need_bytes: float) -> float:
+    """A budget under which a plan needing `need_bytes` is found: the memory row asks for up to
+    `MEMORY_SLACK_BYTES` less than the budget (a few millionths of the memory unit, which is at most GiB and at
+    most the replicated plan's need, so a small share of any need too)."""
+    return need_bytes + min(MEMORY_SLACK_BYTES, 1e-3 * need_bytes)
 
 
 def _need_and_budget(need_bytes: float, budget_bytes: float) -> tuple[str, str]:
