@@ -13,7 +13,8 @@ class TraceError(AutoparError):
 class InfeasibleError(AutoparError):
     """No plan fits the memory budget; carries the minimum that would fit.
 
-    `min_memory_bytes`: what the leanest plan found needs (`ilp.budget_that_fits` of it is a budget that fits). `lower_bound_bytes`: what
+    `min_memory_bytes`: what the leanest plan found needs (`ilp.budget_that_fits` of it is a budget that
+    fits). `lower_bound_bytes`: what
     every plan needs at least, as the solver proved it: the same number unless the search for the leanest
     plan stopped at its time limit."""
 

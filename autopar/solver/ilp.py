@@ -162,7 +162,7 @@ def evaluate(problem: Problem, a: Assignment) -> tuple[MemoryBreakdown, TimeBrea
     resaved: dict[int, float] = {}  # the resharded inputs its rebuild saves again
     reshards: dict[int, float] = {}
     regathered: dict[str, float] = {}  # layer -> its ZeRO parameters' gathered bytes (saved by the rebuild)
-    flows: dict[int, float] = {}  # recomputed node -> the gradients backward holds at its step through the rebuilt layer
+    flows: dict[int, float] = {}  # recomputed node -> what backward holds at its step through the rebuilt layer
     kept = {u for u, v in problem.recompute_with if not a.recompute[v]}  # a consumer that is not recomputed saves them
     kept |= {u for u, v in problem.region_inputs if a.recompute[v]}  # ... and a recomputed one of another region too
     for v, node in enumerate(problem.nodes):
