@@ -48,6 +48,10 @@ class ParallelModule(nn.Module):
         for name, b in gm.named_buffers(recurse=False):
             self.register_buffer(name, b)
         object.__setattr__(self, "graph_module", gm)  # not a child: its tensors are already ours
+        # the graph takes its parameters and buffers as arguments (`lower`'s docstring says why): each is
+        # read from its owner's dict at every call, so a tensor assigned anew (load_state_dict(assign=True),
+        # `module.to` with overwritten params) is the one the graph gets
+        self._state_slots = [_slot(self, fqn) for fqn in info.state_inputs]
         self.mesh, self.plan, self.info = mesh, plan, info
         self._in_spec, self._out_spec = traced.in_spec, traced.out_spec
         self._loss_index = traced.loss_index  # None: no output is the loss
@@ -80,7 +84,7 @@ class ParallelModule(nn.Module):
         if spec != self._in_spec:
             raise LoweringError(f"called with inputs structured as {spec}; the model was traced with {self._in_spec}")
         with grads_scaled_by(self._sync):  # a mean loss may leave its division by the count to the sync
-            outs = list(self.graph_module(*flat))
+            outs = list(self.graph_module(*[slots[name] for slots, name in self._state_slots], *flat))
         if torch.is_grad_enabled():
             if any(isinstance(t, torch.Tensor) and t.requires_grad for t in flat):
                 self._sync.forbid_deferral()  # their grads would be those of the loss's sum: it keeps its division
@@ -154,6 +158,13 @@ class ParallelModule(nn.Module):
         owners = {k: t for k, t in own.items() if k not in self.info.aliases}
         load_full_state_dict(owners, full, {fqn: specs[fqn] for fqn in owners}, self.mesh, strict=False)
         return nn.modules.module._IncompatibleKeys(missing, unexpected)
+
+
+def _slot(module: nn.Module, fqn: str) -> tuple[dict[str, torch.Tensor], str]:
+    """The dict holding parameter or buffer `fqn` of `module`, and its key there."""
+    owner_path, _, name = fqn.rpartition(".")
+    owner = module.get_submodule(owner_path)
+    return (owner._parameters if name in owner._parameters else owner._buffers), name
 
 
 def _make_grad_sync(module: nn.Module, info: LoweringInfo, mesh: ProcessMesh) -> GradSync:

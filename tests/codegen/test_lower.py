@@ -195,3 +195,30 @@ def test_a_tensor_missing_from_those_passed_is_an_error_not_zeros():
     model, sample = load_zoo("gpt2").build(batch_size=4, seq_len=8, size="tiny", device="cpu")
     traced = trace_model(model, sample)
     run_ranks(_lower_without, 2, traced, _dp_plan(traced), model, "transformer.h.0.mlp.c_fc.weight", timeout_s=60)
+
+
+def _loss_after_reassigning(rank, world, model, sample, traced, plan):
+    from autopar.codegen import ParallelModule
+    from autopar.runtime.batch import batch_slice
+    from autopar.tracer import split_sample_input
+
+    mesh = ProcessMesh((2,))
+    pm = ParallelModule(lower(traced, plan, mesh, params=dict(model.named_parameters(remove_duplicate=False))), traced, mesh, plan)
+    for fqn, p in list(pm.named_parameters()):  # new Parameter objects, as load_state_dict(assign=True) makes
+        owner, _, name = fqn.rpartition(".")
+        setattr(pm.get_submodule(owner), name, torch.nn.Parameter(p.detach() * 0.5))
+    args, kwargs = batch_slice(split_sample_input(sample), rank, world)
+    return pm(*args, **kwargs).item()
+
+
+@pytest.mark.timeout(120)
+def test_the_graph_reads_parameters_assigned_after_it_was_built():
+    """Parameters are the graph's arguments, fetched from their modules at each call: not a copy taken at build."""
+    model, sample, traced = _mlp()
+    halved = copy.deepcopy(model)
+    with torch.no_grad():
+        for p in halved.parameters():
+            p.mul_(0.5)
+    want = reference(halved, sample, 1).losses[0]
+    for got in run_ranks(_loss_after_reassigning, 2, model, sample, traced, _megatron_plan(traced), timeout_s=60):
+        assert got == pytest.approx(want, rel=1e-5)
