@@ -14,6 +14,7 @@ from __future__ import annotations
 import logging
 import operator
 import time
+from dataclasses import dataclass
 
 import sympy
 import torch
@@ -31,14 +32,22 @@ log = logging.getLogger(__name__)
 
 _ZERO = sympy.Integer(0)
 
-# Optimizer state per parameter, as multiples of the parameter's bytes, and
-# whether torch.optim keeps a per-parameter `step` tensor (a 4-byte fp32
-# scalar for Adam/AdamW with capturable=False).
-_OPTIMIZERS: dict[str, tuple[int, bool]] = {
-    "sgd": (0, False),
-    "sgd_momentum": (1, False),  # momentum_buffer
-    "adam": (2, True),  # exp_avg, exp_avg_sq
-    "adamw": (2, True),
+@dataclass(frozen=True)
+class OptimizerCost:
+    """What torch.optim's single-tensor step (the CPU default, and what `make_optimizer` builds) does per parameter."""
+
+    state_mult: int  # optimizer state, as multiples of the parameter's bytes
+    has_step: bool  # a per-parameter `step` tensor (a 4-byte fp32 scalar for Adam/AdamW with capturable=False)
+    launches: int  # ATen ops one step dispatches per parameter (counted against torch in tests/profiler)
+    writes: int  # elementwise outputs it writes per parameter, as multiples of the parameter's bytes
+
+
+_OPTIMIZERS: dict[str, OptimizerCost] = {
+    "sgd": OptimizerCost(0, False, 1, 1),  # param.add_(grad)
+    "sgd_momentum": OptimizerCost(1, False, 3, 3),  # buf.mul_().add_(grad); param.add_(buf)
+    # step += 1; exp_avg.lerp_; exp_avg_sq.mul_().addcmul_(); denom = sqrt / bias correction + eps; param.addcdiv_
+    "adam": OptimizerCost(2, True, 9, 7),
+    "adamw": OptimizerCost(2, True, 10, 8),  # and param.mul_(1 - lr * weight_decay) first
 }
 _ALIASES = {"sgd+momentum": "sgd_momentum", "momentum": "sgd_momentum"}
 
@@ -181,7 +190,7 @@ def _params(traced: TracedGraph, opt: str) -> dict[str, ParamProfile]:
     """Per-parameter bytes; tied parameters (one storage under several FQNs) are counted once."""
     from torch.multiprocessing.reductions import StorageWeakRef
 
-    state_mult, has_step = _OPTIMIZERS[opt]
+    cost = _OPTIMIZERS[opt]
     placeholders = [n for n in traced.graph.nodes if n.op == "placeholder" and n.name in traced.param_fqns]
     # The placeholder the graph actually reads owns a tied storage (export routes all uses to one).
     placeholders.sort(key=lambda n: not n.users)
@@ -202,7 +211,9 @@ def _params(traced: TracedGraph, opt: str) -> dict[str, ParamProfile]:
             numel=int(val.numel()),
             param_bytes=0 if tied else nbytes,
             grad_bytes=grad,
-            optimizer_bytes=0 if tied else state_mult * nbytes + (4 if has_step else 0),
+            optimizer_bytes=0 if tied else cost.state_mult * nbytes + (4 if cost.has_step else 0),
+            update_launches=cost.launches if grad else 0,  # the optimizer steps what has a gradient, once per storage
+            update_write_bytes=cost.writes * grad,
         )
     order = {n.name: i for i, n in enumerate(traced.graph.nodes)}
     return dict(sorted(params.items(), key=lambda kv: order[kv[1].node]))

@@ -47,6 +47,8 @@ class ParamProfile:
     param_bytes: int
     grad_bytes: int
     optimizer_bytes: int  # for the optimizer the caller named (Adam/AdamW: 2 fp32 states per element)
+    update_launches: int = 0  # ops the optimizer's step launches for this parameter (0: tied twin or no gradient)
+    update_write_bytes: int = 0  # elementwise output bytes that step writes
 
 
 @dataclass(frozen=True)
@@ -75,6 +77,8 @@ class ParamCost:
     param_bytes: float
     grad_bytes: float
     optimizer_bytes: float
+    update_launches: int = 0
+    update_write_bytes: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -110,7 +114,8 @@ class GraphProfile:
             for name, p in self.nodes.items()
         }
         params = {
-            fqn: ParamCost(fqn, p.node, float(p.param_bytes), float(p.grad_bytes), float(p.optimizer_bytes))
+            fqn: ParamCost(fqn, p.node, float(p.param_bytes), float(p.grad_bytes), float(p.optimizer_bytes),
+                           p.update_launches, float(p.update_write_bytes))
             for fqn, p in self.params.items()
         }
         return ConcreteProfile(nodes=nodes, params=params, optimizer=self.optimizer)

@@ -12,6 +12,13 @@ Compute (per training step, forward + backward) of a node under a strategy:
   those with backward FLOPs: an elementwise op's backward moves bytes too.
   Launches: one forward op per node and one backward op per node with a
   backward; Python-level nodes (`operator.getitem` on a tuple) launch nothing.
+The optimizer's step, per parameter (priced on its parameter node, for the local
+shard it updates): launches * mesh.op_overhead_s + written bytes /
+mesh.mem_bandwidth_bytes_per_s, with the launches and written bytes of
+torch.optim's single-tensor step (`profiler.profile.OptimizerCost`: AdamW
+launches 10 ops a parameter). Its launches are per tensor, not per byte: a
+model of many small parameters (BERT-tiny's 41) spends a millisecond a step
+there on a CPU, which the rest of the model does not see.
 Recompute of a node: its forward time again plus mesh.recompute_op_overhead_s
 per forward launch (the checkpoint runner's host cost per op: `runtime.checkpoint`).
 Communication inside a strategy: an input that is Replicate on an axis where
@@ -39,12 +46,12 @@ from __future__ import annotations
 import math
 from typing import Sequence
 
-from autopar.profiler.types import NodeCost
+from autopar.profiler.types import NodeCost, ParamCost
 from autopar.solver.mesh import COLLECTIVE_KINDS, LinkCost, Mesh, MeshAxis
 from autopar.solver.spec import Replicate, Strategy
 
 __all__ = ["bucket_latency_share", "bucketed_all_reduce_s", "bucketed_sync_s", "collective_time_s", "compute_time_s", "flat_axis", "forward_time_s",
-           "grad_sync_groups", "input_partial_axes", "launches", "recompute_time_s", "split_factor", "strategy_cost", "sync_latency_s"]
+           "grad_sync_groups", "input_partial_axes", "launches", "optimizer_step_s", "recompute_time_s", "split_factor", "strategy_cost", "sync_latency_s"]
 
 
 def _ring(kind: str, n: int) -> tuple[float, int]:
@@ -107,6 +114,13 @@ def split_factor(strategy: Strategy, mesh: Mesh) -> int:
 
 def compute_time_s(flops: float, nbytes: float, mesh: Mesh) -> float:
     return max(flops / mesh.flops_per_s, nbytes / mesh.mem_bandwidth_bytes_per_s)
+
+
+def optimizer_step_s(param: ParamCost, shard: float, mesh: Mesh) -> float:
+    """The optimizer's step for `param`'s local part (1/`shard` of its bytes; its launches are per tensor)."""
+    if not param.update_launches:
+        return 0.0
+    return param.update_launches * mesh.op_overhead_s + compute_time_s(0.0, param.update_write_bytes / shard, mesh)
 
 
 def launches(node_cost: NodeCost) -> tuple[int, int]:

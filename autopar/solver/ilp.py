@@ -175,6 +175,7 @@ def evaluate(problem: Problem, a: Assignment) -> tuple[MemoryBreakdown, TimeBrea
                 raise ValueError(f"node {node.name!r} option {o.label} cannot be ZeRO-sharded (no replicated axis divides it)")
             factor = o.zero.factor
             comm_s += o.zero.comm_s
+            compute_s -= o.zero.update_saving_s
             temp = max(temp, o.zero.gathered_bytes)
             if node.region is not None:
                 regathered[node.region] = regathered.get(node.region, 0.0) + o.zero.gathered_bytes
@@ -447,13 +448,13 @@ class _Model:
             def key(o: Option):
                 if o.zero is None or o.zero.factor <= 1:
                     return None
-                return (1 - 1 / o.zero.factor) * o.static_bytes, o.zero.comm_s, o.zero.gathered_bytes
-            for g, ((saving, comm_s, gathered), members) in enumerate(self._groups(v, key).items()):
+                return (1 - 1 / o.zero.factor) * o.static_bytes, o.zero.comm_s - o.zero.update_saving_s, o.zero.gathered_bytes
+            for g, ((saving, net_s, gathered), members) in enumerate(self._groups(v, key).items()):
                 z = pulp.LpVariable(f"z_{v}_{g}", cat=pulp.LpBinary)
                 chosen = pulp.lpSum(self.x[v][s] for s in members)
                 self.prob += (z == chosen if self.restrictions.zero == "always" else z <= chosen), f"zero_{v}_{g}"
                 self.z.update(((v, s), z) for s in members)
-                self.time_terms.append((z, comm_s * _MS))
+                self.time_terms.append((z, net_s * _MS))
                 self.memory_terms.append((z, -saving * self.per_byte))
                 self.gathered.setdefault(v, []).append((z, gathered * self.per_byte))
 

@@ -22,8 +22,8 @@ from torch import fx
 from autopar.profiler import storage_facts
 from autopar.profiler.types import ConcreteProfile
 from autopar.solver.cluster import Cluster, Grouping, group, singletons
-from autopar.solver.cost import (bucketed_all_reduce_s, bucketed_sync_s, collective_time_s, grad_sync_groups, input_partial_axes, recompute_time_s,
-                                 split_axes, split_factor, strategy_cost, sync_latency_s)
+from autopar.solver.cost import (bucketed_all_reduce_s, bucketed_sync_s, collective_time_s, grad_sync_groups, input_partial_axes, optimizer_step_s,
+                                 recompute_time_s, split_axes, split_factor, strategy_cost, sync_latency_s)
 from autopar.gc_pause import gc_paused
 from autopar.solver.mesh import Mesh
 from autopar.solver.regions import layer_key, region_cuts
@@ -44,6 +44,7 @@ class ZeroOption:
     factor: int  # param, grad and optimizer bytes are divided by this much more
     comm_s: float  # extra per-step comm vs replicated storage (gathers in fwd and bwd; reduce-scatter for all-reduce)
     gathered_bytes: float  # the param gathered to its use spec while its consumers run (a transient)
+    update_saving_s: float = 0.0  # the optimizer's step updates only the stored shard: this much less compute
 
 
 @dataclass(frozen=True)
@@ -51,7 +52,7 @@ class Option:
     """One strategy of a node (or of a whole cluster / tied class: sums over its members)."""
 
     label: str
-    compute_s: float = 0.0  # forward + backward compute
+    compute_s: float = 0.0  # forward + backward compute (a parameter's: the optimizer's step on its local part)
     comm_s: float = 0.0  # collectives inside the strategy, forward + backward
     recompute_s: float = 0.0  # forward compute paid again in backward when recomputed
     saved_bytes: float = 0.0  # activations kept for backward (freed by recompute)
@@ -419,8 +420,12 @@ class _Pricer:
             shard = spec.shard_factor(mesh.shape)
             if role == "param":
                 found = _zero(spec, outs[0], param.param_bytes / shard, mesh)
-                return Option(str(spec), param_bytes=param.param_bytes / shard, grad_bytes=param.grad_bytes / shard,
-                              optimizer_bytes=param.optimizer_bytes / shard, zero=found[1] if found else None)
+                update_s = optimizer_step_s(param, shard, mesh)
+                zero = None
+                if found:
+                    zero = replace(found[1], update_saving_s=update_s - optimizer_step_s(param, shard * found[1].factor, mesh))
+                return Option(str(spec), compute_s=update_s, param_bytes=param.param_bytes / shard,
+                              grad_bytes=param.grad_bytes / shard, optimizer_bytes=param.optimizer_bytes / shard, zero=zero)
             if role == "buffer":
                 return Option(str(spec), param_bytes=sum(cost.output_bytes) / shard)
             saved = sum(b for b, s in zip(cost.output_bytes, cost.saved_outputs) if s) / shard
@@ -461,7 +466,8 @@ def _sum(options: list[Option], label: str) -> Option:
     zeros = [o.zero for o in options if o.zero is not None]
     zero = None
     if zeros:  # the parameter member of a cluster (its views have none)
-        zero = ZeroOption(zeros[0].factor, sum(z.comm_s for z in zeros), max(z.gathered_bytes for z in zeros))
+        zero = ZeroOption(zeros[0].factor, sum(z.comm_s for z in zeros), max(z.gathered_bytes for z in zeros),
+                          sum(z.update_saving_s for z in zeros))
     return Option(
         label,
         compute_s=sum(o.compute_s for o in options), comm_s=sum(o.comm_s for o in options),

@@ -90,6 +90,43 @@ def test_parameter_and_optimizer_bytes(net_profile, optimizer, state_per_param):
     assert b.optimizer_bytes == state_per_param(48 * 4)
 
 
+class _OpsOnParamSizedTensors(torch.utils._python_dispatch.TorchDispatchMode):
+    """Counts every ATen op, and the ops writing a tensor of `numel` elements (in place or as a new output)."""
+
+    def __init__(self, numel: int) -> None:
+        super().__init__()
+        self.numel, self.ops, self.writes = numel, 0, 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        self.ops += 1
+        self.writes += isinstance(out, torch.Tensor) and out.numel() == self.numel
+        return out
+
+
+@pytest.mark.parametrize("optimizer", ["sgd", "sgd_momentum", "adam", "adamw"])
+def test_optimizer_step_launches_and_writes_as_torch_runs_it(net_profile, optimizer):
+    """The step's price per parameter (`cost.optimizer_step_s`) counts what torch.optim's step dispatches:
+    the difference between stepping two parameters and one is one parameter's ops."""
+    from autopar.profiler.measure import make_optimizer
+
+    def counted(n_params: int) -> _OpsOnParamSizedTensors:
+        params = nn.ParameterList([nn.Parameter(torch.randn(100)) for _ in range(n_params)])
+        opt = make_optimizer(params, optimizer)
+        for p in params:
+            p.grad = torch.randn(100)
+        opt.step()  # the first step creates the state
+        with _OpsOnParamSizedTensors(100) as mode:
+            opt.step()
+        return mode
+
+    one, two = counted(1), counted(2)
+    traced, _ = net_profile
+    w = profile(traced, optimizer=optimizer).params["qkv.weight"]
+    assert w.update_launches == two.ops - one.ops
+    assert w.update_write_bytes == (two.writes - one.writes) * w.param_bytes
+
+
 def test_unknown_optimizer_is_named(net_profile):
     traced, _ = net_profile
     with pytest.raises(ProfileError, match="lamb"):

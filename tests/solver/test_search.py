@@ -25,15 +25,15 @@ def _zoo(name: str):
 _CACHE: dict = {}
 
 
-def mlp(n_layers: int, dim: int, hidden: int, batch: int):
-    key = ("mlp", n_layers, dim, hidden, batch)
+def mlp(n_layers: int, dim: int, hidden: int, batch: int, optimizer: str = "adamw"):
+    key = ("mlp", n_layers, dim, hidden, batch, optimizer)
     if key not in _CACHE:
         m = _zoo("zoo_mlp")
         with torch.device("meta"):
             model = m.MLP(m.MLPConfig(n_layers, dim, hidden)).train()
             x, y = torch.randn(batch, dim), torch.randn(batch, dim)
         traced = trace(model, (x, y))
-        _CACHE[key] = (traced, profile(traced))
+        _CACHE[key] = (traced, profile(traced, optimizer=optimizer))
     return _CACHE[key]
 
 
@@ -43,7 +43,9 @@ def slow_mesh(n: int, beta: float):
 
 
 def test_ample_memory_and_slow_links_give_pure_data_parallel():
-    traced, prof = mlp(2, 1024, 4096, 32768)  # activation-heavy: DP's grad all-reduce << TP's activation traffic
+    # activation-heavy: DP's grad all-reduce << TP's activation traffic. SGD: AdamW's step is worth sharding
+    # here (`test_adamw_step_is_worth_sharding_where_weights_dominate`)
+    traced, prof = mlp(2, 1024, 4096, 32768, "sgd")
     plan = solve(traced, prof, slow_mesh(4, 50e9))
     assert all(p.use.is_replicate() and not p.zero for p in plan.params)
     assert plan.recomputed() == ()
@@ -70,7 +72,7 @@ def test_tighter_budgets_trade_time_for_memory_then_fail_with_the_minimum():
 
 
 def test_two_level_mesh_puts_tensor_parallelism_on_the_fast_axis():
-    traced, prof = mlp(2, 4096, 16384, 256)  # weight-heavy
+    traced, prof = mlp(2, 4096, 16384, 256, "sgd")  # weight-heavy (AdamW's step: the next test)
     mesh = make_mesh(4, (2, 2), "h100-ib")  # axis 0 InfiniBand, axis 1 NVLink
     assert mesh.axes[1].beta_bytes_per_s > mesh.axes[0].beta_bytes_per_s
     plan = solve(traced, prof, mesh)
@@ -78,6 +80,27 @@ def test_two_level_mesh_puts_tensor_parallelism_on_the_fast_axis():
     assert sharded, "weight-heavy model on a fast axis should go tensor parallel"
     assert all(not isinstance(p.use.placements[0], Shard) for p in plan.params)
     assert any(isinstance(p.use.placements[1], Shard) for p in sharded)
+
+
+def test_adamw_step_is_worth_sharding_where_weights_dominate():
+    """AdamW's step writes 8 times a parameter's bytes (`OptimizerCost`): on 1 GiB of weights and 256 tokens
+    it costs more than the matmuls, and each rank updating only its block of every weight pays for a
+    gather over the slow axis too. SGD's step (one write) does not; priced under AdamW, that plan is slower."""
+    from autopar.solver.cost import optimizer_step_s
+
+    traced, prof = mlp(2, 4096, 16384, 256)
+    _, sgd = mlp(2, 4096, 16384, 256, "sgd")
+    mesh = make_mesh(4, (2, 2), "h100-ib")
+    plan = solve(traced, prof, mesh)
+    megatron = solve(traced, sgd, mesh)
+    assert any(isinstance(p.use.placements[0], Shard) for p in plan.params)  # blocks over the slow axis too
+    assert all(not isinstance(p.use.placements[0], Shard) for p in megatron.params)
+    repriced = fixed_plan(traced, prof, mesh, {d.node: d.strategy for d in megatron.nodes if d.op != "output"})
+    assert plan.time.total_s < repriced.time.total_s
+    # the step's price is the parameters' part of compute: for one weight, 10 launches and 8 writes of its block
+    w = prof.evaluate().params["layers.0.fc1.weight"]
+    block = next(p.use for p in plan.params if p.fqn == w.fqn).shard_factor(mesh.shape)
+    assert optimizer_step_s(w, block, mesh) == pytest.approx(10 * mesh.op_overhead_s + 8 * w.param_bytes / block / mesh.mem_bandwidth_bytes_per_s)
 
 
 @pytest.mark.parametrize("shape", [(1,), (6,), (3, 2)])
@@ -119,7 +142,7 @@ def test_zero_saves_the_gradient_all_reduce_only_where_a_consumer_pays_it():
     forward and again in backward. The all-reduce is saved only where a consumer pays it: one split over the
     ZeRO axes (data parallel). A consumer computing replicated pays none, and ZeRO there only costs: it once
     came out as a saving (negative step times on a weight-heavy MLP with replicated compute)."""
-    from autopar.solver.cost import bucketed_all_reduce_s, collective_time_s
+    from autopar.solver.cost import bucketed_all_reduce_s, collective_time_s, optimizer_step_s
     from autopar.solver.ilp import Restrictions, solve_problem
     from autopar.solver.problem import build_problem
     from autopar.solver.strategies import enumerate_strategies
@@ -131,6 +154,9 @@ def test_zero_saves_the_gradient_all_reduce_only_where_a_consumer_pays_it():
     axis = mesh.axes[0]
     params = [p.param_bytes for p in prof.evaluate().params.values()]
     gathers = sum(2 * collective_time_s("all_gather", b, axis) + collective_time_s("reduce_scatter", b, axis) for b in params)
+    # ... and what each rank's optimizer step saves updating a quarter of each parameter
+    updates = sum(optimizer_step_s(p, 1, mesh) - optimizer_step_s(p, 4, mesh) for p in prof.evaluate().params.values())
+    assert 0 < updates < gathers
     all_reduces = sum(bucketed_all_reduce_s(b, mesh, (0,)) for b in params)
 
     def leader(v: int) -> str:
@@ -144,7 +170,7 @@ def test_zero_saves_the_gradient_all_reduce_only_where_a_consumer_pays_it():
                                if all(s.is_replicate() for s in strategies[leader(v)][built.member_strategy(leader(v), i)].input_specs
                                       + strategies[leader(v)][built.member_strategy(leader(v), i)].output_specs))
                   for v, n in enumerate(built.problem.nodes)}
-    assert step(replicated, "always") - step(replicated, "never") == pytest.approx(gathers, rel=1e-6)
+    assert step(replicated, "always") - step(replicated, "never") == pytest.approx(gathers - updates, rel=1e-6)
     # data parallel: the consumers pay each gradient's bucketed all-reduce; ZeRO's reduce-scatter takes it over (FSDP)
     plan = baseline_plans(traced, prof, mesh)
     dp, z3 = (next(b for b in plan if b.name == name) for name in ("data_parallel", "zero3"))
