@@ -15,7 +15,8 @@ on the tp axis, everything else replicated. fsdp is priced from the ddp plan plu
 FSDP2's own collectives: per `fully_shard` unit (each block, and the root for the
 rest) one all-gather of the unit's parameters in forward, one again in backward
 (not for the root, which FSDP2 keeps unsharded after forward) and one
-reduce-scatter of its gradients, instead of ddp's bucketed all-reduce; its memory is
+reduce-scatter of its gradients, instead of ddp's bucketed all-reduce, and the
+optimizer's step on each rank's shard only (`cost.optimizer_step_s`); its memory is
 the ILP's ZeRO-3 plan's. (autopar's own ZeRO gathers each parameter on its own,
 which is what the ILP prices; FSDP2 gathers a block's parameters at once.) The
 "+ac" variants add the recompute time of every node inside a transformer block
@@ -42,7 +43,7 @@ from autopar.errors import AutoparError, InfeasibleError
 from autopar.profiler import profile
 from autopar.solver import fixed_plan, solve
 from autopar.solver.ilp import Restrictions, solve_problem
-from autopar.solver.cost import bucketed_all_reduce_s, collective_time_s, sync_latency_s
+from autopar.solver.cost import bucketed_all_reduce_s, collective_time_s, optimizer_step_s, sync_latency_s
 from autopar.solver.mesh import Mesh
 from autopar.solver.plan import Plan, TimeBreakdown
 from autopar.solver.problem import build_problem, count_hidden_in_forward
@@ -91,7 +92,7 @@ class Predictor:
                                   zero_params=frozenset(p.fqn for p in plan.params if p.zero))
             t = timed.time
             comm_s = t.comm_s + self._fsdp_extra_comm_s(plan.mesh) - scalar_reshard_s(self.traced, timed)
-            return replace(plan, time=TimeBreakdown(t.compute_s, comm_s, t.recompute_s))
+            return replace(plan, time=TimeBreakdown(t.compute_s - self._fsdp_update_saving_s(plan.mesh), comm_s, t.recompute_s))
         if system == "tp":
             t = timed.time
             timed = replace(timed, time=TimeBreakdown(t.compute_s + self._tp_overhead_s, t.comm_s, t.recompute_s))
@@ -115,6 +116,11 @@ class Predictor:
         # what the pinned plan charged for each gradient's bucketed all-reduce (`strategy_cost`), and the last bucket
         ddp_sync = sum(bucketed_all_reduce_s(b, mesh, (0,)) for b in self._param_bytes.values()) + sync_latency_s(mesh, (0,))
         return fsdp - ddp_sync
+
+    def _fsdp_update_saving_s(self, mesh: Mesh) -> float:
+        """What the optimizer's step saves updating each rank's shard only, against ddp's whole parameters."""
+        n = mesh.num_devices
+        return sum(optimizer_step_s(p, 1, mesh) - optimizer_step_s(p, n, mesh) for p in self.profile.params.values())
 
     def pinned_plan(self, mesh: Mesh, tp_params: bool, zero: str) -> Plan:
         """The fastest plan with batch inputs Shard(0) over the outer axis and parameters used replicated,
