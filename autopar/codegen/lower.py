@@ -344,7 +344,7 @@ class _Lowerer:
         start_collectives_early(self.graph)
         fuse_cross_entropy_sums(self.graph)
         gm = fx.GraphModule(self.root, self.graph, class_name="ParallelGraph")
-        _adopt_state(gm, self.root)
+        share_tree(gm, self.root)  # GraphModule copies only what get_attr reads: the regions, not the parameters
         bind_python_calls(gm, self.nodes, self.origin)  # last: every pass above reads ATen targets
         unsaved = (frozenset(self.traced.constants) | self.traced.nonpersistent_buffers) & buffer_specs.keys()
         gm.meta["autopar"] = LoweringInfo(storage, sync_axes, buffer_specs, tuple(fed_specs), dp_axes, aliases, self.input_layout,
@@ -526,15 +526,14 @@ def _set_nested(root: nn.Module, fqn: str, value: Any, is_param: bool) -> None:
         mod.register_buffer(leaf, value)
 
 
-def _adopt_state(gm: fx.GraphModule, root: nn.Module) -> None:
-    """Give `gm` every tensor `root` stores: GraphModule copies only what the graph reads with get_attr
-    (the recompute regions), and parameters and buffers come in as arguments."""
-    for name, child in root.named_children():
-        gm.add_module(name, child)
-    for name, p in root.named_parameters(recurse=False):
-        gm.register_parameter(name, p)
-    for name, b in root.named_buffers(recurse=False):
-        gm.register_buffer(name, b)
+def share_tree(dst: nn.Module, src: nn.Module) -> None:
+    """Make `src`'s submodules, parameters and buffers `dst`'s too, under the same names (the objects, not copies)."""
+    for name, child in src.named_children():
+        dst.add_module(name, child)
+    for name, p in src.named_parameters(recurse=False):
+        dst.register_parameter(name, p)
+    for name, b in src.named_buffers(recurse=False):
+        dst.register_buffer(name, b)
 
 
 def _get_nested(root: nn.Module, fqn: str) -> Any:

@@ -21,7 +21,7 @@ import torch
 from torch import fx, nn
 from torch.utils import _pytree as pytree
 
-from autopar.codegen.lower import LoweringInfo
+from autopar.codegen.lower import LoweringInfo, share_tree
 from autopar.codegen.shapes import LoweringError
 from autopar.runtime.batch import batch_slice
 from autopar.runtime.deferred_loss import grads_scaled_by, other_output
@@ -40,13 +40,7 @@ class ParallelModule(nn.Module):
     def __init__(self, gm: fx.GraphModule, traced: TracedGraph, mesh: ProcessMesh, plan: Plan):
         super().__init__()
         info: LoweringInfo = gm.meta["autopar"]
-        # share the graph's parameter tree so FQNs are the original ones (no "graph." prefix)
-        for name, child in gm.named_children():
-            self.add_module(name, child)
-        for name, p in gm.named_parameters(recurse=False):
-            self.register_parameter(name, p)
-        for name, b in gm.named_buffers(recurse=False):
-            self.register_buffer(name, b)
+        share_tree(self, gm)  # the graph's parameter tree, so FQNs are the original ones (no "graph." prefix)
         object.__setattr__(self, "graph_module", gm)  # not a child: its tensors are already ours
         # the graph takes its parameters and buffers as arguments (`lower`'s docstring says why): each is
         # read from its owner's dict at every call, so a tensor assigned anew (load_state_dict(assign=True),
