@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any, Mapping, Sequence
 
 from autopar.profiler.types import ConcreteProfile
+from autopar.report.summary import TIME_PARTS
 from autopar.report.units import fmt_bytes, fmt_seconds
 from autopar.solver.plan import Plan
 
@@ -116,7 +117,8 @@ def render_html(s: Mapping[str, Any], timeline: Sequence[tuple[str, float]]) -> 
     )
     m, t = s["memory"], s["time"]
     memory = _table(("part", "bytes"), [(k.replace("_bytes", "").replace("_", " "), fmt_bytes(v)) for k, v in m.items()])
-    step = _table(("part", "time"), [(k.replace("_s", ""), fmt_seconds(v)) for k, v in t.items()])
+    step = _table(("part", "time"), [(label.strip(), fmt_seconds(t[k])) for k, label in TIME_PARTS]
+                  + [("total", fmt_seconds(t["total_s"]))])
     comm = _table(("collective", "bytes per device"), [(k, fmt_bytes(v)) for k, v in s["comm_bytes_by_kind"].items()]) if s["comm_bytes_by_kind"] else ""
     base = ""
     if s["baselines"]:

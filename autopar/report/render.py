@@ -9,6 +9,7 @@ from typing import Any
 from rich.table import Table
 from rich.text import Text
 
+from autopar.report.summary import TIME_PARTS
 from autopar.report.units import fmt_bytes, fmt_seconds
 
 BASELINE_NAMES = {"data_parallel": "pure data parallel", "zero3": "ZeRO-3 / FSDP", "megatron": "Megatron TP + DP"}
@@ -55,7 +56,7 @@ def time_table(s: dict[str, Any]) -> Table:
     t.add_column("part")
     t.add_column("time", justify="right")
     t.add_column("share", justify="right")
-    for key, label in (("compute_s", "compute"), ("comm_s", "communication"), ("recompute_s", "recompute")):
+    for key, label in TIME_PARTS:
         t.add_row(label, fmt_seconds(tm[key]), _pct(tm[key], tm["total_s"]))
     t.add_row(Text("total", style="bold"), Text(fmt_seconds(tm["total_s"]), style="bold"), "")
     return t

@@ -154,7 +154,7 @@ class Solution:
 
 def evaluate(problem: Problem, a: Assignment) -> tuple[MemoryBreakdown, TimeBreakdown]:
     """Price an assignment with the same model the ILP optimises (independent of PuLP)."""
-    compute_s = comm_s = recompute_s = 0.0
+    compute_s = comm_s = recompute_s = update_s = 0.0
     params = grads = opt = act = temp = 0.0
     # backward rebuilds a recomputed layer in graph order: per recomputed node what it rebuilds (its saved bytes, the
     # resharded inputs it saves again) and the largest buffers of a reshard of its inputs run again before it
@@ -168,6 +168,7 @@ def evaluate(problem: Problem, a: Assignment) -> tuple[MemoryBreakdown, TimeBrea
     for v, node in enumerate(problem.nodes):
         o = node.options[a.choice[v]]
         compute_s += o.compute_s
+        update_s += o.update_s
         comm_s += o.comm_s
         factor = 1
         if a.zero[v]:
@@ -176,6 +177,7 @@ def evaluate(problem: Problem, a: Assignment) -> tuple[MemoryBreakdown, TimeBrea
             factor = o.zero.factor
             comm_s += o.zero.comm_s
             compute_s -= o.zero.update_saving_s
+            update_s -= o.zero.update_saving_s
             temp = max(temp, o.zero.gathered_bytes)
             if node.region is not None:
                 regathered[node.region] = regathered.get(node.region, 0.0) + o.zero.gathered_bytes
@@ -231,7 +233,7 @@ def evaluate(problem: Problem, a: Assignment) -> tuple[MemoryBreakdown, TimeBrea
         comm_s += max(charged) - sum(charged)
     return (
         MemoryBreakdown(params, grads, opt, act, temp, problem.budget_bytes),
-        TimeBreakdown(compute_s, comm_s, recompute_s),
+        TimeBreakdown(compute_s, comm_s, recompute_s, update_s),
     )
 
 

@@ -55,9 +55,10 @@ class MemoryBreakdown:
 class TimeBreakdown:
     """Predicted seconds of one training step (forward + backward + optimizer)."""
 
-    compute_s: float
+    compute_s: float  # forward, backward and the optimizer's step
     comm_s: float  # collectives inside strategies + resharding + gradient sync
     recompute_s: float
+    update_s: float = 0.0  # of compute_s: the optimizer's step on this device's parameter blocks
 
     @property
     def total_s(self) -> float:

@@ -50,7 +50,7 @@ def _memory_dict(m: MemoryBreakdown) -> dict:
 
 
 def _time_dict(t: TimeBreakdown) -> dict:
-    return {"compute_s": t.compute_s, "comm_s": t.comm_s, "recompute_s": t.recompute_s}
+    return {"compute_s": t.compute_s, "comm_s": t.comm_s, "recompute_s": t.recompute_s, "update_s": t.update_s}
 
 
 def _spec_str(spec: Spec | None) -> str | None:
@@ -180,7 +180,8 @@ def _memory_from(f: _Field) -> MemoryBreakdown:
 
 
 def _time_from(f: _Field) -> TimeBreakdown:
-    return TimeBreakdown(f["compute_s"].num(), f["comm_s"].num(), f["recompute_s"].num())
+    # files written before the optimizer's step was priced have no update_s: none of their compute was
+    return TimeBreakdown(f["compute_s"].num(), f["comm_s"].num(), f["recompute_s"].num(), f.get("update_s", 0.0).num())
 
 
 def _optional(f: _Field, read: Callable[[_Field], Any]) -> Any:

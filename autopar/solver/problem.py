@@ -53,6 +53,7 @@ class Option:
 
     label: str
     compute_s: float = 0.0  # forward + backward compute (a parameter's: the optimizer's step on its local part)
+    update_s: float = 0.0  # of compute_s, the optimizer's step (a cluster's sum mixes it with its ops' compute)
     comm_s: float = 0.0  # collectives inside the strategy, forward + backward
     recompute_s: float = 0.0  # forward compute paid again in backward when recomputed
     saved_bytes: float = 0.0  # activations kept for backward (freed by recompute)
@@ -424,7 +425,7 @@ class _Pricer:
                 zero = None
                 if found:
                     zero = replace(found[1], update_saving_s=update_s - optimizer_step_s(param, shard * found[1].factor, mesh))
-                return Option(str(spec), compute_s=update_s, param_bytes=param.param_bytes / shard,
+                return Option(str(spec), compute_s=update_s, update_s=update_s, param_bytes=param.param_bytes / shard,
                               grad_bytes=param.grad_bytes / shard, optimizer_bytes=param.optimizer_bytes / shard, zero=zero)
             if role == "buffer":
                 return Option(str(spec), param_bytes=sum(cost.output_bytes) / shard)
@@ -470,7 +471,7 @@ def _sum(options: list[Option], label: str) -> Option:
                           sum(z.update_saving_s for z in zeros))
     return Option(
         label,
-        compute_s=sum(o.compute_s for o in options), comm_s=sum(o.comm_s for o in options),
+        compute_s=sum(o.compute_s for o in options), update_s=sum(o.update_s for o in options), comm_s=sum(o.comm_s for o in options),
         recompute_s=sum(o.recompute_s for o in options), saved_bytes=sum(o.saved_bytes for o in options),
         temp_bytes=max(o.temp_bytes for o in options), grad_flow_bytes=max(o.grad_flow_bytes for o in options),
         held_input_bytes=sum(o.held_input_bytes for o in options),

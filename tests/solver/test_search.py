@@ -101,6 +101,11 @@ def test_adamw_step_is_worth_sharding_where_weights_dominate():
     w = prof.evaluate().params["layers.0.fc1.weight"]
     block = next(p.use for p in plan.params if p.fqn == w.fqn).shard_factor(mesh.shape)
     assert optimizer_step_s(w, block, mesh) == pytest.approx(10 * mesh.op_overhead_s + 8 * w.param_bytes / block / mesh.mem_bandwidth_bytes_per_s)
+    # and the plan says how much of its compute is the step: each parameter's, on the block it stores
+    costs = prof.evaluate().params
+    stored = {p.fqn: p.storage.shard_factor(mesh.shape) for p in plan.params}
+    assert plan.time.update_s == pytest.approx(sum(optimizer_step_s(costs[f], stored[f], mesh) for f in stored), rel=1e-9)
+    assert 0 < plan.time.update_s < plan.time.compute_s
 
 
 @pytest.mark.parametrize("shape", [(1,), (6,), (3, 2)])
