@@ -2,8 +2,8 @@
 
     python benchmarks/vs_baselines.py --ranks 4 --model gpt2-tiny,llama-tiny,bert-tiny --out vs_baselines.json
 
-For each model, on `--ranks` forked gloo ranks (one thread each): calibrate the cost
-model to the live process group (1-D and (ranks/tp, tp) meshes), then measure the
+On `--ranks` forked gloo ranks (one thread each), calibrate the cost model to the live
+process group once (1-D and (ranks/tp, tp) meshes); then, for each model, measure the
 training step (forward + backward + AdamW; median of --steps after 2 warm-up steps)
 and the peak live-tensor bytes per rank of DDP, FSDP2 (`fully_shard`), Megatron TP +
 data parallel, each also with every block checkpointed, and of autopar's plan for a
@@ -33,7 +33,7 @@ if sys.path and Path(sys.path[0]).resolve() == ROOT / "benchmarks":
 from autopar.runtime.launch import run_ranks  # noqa: E402
 
 from benchmarks._common import provenance_line  # noqa: E402
-from benchmarks.baselines.bench import Case, ModelResult, run_model  # noqa: E402
+from benchmarks.baselines.bench import Case, ModelResult, calibrate_all, run_model  # noqa: E402
 from benchmarks.baselines.report import budget_rows, candidates, explain_miss, format_model, plot, spearman, write_json  # noqa: E402
 
 log = logging.getLogger(__name__)
@@ -41,9 +41,12 @@ log = logging.getLogger(__name__)
 
 def run(cases: list[Case], ranks: int, timeout_s: float) -> list[ModelResult]:
     results = []
+    calibrations: dict[int, dict] = {}  # by tp degree: one calibration prices every model alike
     for case in cases:
         start = time.perf_counter()
-        result = run_ranks(run_model, ranks, case, timeout_s=timeout_s)[0]
+        if case.tp not in calibrations:
+            calibrations[case.tp] = run_ranks(calibrate_all, ranks, case.tp, timeout_s=timeout_s)[0]
+        result = run_ranks(run_model, ranks, case, calibrations[case.tp], timeout_s=timeout_s)[0]
         log.info("%s-%s measured in %.0f s", case.model, case.size, time.perf_counter() - start)
         results.append(result)
     return results

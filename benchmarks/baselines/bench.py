@@ -24,7 +24,7 @@ from autopar.api import parallelize
 from autopar.profiler.measure import block_paths, make_optimizer
 from autopar.runtime.calibrate import calibrate
 from autopar.solver.ilp import MEMORY_SLACK_BYTES
-from autopar.solver.mesh import LinkCost, Mesh, MeshAxis
+from autopar.solver.mesh import LinkCost, Mesh, MeshAxis, mesh_from_json, mesh_to_json
 from autopar.solver.plan import Plan
 from autopar.solver.plan_io import plan_from_json, plan_to_json
 from autopar.tracer import split_sample_input
@@ -178,15 +178,25 @@ def _autopar_system(name: str, case: Case, model, sample, plan: Plan) -> Trainab
     return Trainable(name, step, opt, live)
 
 
-def run_model(rank: int, world: int, case: Case) -> ModelResult | None:
+def calibrate_all(rank: int, world: int, tp: int) -> dict[str, Any]:
+    """The cost model's numbers for this world, as plain data: the 1-D and (world/tp, tp) meshes and
+    DTensor's per-module cost. Measured once for every model of a run, so that all are priced alike
+    (calibrated per model, minutes apart, the host's drift moved one model's prices against another's)."""
+    if world % tp:
+        raise ValueError(f"tp={tp} does not divide the world size {world}")
+    meshes = _shared_device_numbers({"1d": calibrate(mesh_shape=(world,)), "2d": calibrate(mesh_shape=(world // tp, tp))})
+    return {"meshes": {k: mesh_to_json(m) for k, m in meshes.items()},
+            "tp_overhead_s": tp_module_overhead_s(world, tp)}  # every rank: it runs collectives
+
+
+def run_model(rank: int, world: int, case: Case, calibration: dict[str, Any] | None = None) -> ModelResult | None:
+    """`calibration`: `calibrate_all`'s, for the same world and case.tp (None: measured here)."""
     if rank != 0:
         logging.disable(logging.INFO)  # one log, from rank 0 (autopar's stages log on every rank)
-    if world % case.tp:
-        raise ValueError(f"tp={case.tp} does not divide the world size {world}")
-    meshes = _shared_device_numbers({"1d": calibrate(mesh_shape=(world,)),
-                                     "2d": calibrate(mesh_shape=(world // case.tp, case.tp))})
+    calibration = calibration or calibrate_all(rank, world, case.tp)
+    meshes = {k: mesh_from_json(m) for k, m in calibration["meshes"].items()}
+    tp_overhead_s = calibration["tp_overhead_s"]
     model, sample = load_example(case.model).build(case.batch, case.seq, size=case.size, device="cpu")
-    tp_overhead_s = tp_module_overhead_s(world, case.tp)  # every rank: it runs collectives
     payload = [_plan_all(case, model, sample, meshes, tp_overhead_s) if rank == 0 else None]
     dist.broadcast_object_list(payload, src=0)
     pred = payload[0]
