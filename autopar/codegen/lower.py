@@ -17,8 +17,9 @@ their original FQNs and passed in as its first arguments (named as the trace nam
 them: `p_<fqn>`, `b_<fqn>`; `LoweringInfo.state_inputs` lists their FQNs), not read
 with `get_attr`: fx spells a get_attr as a chain of `nn.Module.__getattr__` calls
 (`getattr(self.bert.encoder.layer, "0").attention.self.query.weight`: seven), which
-cost BERT-tiny's forward 0.15 ms of 1.5 on one rank; ZeRO parameters hold the storage shard and are gathered to
-their use spec in the graph (gradients reduce-scattered on the way back).
+cost BERT-tiny's forward 0.15 ms of 1.5 on one rank. ZeRO parameters hold the
+storage shard and are gathered to their use spec in the graph (gradients
+reduce-scattered on the way back).
 The loss is all-reduced to Replicate (every rank returns the global loss, so no
 gradient needs a 1/N), in the background: backward does not wait for the sum
 (`runtime.deferred_loss`); other outputs come back in the input convention.
