@@ -43,8 +43,8 @@ class ParallelModule(nn.Module):
         share_tree(self, gm)  # the graph's parameter tree, so FQNs are the original ones (no "graph." prefix)
         object.__setattr__(self, "graph_module", gm)  # not a child: its tensors are already ours
         # the graph takes its parameters and buffers as arguments (`lower`'s docstring says why): each is
-        # read from its owner's dict at every call, so a tensor assigned anew (load_state_dict(assign=True),
-        # `module.to` with overwritten params) is the one the graph gets
+        # read from its owner's dict at every call, so the graph gets the module's current tensors (a buffer
+        # `module.to` replaced, as get_attr read them); the gradient sync keeps the parameters it was built with
         self._state_slots = [_slot(self, fqn) for fqn in info.state_inputs]
         self.mesh, self.plan, self.info = mesh, plan, info
         self._in_spec, self._out_spec = traced.in_spec, traced.out_spec

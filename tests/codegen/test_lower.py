@@ -204,7 +204,7 @@ def _loss_after_reassigning(rank, world, model, sample, traced, plan):
 
     mesh = ProcessMesh((2,))
     pm = ParallelModule(lower(traced, plan, mesh, params=dict(model.named_parameters(remove_duplicate=False))), traced, mesh, plan)
-    for fqn, p in list(pm.named_parameters()):  # new Parameter objects, as load_state_dict(assign=True) makes
+    for fqn, p in list(pm.named_parameters()):  # new Parameter objects on their modules
         owner, _, name = fqn.rpartition(".")
         setattr(pm.get_submodule(owner), name, torch.nn.Parameter(p.detach() * 0.5))
     args, kwargs = batch_slice(split_sample_input(sample), rank, world)
