@@ -214,7 +214,8 @@ def cmd_explain(args: Any) -> int:
         head = f"{n['node']} ({n['op']}) in {n['module'] or '(top level)'}: {n['strategy']}"
         console.print(Text(head, style="bold"))
         if "parameter" in n:
-            console.print(f"  parameter {n['parameter']}: {n['words']} (use {n['use']}, storage {n['storage']})")
+            console.print(f"  parameter {n['parameter']}: {n['words']} (use {n['use']}, storage {n['storage']}); "
+                          "its compute is the optimizer's step on each device's block")
         console.print(f"  output: {n['output']}; recomputed in backward: {'yes' if n['recompute'] else 'no'}")
         alts = n.get("alternatives")
         if not alts:

@@ -58,8 +58,9 @@ def _concrete_shape(val: torch.Tensor) -> tuple[int, ...]:
 
 
 def alternatives(plan: Plan, decision: NodeDecision, ctx: ExplainContext) -> list[dict[str, Any]]:
-    """Every strategy of the node, priced: compute, in-strategy comm, resharding of inputs, saved bytes."""
-    from autopar.solver.cost import strategy_cost  # the solver's own formulas, not a copy
+    """Every strategy of the node, priced: compute, in-strategy comm, resharding of inputs, saved bytes.
+    A parameter's compute is the optimizer's step on the block each device holds, as the ILP prices it."""
+    from autopar.solver.cost import optimizer_step_s, strategy_cost  # the solver's own formulas, not a copy
     from autopar.solver.problem import in_node_comm_s
     from autopar.solver.reshard import reshard_cost
     from autopar.solver.strategies import strategy_inputs
@@ -73,9 +74,13 @@ def alternatives(plan: Plan, decision: NodeDecision, ctx: ExplainContext) -> lis
     in_vals = [output_vals(src)[i] if i < len(output_vals(src)) else None for src, i in inputs]
     in_bytes = [0.0 if v is None else float(math.prod(_concrete_shape(v)) * v.element_size()) for v in in_vals]
     chosen_by_name = {d.node: d for d in plan.nodes}
+    param = next((ctx.costs.params[p.fqn] for p in plan.params if p.node == decision.node and p.fqn in ctx.costs.params), None)
     rows = []
     for strat in ctx.strategies.get(decision.node, ()):
-        compute_s, comm_s = strategy_cost(cost, strat, out_shapes, mesh, in_bytes) if cost is not None else (0.0, 0.0)
+        if param is not None:
+            compute_s, comm_s = optimizer_step_s(param, strat.output_specs[0].shard_factor(mesh.shape), mesh), 0.0
+        else:
+            compute_s, comm_s = strategy_cost(cost, strat, out_shapes, mesh, in_bytes) if cost is not None else (0.0, 0.0)
         comm_s += in_node_comm_s(node, strat, mesh)[0]
         reshard_s = 0.0
         for (src, idx), want, val in zip(inputs, strat.input_specs, in_vals):

@@ -124,6 +124,22 @@ def test_explain_prices_alternatives(capsys, plans, tmp_path):
     assert code == 0 and "chosen" in out and "c_fc" in out and "parameter transformer.h.0.mlp.c_fc.weight: replicated" in out
 
 
+def test_explain_prices_a_parameter_by_its_optimizer_step(capsys, plans):
+    """A parameter's alternatives cost what the ILP charges them: AdamW's step on the block each device holds
+    (10 launches, 8 writes of the block: hand count against the mesh's numbers)."""
+    d, a, _ = plans
+    weight = next(p for p in a.params if p.fqn == "transformer.h.0.mlp.c_fc.weight")
+    code, out, _ = run(capsys, "explain", str(d / "a.json"), weight.fqn, "--json")
+    assert code == 0
+    alts = {x["strategy"]: x for x in json.loads(out)["nodes"][0]["alternatives"]}
+    mesh, nbytes = a.mesh, 64 * 256 * 4  # c_fc: Conv1D (64 -> 256), fp32
+    for label, x in alts.items():
+        block = Spec.parse(label.split("-> ")[1]).shard_factor(mesh.shape)
+        assert x["compute_s"] == pytest.approx(10 * mesh.op_overhead_s + 8 * nbytes / block / mesh.mem_bandwidth_bytes_per_s)
+        assert x["comm_s"] == 0.0
+    assert len({x["compute_s"] for x in alts.values()}) > 1  # a sharded block updates faster
+
+
 def test_explain_unknown_target(capsys, plans):
     d, _, _ = plans
     code, _, err = run(capsys, "explain", str(d / "a.json"), "transformer.h.9.mlp")
