@@ -16,7 +16,7 @@ FSDP2's own collectives: per `fully_shard` unit (each block, and the root for th
 rest) one all-gather of the unit's parameters in forward, one again in backward
 (not for the root, which FSDP2 keeps unsharded after forward) and one
 reduce-scatter of its gradients, instead of ddp's bucketed all-reduce, and the
-optimizer's step on each rank's shard only (`cost.optimizer_step_s`); its memory is
+optimizer's step on each rank's shard only (the ZeRO-3 plan's); its memory is
 the ILP's ZeRO-3 plan's. (autopar's own ZeRO gathers each parameter on its own,
 which is what the ILP prices; FSDP2 gathers a block's parameters at once.) The
 "+ac" variants add the recompute time of every node inside a transformer block
@@ -43,9 +43,9 @@ from autopar.errors import AutoparError, InfeasibleError
 from autopar.profiler import profile
 from autopar.solver import fixed_plan, solve
 from autopar.solver.ilp import Restrictions, solve_problem
-from autopar.solver.cost import bucketed_all_reduce_s, collective_time_s, optimizer_step_s, sync_latency_s
+from autopar.solver.cost import bucketed_all_reduce_s, collective_time_s, sync_latency_s
 from autopar.solver.mesh import Mesh
-from autopar.solver.plan import Plan, TimeBreakdown
+from autopar.solver.plan import Plan
 from autopar.solver.problem import build_problem, count_hidden_in_forward
 from autopar.solver.reshard import reshard_cost
 from autopar.solver.search import batch_dependent, splits_batch, to_plan
@@ -92,12 +92,11 @@ class Predictor:
                                   zero_params=frozenset(p.fqn for p in plan.params if p.zero))
             t = timed.time
             comm_s = t.comm_s + self._fsdp_extra_comm_s(plan.mesh) - scalar_reshard_s(self.traced, timed)
-            return replace(plan, time=TimeBreakdown(t.compute_s - self._fsdp_update_saving_s(plan.mesh), comm_s, t.recompute_s))
+            update_s = plan.time.update_s  # each rank steps its shards only
+            return replace(plan, time=replace(t, compute_s=t.compute_s - t.update_s + update_s, comm_s=comm_s, update_s=update_s))
         if system == "tp":
-            t = timed.time
-            timed = replace(timed, time=TimeBreakdown(t.compute_s + self._tp_overhead_s, t.comm_s, t.recompute_s))
-        t = timed.time
-        return replace(timed, time=TimeBreakdown(t.compute_s, t.comm_s - scalar_reshard_s(self.traced, timed), t.recompute_s))
+            timed = replace(timed, time=replace(timed.time, compute_s=timed.time.compute_s + self._tp_overhead_s))
+        return replace(timed, time=replace(timed.time, comm_s=timed.time.comm_s - scalar_reshard_s(self.traced, timed)))
 
     def _pinned(self, system: str) -> Plan:
         """The ILP's plan with what `system` fixes pinned (cached), before any baseline-specific price."""
@@ -116,11 +115,6 @@ class Predictor:
         # what the pinned plan charged for each gradient's bucketed all-reduce (`strategy_cost`), and the last bucket
         ddp_sync = sum(bucketed_all_reduce_s(b, mesh, (0,)) for b in self._param_bytes.values()) + sync_latency_s(mesh, (0,))
         return fsdp - ddp_sync
-
-    def _fsdp_update_saving_s(self, mesh: Mesh) -> float:
-        """What the optimizer's step saves updating each rank's shard only, against ddp's whole parameters."""
-        n = mesh.num_devices
-        return sum(optimizer_step_s(p, 1, mesh) - optimizer_step_s(p, n, mesh) for p in self.profile.params.values())
 
     def pinned_plan(self, mesh: Mesh, tp_params: bool, zero: str) -> Plan:
         """The fastest plan with batch inputs Shard(0) over the outer axis and parameters used replicated,
