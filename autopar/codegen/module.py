@@ -84,12 +84,15 @@ class ParallelModule(nn.Module):
                 self._sync.forbid_deferral()  # their grads would be those of the loss's sum: it keeps its division
             watch, self._watch_outputs = self._watch_outputs, False
             for i, out in enumerate(outs):
-                if i != self._loss_index and isinstance(out, torch.Tensor) and out.requires_grad:
+                if not (isinstance(out, torch.Tensor) and out.requires_grad):
+                    continue
+                if i != self._loss_index:
                     # on an alias: the loss reads the output itself (a model's logits), whose gradient
                     # is computed in every backward; the alias gets one only from the caller's use
                     outs[i] = other_output(out, self._sync)  # gradient entering there stays exact
                     if watch:
                         outs[i].register_hook(self._outside_loss_hook)
+                self._sync.watch(outs[i])  # where a backward enters: accumulated synced grads are set aside
         return pytree.tree_unflatten(outs, self._out_spec)
 
     def _outside_loss_hook(self, grad: torch.Tensor) -> None:

@@ -60,13 +60,20 @@ def _cases(rank, world, model, sample, traced, plan, want):
     assert decisions == [True], decisions
     _close(_grads(pm), want, "fresh")
 
-    step().backward()  # accumulation: the grads exist, backward divides
-    assert decisions == [True, False], decisions
+    step().backward()  # accumulation onto the synced sums: set aside as backward enters, so still taken over
+    assert decisions == [True, True], decisions
     _close(_grads(pm), {k: 2 * v for k, v in want.items()}, "accumulated")
 
     pm.zero_grad(set_to_none=True)
+    with pm._sync.no_sync():
+        step().backward()
+    step().backward()  # accumulation onto a local term (no_sync's): it is reduced whole, backward divides
+    assert decisions == [True, True, True, False], decisions
+    _close(_grads(pm), {k: 2 * v for k, v in want.items()}, "accumulated onto no_sync's")
+
+    pm.zero_grad(set_to_none=True)
     (step() + step()).backward()  # two losses in one backward: each keeps its own division
-    assert decisions == [True, False, False, False], decisions
+    assert decisions[-2:] == [False, False], decisions
     _close(_grads(pm), {k: 2 * v for k, v in want.items()}, "two losses")
 
     # no_sync: each rank's own (unreduced) term, divided by the global count (by the sync's `finish`)

@@ -25,6 +25,11 @@ def _loss(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     return (model(x) - y).square().sum() / GLOBAL_BATCH
 
 
+def _watched(sync: GradSync, loss: torch.Tensor) -> torch.Tensor:
+    sync.watch(loss)  # as the parallel module does with what it returns: where backward enters
+    return loss
+
+
 def _sync_matches_reference(rank: int, world_size: int, mesh_shape: tuple[int, ...], bucket_bytes: int, flat: bool = False) -> tuple[int, int, list[int]]:
     mesh = ProcessMesh(mesh_shape)
     model, ref = _model(), _model()
@@ -42,7 +47,7 @@ def _sync_matches_reference(rank: int, world_size: int, mesh_shape: tuple[int, .
     launched_before_end: list[int] = []
     x = shard(xs[0]).requires_grad_(True)
     x.register_hook(lambda g: launched_before_end.append(sync.launched))
-    _loss(model, x, shard(ys[0])).backward()
+    _watched(sync, _loss(model, x, shard(ys[0]))).backward()
     _loss(ref, xs[0], ys[0]).backward()
     for (n, p), q in zip(named, ref.parameters()):
         assert_close(p.grad, q.grad, msg=lambda m: f"step 1 grad of {n}: {m}")
@@ -51,8 +56,8 @@ def _sync_matches_reference(rank: int, world_size: int, mesh_shape: tuple[int, .
     model.zero_grad()
     ref.zero_grad()
     with sync.no_sync():
-        _loss(model, shard(xs[1]), shard(ys[1])).backward()
-    _loss(model, shard(xs[2]), shard(ys[2])).backward()
+        _watched(sync, _loss(model, shard(xs[1]), shard(ys[1]))).backward()
+    _watched(sync, _loss(model, shard(xs[2]), shard(ys[2]))).backward()
     (_loss(ref, xs[1], ys[1]) + _loss(ref, xs[2], ys[2])).backward()
     for (n, p), q in zip(named, ref.parameters()):
         assert_close(p.grad, q.grad, msg=lambda m: f"step 2 grad of {n}: {m}")
@@ -61,8 +66,8 @@ def _sync_matches_reference(rank: int, world_size: int, mesh_shape: tuple[int, .
     # unlike DDP's mean, would otherwise count the first micro-step once per rank).
     model.zero_grad()
     ref.zero_grad()
-    _loss(model, shard(xs[1]), shard(ys[1])).backward()
-    _loss(model, shard(xs[2]), shard(ys[2])).backward()
+    _watched(sync, _loss(model, shard(xs[1]), shard(ys[1]))).backward()
+    _watched(sync, _loss(model, shard(xs[2]), shard(ys[2]))).backward()
     (_loss(ref, xs[1], ys[1]) + _loss(ref, xs[2], ys[2])).backward()
     for (n, p), q in zip(named, ref.parameters()):
         assert_close(p.grad, q.grad, msg=lambda m: f"step 3 grad of {n}: {m}")
@@ -162,3 +167,64 @@ def test_gradient_entering_through_another_output_stays_exact(spmd, loss_first):
     decisions, error = spmd(_gradient_through_another_output, 2, loss_first)[0]
     assert decisions == [loss_first]  # which of the two paths ran
     assert error < 1e-5, error
+
+
+def _partial_backwards(rank: int, world_size: int) -> None:
+    """Synced sums survive backwards that do not reach their parameters: a backward limited to some
+    parameters (`inputs=`) keeps the others' sums as they were, `torch.autograd.grad` changes none, and
+    a `no_sync()` backward onto them is refused."""
+    mesh = ProcessMesh((world_size,))
+    model, ref = _model(), _model()
+    named = list(model.named_parameters())
+    sync = GradSync([(n, p, mesh.group_names) for n, p in named])
+    gen = torch.Generator().manual_seed(1)
+    xs = [torch.randn(GLOBAL_BATCH, 8, generator=gen) for _ in range(3)]
+    ys = [torch.randn(GLOBAL_BATCH, 4, generator=gen) for _ in range(3)]
+    shard = lambda t: t.chunk(world_size)[rank]  # noqa: E731
+    last = [model[4].weight, model[4].bias]
+    _watched(sync, _loss(model, shard(xs[0]), shard(ys[0]))).backward()
+    _watched(sync, _loss(model, shard(xs[1]), shard(ys[1]))).backward(inputs=last)
+    before = [p.grad.clone() for _, p in named]
+    torch.autograd.grad(_watched(sync, _loss(model, shard(xs[2]), shard(ys[2]))), last[0])
+    _loss(ref, xs[0], ys[0]).backward()
+    _loss(ref, xs[1], ys[1]).backward(inputs=[ref[4].weight, ref[4].bias])
+    for (n, p), q, b in zip(named, ref.parameters(), before):
+        assert_close(b, q.grad, msg=lambda m: f"grad of {n} after a backward limited to the last layer: {m}")
+        assert_close(p.grad, b, rtol=0, atol=0, msg=lambda m: f"grad of {n} after autograd.grad: {m}")
+    # no_sync onto the synced sums would mix this rank's terms into them: refused, the grads untouched
+    with sync.no_sync(), pytest.raises(RuntimeError, match="zero_grad"):
+        _watched(sync, _loss(model, shard(xs[2]), shard(ys[2]))).backward()
+    for (n, p), b in zip(named, before):
+        assert_close(p.grad, b, rtol=0, atol=0, msg=lambda m: f"grad of {n} after a refused no_sync backward: {m}")
+
+
+def test_synced_sums_survive_backwards_that_skip_them(spmd):
+    spmd(_partial_backwards, 2)
+
+
+def _accumulate_after_in_place_changes(rank: int, world_size: int) -> None:
+    """Accumulating onto synced grads that were changed in place (one scaled, one zeroed) gives the single
+    process's grads: the changed sums are kept out of the next reduction like the untouched ones (the
+    grads of a bucket are views of one buffer and share its version counter, so a change to one must not
+    make the others look unsynced)."""
+    mesh = ProcessMesh((world_size,))
+    model, ref = _model(), _model()
+    named = list(model.named_parameters())
+    sync = GradSync([(n, p, mesh.group_names) for n, p in named])
+    gen = torch.Generator().manual_seed(1)
+    xs = [torch.randn(GLOBAL_BATCH, 8, generator=gen) for _ in range(2)]
+    ys = [torch.randn(GLOBAL_BATCH, 4, generator=gen) for _ in range(2)]
+    shard = lambda t: t.chunk(world_size)[rank]  # noqa: E731
+    for step, (x, y) in enumerate(zip(xs, ys)):
+        _watched(sync, _loss(model, shard(x), shard(y))).backward()
+        _loss(ref, x, y).backward()
+        if step == 0:
+            for m in (model, ref):
+                m[0].weight.grad.mul_(0.5)
+                m[2].bias.grad.zero_()
+    for (n, p), q in zip(named, ref.parameters()):
+        assert_close(p.grad, q.grad, msg=lambda m: f"grad of {n}: {m}")
+
+
+def test_accumulating_onto_grads_changed_in_place(spmd):
+    spmd(_accumulate_after_in_place_changes, 2)
