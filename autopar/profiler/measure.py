@@ -48,12 +48,16 @@ def measure_flops(model: nn.Module, sample_input: Any) -> int:
 class LiveStorageTracker(TorchDispatchMode):
     """Peak of the bytes of live tensor storages while the mode is active."""
 
-    def __init__(self, already_live: Iterable[torch.Tensor] = ()) -> None:
+    def __init__(self, already_live: Iterable[torch.Tensor] = (), may_free: Iterable[torch.Tensor] = ()) -> None:
+        """`already_live`: kept alive by the caller for the whole measurement. `may_free`: alive now, but the
+        measured code may drop the last reference (grads a backward replaces); the caller holds none."""
         super().__init__()
         self._live: dict[int, int] = {}  # StorageImpl address -> nbytes
         self.current_bytes = 0
         for t in already_live:
-            self._track(t, finalize=False)  # kept alive by the caller for the whole measurement
+            self._track(t, finalize=False)
+        for t in may_free:
+            self._track(t)
         self.peak_bytes = self.current_bytes
 
     @staticmethod

@@ -28,26 +28,27 @@ exactly as long as they do: `zero_grad(set_to_none=True)` frees it. Kept between
 it would hold the synced grads' bytes through forward too (the solver counts gradients
 for the whole step either way; the measured peak of forward would not drop).
 
-Gradient accumulation: a grad is SUMMED over ranks, so a backward may only reduce its
-own contribution (DDP averages, for which re-reducing an already-synced grad is
-harmless; a sum would count it once per rank). When a backward reaches the module
-(a hook on each tensor it returns: `watch`), before any of its parameters'
-grads is accumulated, every grad that is still the tensor the last sync wrote is
-set aside (zeroed, clipped or scaled in place or not: it holds no rank's own
-term); backward then accumulates only this step's local term into a fresh
-`.grad`, which is reduced and added to the set-aside sum (a parameter that gets
-no grad in this backward sends zeros and keeps its sum; a backward that
-accumulates nothing, `torch.autograd.grad`, gets them all back). A grad the
-sync did not write (accumulated under `no_sync()`, or set by the caller) is
-reduced whole. So several backward calls before `optimizer.step()` give the
-grads of the summed losses, with or without `no_sync()`. A backward under
-`no_sync()` onto grads the sync wrote is refused: the next sync could not tell
-the rank's own terms from the sum. (Identity, not a version counter: a bucket's
-grads are views of one buffer and share one, so changing one grad in place
-would make them all look unsynced.) One hook where the module's backward
-starts, rather than one per parameter before its accumulation: each Python hook
-autograd calls cost about 1.8 us, 1.5% of a one-rank BERT-tiny step for its 41
-parameters.
+Gradient accumulation: a grad is SUMMED over ranks, and the grads a sync wrote
+are the same on every rank of its group, so a backward that adds to them must
+put them into its reduction once, not once per rank (DDP averages, for which
+re-reducing an already-synced grad is harmless). When a backward that
+accumulates reaches the module (a hook on each tensor it returns: `watch`),
+before any of its parameters' grads is accumulated, each grad that is still the
+tensor the last sync wrote (zeroed, clipped or scaled in place or not) is kept
+by one rank of the bucket's group, its "keeper" (rank 0 of each group it is
+summed over), and dropped by the others: the keeper accumulates its local term
+onto it, the others into a fresh `.grad`, and the sum over ranks is the old sum
+plus every rank's new term. The same holds under `no_sync()` (the next synced
+backward reduces the lot), for a parameter that gets no grad in this backward
+(the keeper sends its sum, the others zeros), and costs no memory: nothing is
+set aside. A grad the sync did not write (a `no_sync()` one, or one set by the
+caller) is reduced whole. So several backward calls before `optimizer.step()`
+give the grads of the summed losses, with or without `no_sync()`. An in-place
+change between them (`zero_grad(set_to_none=False)`, clipping) must be made alike
+on every rank, as an optimizer's is. One hook where the module's backward
+starts, rather than one per parameter before its accumulation: each Python
+hook autograd calls cost about 1.8 us, 1.5% of a one-rank BERT-tiny step for
+its 41 parameters.
 
 A mean loss's division by its global token count (`runtime.deferred_loss`) can be
 taken over (`defer_scale`): backward then carries the gradient of the sum, and
@@ -59,7 +60,7 @@ one loss, so it is accepted only when: one such loss was computed since the last
 backward ended (two losses summed into one backward keep their own divisions),
 nothing forbade it (`forbid_deferral`: inputs that require grad, whose gradients
 would be those of the sum), no parameter holds a gradient besides the synced
-sums set aside (accumulating onto any other keeps the division in backward), backward accumulates into `.grad` at all
+sums above (accumulation keeps the division in backward), backward accumulates into `.grad` at all
 (`torch.autograd.grad` returns the gradients: they must come out divided), and
 does not build a graph of them (`create_graph=True`: an in-place division at the
 end would not be differentiated), and no parameter carries a gradient hook of
@@ -104,6 +105,7 @@ class _Bucket:
     numel: int
     dtype: torch.dtype  # the wire dtype
     device: torch.device
+    keeper: bool  # this rank puts the grads the last sync wrote into the next reduction (gradient accumulation)
     buffer: torch.Tensor | None = None  # flat; allocated at launch, dropped once written back (it may live on as the grads)
     ready: set[int] = field(default_factory=set)  # positions in `params` whose grad is accumulated
     work: dist.Work | None = None  # the in-flight all-reduce over groups[0]
@@ -141,17 +143,17 @@ class GradSync:
         self._callback_queued = False  # `finish` is queued for the end of the current backward
         self._syncing = False  # a grad to sync arrived in the current backward (buckets to launch and wait)
         self._scaled = [p for p in scaled if p.requires_grad]
-        # their AccumulateGrad nodes, held (as DDP does) so that each backward can ask the engine whether it
-        # accumulates into `.grad` at all
-        self._accumulators = [get_gradient_edge(p).node for p in self._scaled]
         self._losses = 0  # mean losses that may defer their division, computed since the last backward ended
         self._forbidden = False  # something since then sends gradient into the module besides those losses
         self._count: Started | None = None  # the global count this backward's grads are divided by in `finish`
         self._handles = []
-        self._synced: list[tuple[torch.nn.Parameter, weakref.ref]] = []  # (param, the grad the last sync wrote it)
-        self._held: dict[int, tuple[torch.nn.Parameter, torch.Tensor]] = {}  # id(param) -> (param, synced grad set aside in this backward)
+        self._synced: list[tuple[torch.nn.Parameter, weakref.ref, bool]] = []  # (param, the grad the last sync wrote, keeper)
+        self._kept_sums = False  # this backward accumulates onto sums a sync wrote (every rank alike)
         self._build(list(params), reduce_dtype)
         self._unsynced = [p for p in self._scaled if id(p) not in self._where]  # scaled, never in a bucket
+        # the AccumulateGrad nodes of every parameter synced or scaled, held (as DDP does) so that each backward
+        # can ask the engine whether it accumulates into `.grad` at all
+        self._accumulators = [get_gradient_edge(p).node for p in [*(q for b in self._buckets for q in b.params), *self._unsynced]]
         if dist.is_initialized() and dist.get_rank() == 0:
             logger.info("runtime: grad sync of %d params in %d buckets (%.1f MB max)", len(self._where), len(self._buckets), bucket_bytes / 2**20)
 
@@ -171,7 +173,8 @@ class GradSync:
             if b is not None and (b.numel + p.numel()) * dtype.itemsize > self.bucket_bytes:
                 b = None  # full: start a new one (a parameter larger than a bucket gets one of its own)
             if b is None:
-                b = _Bucket(len(self._buckets), groups, _resolve_process_group(groups[0]), [], [], 0, dtype, p.device)
+                keeper = all(dist.get_rank(_resolve_process_group(g)) == 0 for g in groups)
+                b = _Bucket(len(self._buckets), groups, _resolve_process_group(groups[0]), [], [], 0, dtype, p.device, keeper)
                 self._buckets.append(b)
                 open_buckets[key] = b
             self._where[id(p)] = (b, len(b.params))
@@ -192,8 +195,8 @@ class GradSync:
     def no_sync(self) -> Iterator[None]:
         """Skip communication: grads accumulate locally (micro-steps); the next synced backward reduces all of it.
 
-        Start the accumulation from zeroed grads, as with DDP: a backward under `no_sync()` onto grads a
-        synced backward wrote raises (it would mix this rank's own terms into a sum over ranks).
+        It may start from the grads a synced backward wrote: only their keepers hold them on (gradient
+        accumulation, above), so the next synced backward adds them once.
         """
         self.enabled = False
         try:
@@ -211,24 +214,15 @@ class GradSync:
 
     def _on_enter(self, grad: torch.Tensor) -> None:
         """A backward reaches the module, before any of its parameters' grads is accumulated."""
-        if not self._synced:  # nothing the sync wrote is alive: `zero_grad` freed it
+        if not self._synced or not self._accumulates():  # nothing the sync wrote is alive (`zero_grad` freed it)
             return
-        if not self.enabled:
-            if any(p.grad is not None and p.grad is ref() for p, ref in self._synced):
-                raise RuntimeError(
-                    "a backward under no_sync() would add this rank's own gradient to grads a synced backward "
-                    "already summed over ranks, and the next sync could not tell them apart: call zero_grad() "
-                    "before the no_sync() micro-steps (as with DDP), or leave this backward synced")
-            return
-        for p, ref in self._synced:
-            held = ref()
-            if held is not None and p.grad is held:
-                self._held[id(p)] = (p, held)  # already summed over ranks: keep it out of this backward's reduction
-                p.grad = None
-        # checked once: a grad that is not the sync's now never will be, and the next sync writes new ones
-        self._synced.clear()
-        if self._held:
-            self._queue_finish()  # gives them back if this backward syncs nothing
+        for p, ref, keeper in self._synced:
+            if p.grad is not None and p.grad is ref():
+                self._kept_sums = True
+                if not keeper:
+                    p.grad = None  # the keeper's copy of this sum goes into the reduction; this one would add it again
+        self._synced.clear()  # a grad that is not the sync's now never will be; the next sync writes new ones
+        self._queue_finish()  # resets `_kept_sums`
 
     def _queue_finish(self) -> None:
         if not self._callback_queued:
@@ -258,7 +252,7 @@ class GradSync:
     def defer_scale(self, count: Started) -> bool:
         """Take over the division by the global `count` (`deferred_loss.start_count`'s) when it is exact."""
         self._queue_finish()  # the end of this backward resets the bookkeeping, whatever is decided
-        if not self._buckets or self._forbidden or self._losses != 1 or self._count is not None:
+        if not self._buckets or self._forbidden or self._kept_sums or self._losses != 1 or self._count is not None:
             return False
         if torch.is_grad_enabled():  # create_graph=True: the gradients are themselves differentiated
             return False
@@ -321,23 +315,19 @@ class GradSync:
         scale = None if self._count is None else 1.0 / self._count.wait()
         if self._syncing:
             self._finish_sync(scale)
-        for p, held in self._held.values():  # set aside, but this backward accumulated nothing to add them to
-            p.grad = held
-            self._synced.append((p, weakref.ref(held)))
-        self._held.clear()
         if scale is not None:
             with torch.no_grad():  # the grads no bucket carried (all of them under `no_sync`)
                 for p in self._unsynced if self._syncing else self._scaled:
                     if p.grad is not None:
                         p.grad.mul_(scale)
-        self._callback_queued = self._syncing = self._forbidden = False
+        self._callback_queued = self._syncing = self._forbidden = self._kept_sums = False
         self._losses, self._count = 0, None
 
     def _finish_sync(self, scale: torch.Tensor | None) -> None:
         """Launch what is left, wait for every bucket and write the summed grads (times `scale`) back."""
         for b in self._buckets[self._next:]:
             self._launch(b)
-        held = self._held
+        self._synced.clear()  # this sync writes every synced grad anew
         for b in self._buckets:
             b.work.wait()
             # Further axes one after another: collectives on different groups may run on different
@@ -355,10 +345,8 @@ class GradSync:
                 grads = [p.grad if p.grad is not None else torch.empty_like(p) for p in b.params]
                 unpack(b.buffer, grads)
             for p, grad in zip(b.params, grads):
-                if held and id(p) in held:
-                    grad = held.pop(id(p))[1].add_(grad)  # the earlier synced sum + this backward's synced term
                 p.grad = grad
-                self._synced.append((p, weakref.ref(grad)))
+                self._synced.append((p, weakref.ref(grad), b.keeper))
             b.work, b.buffer = None, None
             b.ready.clear()
         self._next = 0
