@@ -169,17 +169,23 @@ def test_gradient_entering_through_another_output_stays_exact(spmd, loss_first):
     assert error < 1e-5, error
 
 
+def _synced_pair(world_size: int, batches: int) -> tuple[nn.Module, nn.Module, GradSync, list, list]:
+    """A model synced over all ranks, its one-process reference, and `batches` global inputs and targets."""
+    mesh = ProcessMesh((world_size,))
+    model, ref = _model(), _model()
+    sync = GradSync([(n, p, mesh.group_names) for n, p in model.named_parameters()])
+    gen = torch.Generator().manual_seed(1)
+    xs = [torch.randn(GLOBAL_BATCH, 8, generator=gen) for _ in range(batches)]
+    ys = [torch.randn(GLOBAL_BATCH, 4, generator=gen) for _ in range(batches)]
+    return model, ref, sync, xs, ys
+
+
 def _partial_backwards(rank: int, world_size: int) -> None:
     """Synced sums survive backwards that do not reach their parameters: a backward limited to some
     parameters (`inputs=`) keeps the others' sums as they were, `torch.autograd.grad` changes none, and
     a `no_sync()` backward may accumulate onto them."""
-    mesh = ProcessMesh((world_size,))
-    model, ref = _model(), _model()
+    model, ref, sync, xs, ys = _synced_pair(world_size, 3)
     named = list(model.named_parameters())
-    sync = GradSync([(n, p, mesh.group_names) for n, p in named])
-    gen = torch.Generator().manual_seed(1)
-    xs = [torch.randn(GLOBAL_BATCH, 8, generator=gen) for _ in range(3)]
-    ys = [torch.randn(GLOBAL_BATCH, 4, generator=gen) for _ in range(3)]
     shard = lambda t: t.chunk(world_size)[rank]  # noqa: E731
     last = [model[4].weight, model[4].bias]
     _watched(sync, _loss(model, shard(xs[0]), shard(ys[0]))).backward()
@@ -206,16 +212,10 @@ def test_synced_sums_survive_backwards_that_skip_them(spmd):
 
 def _accumulate_after_in_place_changes(rank: int, world_size: int) -> None:
     """Accumulating onto synced grads that were changed in place (one scaled, one zeroed) gives the single
-    process's grads: the changed sums are kept out of the next reduction like the untouched ones (the
-    grads of a bucket are views of one buffer and share its version counter, so a change to one must not
-    make the others look unsynced)."""
-    mesh = ProcessMesh((world_size,))
-    model, ref = _model(), _model()
+    process's grads: each sum, changed or not, enters the next reduction once (the grads of a bucket are
+    views of one buffer sharing its version counter: a change to one must not make the others look unsynced)."""
+    model, ref, sync, xs, ys = _synced_pair(world_size, 2)
     named = list(model.named_parameters())
-    sync = GradSync([(n, p, mesh.group_names) for n, p in named])
-    gen = torch.Generator().manual_seed(1)
-    xs = [torch.randn(GLOBAL_BATCH, 8, generator=gen) for _ in range(2)]
-    ys = [torch.randn(GLOBAL_BATCH, 4, generator=gen) for _ in range(2)]
     shard = lambda t: t.chunk(world_size)[rank]  # noqa: E731
     for step, (x, y) in enumerate(zip(xs, ys)):
         _watched(sync, _loss(model, shard(x), shard(y))).backward()
