@@ -18,6 +18,12 @@ bucket order, whatever order the hooks fire in, so that every rank issues the sa
 collectives in the same order. A callback queued on the autograd engine waits for all
 of them when backward ends (or call `finish()`); a bucket some of whose grads were
 never produced is launched there with zeros for them, since the peers may have them.
+The last bucket (the first-registered parameters, whose grads backward produces
+last) has no hooks: it is launched when backward ends, about when its last grad
+would have launched it. A backward syncs when it reaches the module (`watch`, a hook
+on each tensor the module returns) and the engine will accumulate into some synced
+parameter's grad. Each Python hook autograd calls costs about 1.8 us: a model whose
+grads fit one bucket (BERT-tiny's 41 parameters) pays one hook a backward, not 41.
 Packing into the flat bucket is one concatenation (torch's C++ flatten), or
 `kernels.pack` when the bucket is cast for the wire (cast and copy in one pass).
 Once summed, the bucket becomes the grads: each `.grad` is set to a view of it and
@@ -151,9 +157,10 @@ class GradSync:
         self._kept_sums = False  # this backward accumulates onto sums a sync wrote (every rank alike)
         self._build(list(params), reduce_dtype)
         self._unsynced = [p for p in self._scaled if id(p) not in self._where]  # scaled, never in a bucket
-        # the AccumulateGrad nodes of every parameter synced or scaled, held (as DDP does) so that each backward
-        # can ask the engine whether it accumulates into `.grad` at all
-        self._accumulators = [get_gradient_edge(p).node for p in [*(q for b in self._buckets for q in b.params), *self._unsynced]]
+        # the AccumulateGrad nodes of the synced parameters and of every one, held (as DDP does) so that each
+        # backward can ask the engine whether it accumulates into their `.grad`
+        self._sync_accumulators = [get_gradient_edge(q).node for b in self._buckets for q in b.params]
+        self._accumulators = [*self._sync_accumulators, *(get_gradient_edge(p).node for p in self._unsynced)]
         if dist.is_initialized() and dist.get_rank() == 0:
             logger.info("runtime: grad sync of %d params in %d buckets (%.1f MB max)", len(self._where), len(self._buckets), bucket_bytes / 2**20)
 
@@ -181,7 +188,9 @@ class GradSync:
             b.names.append(name)
             b.params.append(p)
             b.numel += p.numel()
-            self._handles.append(p.register_post_accumulate_grad_hook(self._on_grad))
+        for b in self._buckets[:-1]:  # the last one is launched when backward ends (module docstring)
+            for p in b.params:
+                self._handles.append(p.register_post_accumulate_grad_hook(self._on_grad))
 
     @property
     def num_buckets(self) -> int:
@@ -206,7 +215,7 @@ class GradSync:
 
     def watch(self, *outputs: torch.Tensor) -> None:
         """Backward may start from `outputs` (what the module returns, or a loss computed from it): when
-        it reaches one, the grads the last sync wrote are set aside (gradient accumulation, above)."""
+        it reaches one, each grad the last sync wrote is kept by its keeper only (gradient accumulation, above)."""
         if self._buckets:
             for out in outputs:
                 if out.requires_grad:
@@ -214,15 +223,25 @@ class GradSync:
 
     def _on_enter(self, grad: torch.Tensor) -> None:
         """A backward reaches the module, before any of its parameters' grads is accumulated."""
-        if not self._synced or not self._accumulates():  # nothing the sync wrote is alive (`zero_grad` freed it)
+        if self._syncing or self._kept_sums:  # entered already, through another output
             return
+        if not self._accumulates(self._sync_accumulators):
+            return  # nothing to sync, and the sums stay as they are (`torch.autograd.grad`)
         for p, ref, keeper in self._synced:
             if p.grad is not None and p.grad is ref():
                 self._kept_sums = True
                 if not keeper:
                     p.grad = None  # the keeper's copy of this sum goes into the reduction; this one would add it again
         self._synced.clear()  # a grad that is not the sync's now never will be; the next sync writes new ones
-        self._queue_finish()  # resets `_kept_sums`
+        if self.enabled:
+            self._start_sync()
+        elif self._kept_sums:
+            self._queue_finish()  # resets `_kept_sums` when this backward ends
+
+    def _start_sync(self) -> None:
+        self._queue_finish()
+        self._syncing = True
+        self.launched = 0
 
     def _queue_finish(self) -> None:
         if not self._callback_queued:
@@ -256,7 +275,7 @@ class GradSync:
             return False
         if torch.is_grad_enabled():  # create_graph=True: the gradients are themselves differentiated
             return False
-        if not self._params_untouched() or not self._accumulates():
+        if not self._params_untouched() or not self._accumulates(self._accumulators):
             return False
         self._count = count
         return True
@@ -270,21 +289,21 @@ class GradSync:
                 return False
         return True
 
-    def _accumulates(self) -> bool:
-        """This backward accumulates into some parameter's `.grad`. Not so under `torch.autograd.grad`,
-        which returns the gradients to its caller: they must leave backward divided."""
+    @staticmethod
+    def _accumulates(accumulators: list) -> bool:
+        """This backward accumulates into the `.grad` of some parameter of `accumulators`' (their
+        AccumulateGrad nodes). Not so under `torch.autograd.grad`, which returns the gradients to its
+        caller (they must leave backward divided)."""
         try:
-            return any(torch._C._will_engine_execute_node(a) for a in self._accumulators)
+            return any(torch._C._will_engine_execute_node(a) for a in accumulators)
         except RuntimeError:  # torch declines the question under autograd.grad(): nothing is accumulated
             return False
 
     def _on_grad(self, p: torch.nn.Parameter) -> None:
         if not self.enabled:
             return
-        if not self._syncing:  # first grad to sync in this backward
-            self._queue_finish()
-            self._syncing = True
-            self.launched = 0
+        if not self._syncing:  # a backward that did not enter through a watched output
+            self._start_sync()
         bucket, pos = self._where[id(p)]
         bucket.ready.add(pos)
         # Launch in bucket order so all ranks issue identical collective sequences.

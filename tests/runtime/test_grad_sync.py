@@ -108,10 +108,10 @@ def _bucket_storage(rank: int, world_size: int, reduce_dtype: torch.dtype | None
     """Distinct grad storages after a synced backward (one bucket), and the largest error against one process."""
     mesh = ProcessMesh((world_size,))
     model, ref = _model(), _model()
-    GradSync([(n, p, mesh.group_names) for n, p in model.named_parameters()], reduce_dtype=reduce_dtype)
+    sync = GradSync([(n, p, mesh.group_names) for n, p in model.named_parameters()], reduce_dtype=reduce_dtype)
     gen = torch.Generator().manual_seed(1)
     x, y = torch.randn(GLOBAL_BATCH, 8, generator=gen), torch.randn(GLOBAL_BATCH, 4, generator=gen)
-    _loss(model, x.chunk(world_size)[rank], y.chunk(world_size)[rank]).backward()
+    _watched(sync, _loss(model, x.chunk(world_size)[rank], y.chunk(world_size)[rank])).backward()
     _loss(ref, x, y).backward()
     storages = {p.grad.untyped_storage().data_ptr() for p in model.parameters()}
     error = max((p.grad - q.grad).abs().max().item() for p, q in zip(model.parameters(), ref.parameters()))
@@ -155,7 +155,7 @@ def _gradient_through_another_output(rank: int, world_size: int, loss_first: boo
         loss = deferred_mean(total, count, group)
         if not loss_first:
             other = other_output(out, sync)
-    torch.autograd.backward([loss, (other * shard(w)).sum()])
+    torch.autograd.backward([_watched(sync, loss), (_watched(sync, other) * shard(w)).sum()])
     total, count, aux = terms(ref(x), y, w, kept)
     (total / count + aux).backward()
     error = max((p.grad - q.grad).abs().max().item() for p, q in zip(model.parameters(), ref.parameters()))
