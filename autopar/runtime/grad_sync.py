@@ -145,6 +145,7 @@ class GradSync:
         self.launched = 0  # buckets launched in the current backward (tests read it to check overlap)
         self._buckets: list[_Bucket] = []
         self._where: dict[int, tuple[_Bucket, int]] = {}  # id(param) -> (bucket, position)
+        self._hooked: set[int] = set()  # id(param) of those with the sync's post-accumulate hook
         self._next = 0  # next bucket index to launch
         self._callback_queued = False  # `finish` is queued for the end of the current backward
         self._syncing = False  # a grad to sync arrived in the current backward (buckets to launch and wait)
@@ -191,6 +192,7 @@ class GradSync:
         for b in self._buckets[:-1]:  # the last one is launched when backward ends (module docstring)
             for p in b.params:
                 self._handles.append(p.register_post_accumulate_grad_hook(self._on_grad))
+                self._hooked.add(id(p))
 
     @property
     def num_buckets(self) -> int:
@@ -284,7 +286,7 @@ class GradSync:
         """No parameter holds a gradient (accumulation) or carries a gradient hook besides the sync's own
         (it would see the gradient of the sum, N times the loss's: a clamp there clamps the wrong values)."""
         for p in self._scaled:
-            ours = 1 if id(p) in self._where else 0  # the post-accumulate hook of a synced one
+            ours = 1 if id(p) in self._hooked else 0
             if p.grad is not None or p._backward_hooks or len(p._post_accumulate_grad_hooks or ()) > ours:
                 return False
         return True

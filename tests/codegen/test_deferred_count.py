@@ -121,6 +121,15 @@ def _cases(rank, world, model, sample, traced, plan, want):
     handle.remove()
     torch.testing.assert_close(first.grad, clamped, rtol=1e-4, atol=1e-6)
     assert decisions[-1] is False, decisions
+
+    # and one that runs after accumulation sees this rank's term as it is, divided
+    pm.zero_grad(set_to_none=True)
+    seen = []
+    handle = first.register_post_accumulate_grad_hook(lambda p: seen.append(p.grad.clone()))
+    step().backward()
+    handle.remove()
+    torch.testing.assert_close(seen[0], term, rtol=1e-4, atol=1e-6)
+    assert decisions[-1] is False, decisions
     return decisions
 
 
