@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 import math
+import operator
 from typing import Any, Mapping
 
 import torch
@@ -44,8 +45,9 @@ class ParallelModule(nn.Module):
         object.__setattr__(self, "graph_module", gm)  # not a child: its tensors are already ours
         # the graph takes its parameters and buffers as arguments (`lower`'s docstring says why): each is
         # read from its owner's dict at every call, so the graph gets the module's current tensors (a buffer
-        # `module.to` replaced, as get_attr read them); the gradient sync keeps the parameters it was built with
+        # `module.to` replaced, as get_attr read them)
         self._state_slots = [_slot(self, fqn) for fqn in info.state_inputs]
+        self._param_positions = [i for i, (slots, name) in enumerate(self._state_slots) if isinstance(slots[name], nn.Parameter)]
         self.mesh, self.plan, self.info = mesh, plan, info
         self._in_spec, self._out_spec = traced.in_spec, traced.out_spec
         self._loss_index = traced.loss_index  # None: no output is the loss
@@ -55,6 +57,7 @@ class ParallelModule(nn.Module):
         self._watch_outputs = info.input_layout == "shard" and math.prod(mesh.shape) > 1
         self._outside_loss_logged = False
         self._sync = _make_grad_sync(self, info, mesh)
+        self._synced_params = [self._state_slots[i][0][self._state_slots[i][1]] for i in self._param_positions]
 
     def local_batch(self, batch: Any) -> Any:
         """This rank's part of a GLOBAL batch, as the module's input layout wants it fed.
@@ -77,8 +80,11 @@ class ParallelModule(nn.Module):
         flat, spec = pytree.tree_flatten((args, kwargs))
         if spec != self._in_spec:
             raise LoweringError(f"called with inputs structured as {spec}; the model was traced with {self._in_spec}")
+        state = [slots[name] for slots, name in self._state_slots]
+        if any(map(operator.is_not, [state[i] for i in self._param_positions], self._synced_params)):
+            self._follow_new_parameters(state)
         with grads_scaled_by(self._sync):  # a mean loss may leave its division by the count to the sync
-            outs = list(self.graph_module(*[slots[name] for slots, name in self._state_slots], *flat))
+            outs = list(self.graph_module(*state, *flat))
         if torch.is_grad_enabled():
             if any(isinstance(t, torch.Tensor) and t.requires_grad for t in flat):
                 self._sync.forbid_deferral()  # their grads would be those of the loss's sum: it keeps its division
@@ -94,6 +100,17 @@ class ParallelModule(nn.Module):
                         outs[i].register_hook(self._outside_loss_hook)
                 self._sync.watch(outs[i])  # where a backward enters: accumulated synced grads are set aside
         return pytree.tree_unflatten(outs, self._out_spec)
+
+    def _follow_new_parameters(self, state: list[torch.Tensor]) -> None:
+        """A parameter was set anew on its module since the gradient sync was built (`mod.w = nn.Parameter(...)`):
+        the graph reads the new one, so the sync is rebuilt over the current parameters (their grads are synced,
+        as eager autograd would give the new one its gradient; an optimizer made before keeps the old one, as in
+        eager PyTorch). Sums a sync wrote to parameters that stayed keep their marks (gradient accumulation)."""
+        old = self._sync
+        old.remove()
+        self._sync = _make_grad_sync(self, self.info, self.mesh)
+        self._sync.keep_marks(old)
+        self._synced_params = [state[i] for i in self._param_positions]
 
     def _outside_loss_hook(self, grad: torch.Tensor) -> None:
         """Gradient enters through an output other than the loss: say once what that trains on."""

@@ -372,6 +372,11 @@ class GradSync:
             b.ready.clear()
         self._next = 0
 
+    def keep_marks(self, old: GradSync) -> None:
+        """Take over `old`'s marks of the grads its last sync wrote, for the parameters both sync (a rebuilt
+        sync: the next backward still adds each sum once)."""
+        self._synced = [m for m in old._synced if id(m[0]) in self._where]
+
     def remove(self) -> None:
         """Detach the hooks (the parameters stop being synced)."""
         for h in self._handles:

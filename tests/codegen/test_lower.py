@@ -12,7 +12,7 @@ from tests.codegen.harness import reference, run_plans, trace_model
 from tests.codegen.plans import cpu_mesh, greedy_plan, load_zoo
 
 from autopar.codegen import lower
-from autopar.codegen.shapes import LoweringError
+from autopar.codegen.shapes import LoweringError, local_block
 from autopar.runtime import collectives as C
 from autopar.runtime.launch import run_ranks
 from autopar.runtime.mesh import ProcessMesh
@@ -208,17 +208,25 @@ def _loss_after_reassigning(rank, world, model, sample, traced, plan):
         owner, _, name = fqn.rpartition(".")
         setattr(pm.get_submodule(owner), name, torch.nn.Parameter(p.detach() * 0.5))
     args, kwargs = batch_slice(split_sample_input(sample), rank, world)
-    return pm(*args, **kwargs).item()
+    loss = pm(*args, **kwargs)
+    loss.backward()
+    grads = {fqn: p.grad for fqn, p in pm.named_parameters()}
+    specs = pm.info.param_storage
+    return loss.item(), grads, {fqn: (specs[fqn], mesh.shape, mesh.coordinate) for fqn in grads}
 
 
 @pytest.mark.timeout(120)
-def test_the_graph_reads_parameters_assigned_after_it_was_built():
-    """Parameters are the graph's arguments, fetched from their modules at each call: not a copy taken at build."""
+@pytest.mark.parametrize("plan_of", [_megatron_plan, _dp_plan], ids=["megatron", "data-parallel"])
+def test_the_graph_reads_parameters_assigned_after_it_was_built(plan_of):
+    """Parameters are the graph's arguments, fetched from their modules at each call: not a copy taken at
+    build. The new ones' grads are those of one device, synced where the plan syncs them."""
     model, sample, traced = _mlp()
     halved = copy.deepcopy(model)
     with torch.no_grad():
         for p in halved.parameters():
             p.mul_(0.5)
-    want = reference(halved, sample, 1).losses[0]
-    for got in run_ranks(_loss_after_reassigning, 2, model, sample, traced, _megatron_plan(traced), timeout_s=60):
-        assert got == pytest.approx(want, rel=1e-5)
+    ref = reference(halved, sample, 1)
+    for loss, grads, blocks in run_ranks(_loss_after_reassigning, 2, model, sample, traced, plan_of(traced), timeout_s=60):
+        assert loss == pytest.approx(ref.losses[0], rel=1e-5)
+        for fqn, grad in grads.items():
+            torch.testing.assert_close(grad, local_block(ref.grads[0][fqn], *blocks[fqn]), rtol=1e-4, atol=1e-6, msg=lambda m: f"{fqn}: {m}")
