@@ -57,7 +57,7 @@ class ParallelModule(nn.Module):
         self._watch_outputs = info.input_layout == "shard" and math.prod(mesh.shape) > 1
         self._outside_loss_logged = False
         self._sync = _make_grad_sync(self, info, mesh)
-        self._synced_params = [self._state_slots[i][0][self._state_slots[i][1]] for i in self._param_positions]
+        self._synced_params = [slots[name] for slots, name in (self._state_slots[i] for i in self._param_positions)]  # the sync's
 
     def local_batch(self, batch: Any) -> Any:
         """This rank's part of a GLOBAL batch, as the module's input layout wants it fed.
@@ -98,7 +98,7 @@ class ParallelModule(nn.Module):
                     outs[i] = other_output(out, self._sync)  # gradient entering there stays exact
                     if watch:
                         outs[i].register_hook(self._outside_loss_hook)
-                self._sync.watch(outs[i])  # where a backward enters: accumulated synced grads are set aside
+                self._sync.watch(outs[i])  # where a backward enters the module: the sync starts there
         return pytree.tree_unflatten(outs, self._out_spec)
 
     def _follow_new_parameters(self, state: list[torch.Tensor]) -> None:
