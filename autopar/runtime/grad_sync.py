@@ -1,7 +1,7 @@
 """Bucketed gradient all-reduce for parameters replicated over data-parallel axes, overlapped with backward.
 
     sync = GradSync([(name, param, (mesh.group_name("dp"),)) for name, param in ...])
-    loss = loss_fn(model(x)); sync.watch(loss)  # backward starts there (see gradient accumulation below)
+    loss = loss_fn(model(x)); sync.watch(loss)  # required: backward's entry there starts the sync (below)
     loss.backward()            # buckets are all-reduced as their grads appear; waited at the end of backward
 
 Each parameter is registered with the group names of the mesh axes its gradient
@@ -51,10 +51,7 @@ set aside. A grad the sync did not write (a `no_sync()` one, or one set by the
 caller) is reduced whole. So several backward calls before `optimizer.step()`
 give the grads of the summed losses, with or without `no_sync()`. An in-place
 change between them (`zero_grad(set_to_none=False)`, clipping) must be made alike
-on every rank, as an optimizer's is. One hook where the module's backward
-starts, rather than one per parameter before its accumulation: each Python
-hook autograd calls cost about 1.8 us, 1.5% of a one-rank BERT-tiny step for
-its 41 parameters.
+on every rank, as an optimizer's is.
 
 A mean loss's division by its global token count (`runtime.deferred_loss`) can be
 taken over (`defer_scale`): backward then carries the gradient of the sum, and
@@ -65,8 +62,8 @@ every gradient the module's parameters get in this backward came through that
 one loss, so it is accepted only when: one such loss was computed since the last
 backward ended (two losses summed into one backward keep their own divisions),
 nothing forbade it (`forbid_deferral`: inputs that require grad, whose gradients
-would be those of the sum), no parameter holds a gradient besides the synced
-sums above (accumulation keeps the division in backward), backward accumulates into `.grad` at all
+would be those of the sum), no parameter holds a gradient (accumulation, onto
+synced sums or others, keeps the division in backward), backward accumulates into `.grad` at all
 (`torch.autograd.grad` returns the gradients: they must come out divided), and
 does not build a graph of them (`create_graph=True`: an in-place division at the
 end would not be differentiated), and no parameter carries a gradient hook of
