@@ -99,7 +99,8 @@ def parallelize(
     """
     start = time.perf_counter()
     pmesh = ProcessMesh(device_mesh)
-    traced = trace(*capture_copy(model, sample_input, _capture_device(pmesh)))
+    device = _capture_device(pmesh)
+    traced = trace(*capture_copy(model, sample_input, device))
     if plan is None:
         plan = _solve_on_rank0(traced, pmesh, memory_budget, hardware, optimizer, time_limit_s)
     else:
@@ -118,7 +119,10 @@ def parallelize(
     if dist.get_rank() == 0:
         log.info("parallelize: %s on mesh %s in %.2f s (est. step %.1f ms)", type(model).__name__, pmesh.shape,
                  time.perf_counter() - start, plan.time.total_s * 1e3)
-    return ParallelModule(gm, traced, pmesh, plan)
+    # The model's code, kept with its parameters on `meta` (no memory), to trace it again for inputs of
+    # other shapes or for eval mode (`ParallelModule._lower_for`).
+    shape_only = capture_copy(model, sample_input, "meta")[0]
+    return ParallelModule(gm, traced, pmesh, plan, lambda batch, training: trace(*capture_copy(shape_only, batch, device), training=training))
 
 
 def _solve_on_rank0(traced: TracedGraph, pmesh: ProcessMesh, memory_budget: float | None, hardware: str | Mesh | None,

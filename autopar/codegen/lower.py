@@ -87,14 +87,17 @@ def lower(
     buffers: Mapping[str, torch.Tensor] | None = None,
     input_layout: InputLayout = "shard",
     device: torch.device | None = None,
+    local: bool = False,
 ) -> fx.GraphModule:
     """This rank's GraphModule for `plan`. `params`/`buffers`: full tensors by FQN (zeros when omitted,
-    for a look at the code only; given, each must hold every tensor the graph reads)."""
+    for a look at the code only; given, each must hold every tensor the graph reads). local=True:
+    they are this rank's blocks already, taken as they are (a `ParallelModule` lowering the same plan
+    for inputs of other shapes: the new graph reads the parameters the first one trains)."""
     if tuple(plan.mesh.shape) != tuple(mesh.shape):
         raise LoweringError(f"plan is for mesh {plan.mesh.shape} but the process mesh is {mesh.shape}; solve again for this mesh")
     if input_layout not in ("shard", "replicate"):
         raise LoweringError(f"input_layout={input_layout!r}; use 'shard' (each rank feeds its slice of the batch) or 'replicate'")
-    return _Lowerer(traced, plan, mesh, params, buffers, input_layout, device).run()
+    return _Lowerer(traced, plan, mesh, params, buffers, input_layout, device, local).run()
 
 
 def _device_of(mesh: ProcessMesh) -> torch.device:
@@ -104,8 +107,9 @@ def _device_of(mesh: ProcessMesh) -> torch.device:
 
 
 class _Lowerer:
-    def __init__(self, traced, plan, mesh, params, buffers, input_layout, device):
+    def __init__(self, traced, plan, mesh, params, buffers, input_layout, device, local):
         self.traced, self.plan, self.mesh = traced, plan, mesh
+        self.local = local
         self.full_params = params
         self.full_buffers = None if buffers is None else {**traced.constants, **buffers}  # a lifted constant is no buffer of the model
         self.input_layout = input_layout
@@ -282,6 +286,11 @@ class _Lowerer:
         elif fqn not in full:
             raise LoweringError(f"the traced model reads {fqn!r}, which the tensors passed to lower() do not hold; "
                                 "pass the model's named_parameters(remove_duplicate=False) and named_buffers()")
+        if fqn in full and self.local:
+            t, want = full[fqn], spec.local_shape(tuple(val.shape), self.mesh.shape)
+            if tuple(t.shape) != tuple(want):
+                raise LoweringError(f"{fqn!r} has local shape {tuple(t.shape)} but the plan stores it as {tuple(want)}")
+            return t.detach()
         if fqn in full:
             t = full[fqn].detach()
             if tuple(t.shape) != tuple(val.shape):

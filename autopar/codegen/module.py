@@ -10,35 +10,57 @@ Parameters are this rank's shards under their original FQNs (the lowered
 graph's own submodules, shared, so `named_parameters()` reads
 `transformer.h.0.attn.c_attn.weight`). `state_dict()` gathers full tensors;
 `load_state_dict()` takes full tensors and keeps this rank's block.
+
+A graph is lowered for the input shapes (and non-tensor inputs) it was traced with, in
+training mode. Inputs of other shapes (an epoch's last, smaller batch; another sequence
+length), other non-tensor inputs or eval mode (`pm.eval()`: dropout off) get a graph of
+their own, traced and lowered once under the same plan over the same parameters, and kept.
 """
 from __future__ import annotations
 
 import logging
 import math
 import operator
-from typing import Any, Mapping
+import time
+from typing import Any, Callable, Mapping, NamedTuple
 
 import torch
 from torch import fx, nn
 from torch.utils import _pytree as pytree
 
-from autopar.codegen.lower import LoweringInfo, share_tree
+from autopar.codegen.eval_mode import check_eval_graph, without_dropout
+from autopar.codegen.lower import LoweringInfo, lower, share_tree
 from autopar.codegen.shapes import LoweringError
-from autopar.runtime.batch import batch_slice
+from autopar.runtime.batch import batch_slice, global_like
 from autopar.runtime.deferred_loss import grads_scaled_by, other_output
 from autopar.runtime.grad_norm import clip_grad_norm_
 from autopar.runtime.grad_sync import GradSync
 from autopar.runtime.mesh import ProcessMesh
 from autopar.runtime.state_dict import full_state_dict, load_full_state_dict
 from autopar.solver.plan import Plan
+from autopar.solver.plan_io import fingerprint
 from autopar.solver.spec import Spec
 from autopar.tracer import TracedGraph
 
 log = logging.getLogger(__name__)
 
+# (the global batch as (args, kwargs), training) -> the model traced on it, as `parallelize` traced it
+Retrace = Callable[[Any, bool], TracedGraph]
+# Distinct input signatures past which each new one is logged as a warning: every one costs a trace.
+_MANY_GRAPHS = 8
+
+
+class _Lowered(NamedTuple):
+    """One graph of the module: for one input signature (shapes, dtypes, non-tensor values, mode)."""
+    gm: fx.GraphModule
+    out_spec: Any
+    loss_index: int | None
+
 
 class ParallelModule(nn.Module):
-    def __init__(self, gm: fx.GraphModule, traced: TracedGraph, mesh: ProcessMesh, plan: Plan):
+    def __init__(self, gm: fx.GraphModule, traced: TracedGraph, mesh: ProcessMesh, plan: Plan, retrace: Retrace | None = None):
+        """retrace: traces the model on a global batch of other shapes, for inputs the first graph was
+        not lowered for (None: such inputs raise, naming the shapes)."""
         super().__init__()
         info: LoweringInfo = gm.meta["autopar"]
         share_tree(self, gm)  # the graph's parameter tree, so FQNs are the original ones (no "graph." prefix)
@@ -58,6 +80,9 @@ class ParallelModule(nn.Module):
         self._outside_loss_logged = False
         self._sync = _make_grad_sync(self, info, mesh)
         self._synced_params = [slots[name] for slots, name in (self._state_slots[i] for i in self._param_positions)]  # the sync's
+        self._traced, self._retrace = traced, retrace
+        self._key = _signature(_local_inputs(traced, info.input_layout, math.prod(mesh.shape)), True)
+        self._graphs = {self._key: _Lowered(gm, traced.out_spec, traced.loss_index)}
 
     def local_batch(self, batch: Any) -> Any:
         """This rank's part of a GLOBAL batch, as the module's input layout wants it fed.
@@ -80,6 +105,9 @@ class ParallelModule(nn.Module):
         flat, spec = pytree.tree_flatten((args, kwargs))
         if spec != self._in_spec:
             raise LoweringError(f"called with inputs structured as {spec}; the model was traced with {self._in_spec}")
+        key = _signature(flat, self.training)
+        if key != self._key:
+            self._use_graph_for(key, flat, spec)
         state = [slots[name] for slots, name in self._state_slots]
         if any(map(operator.is_not, [state[i] for i in self._param_positions], self._synced_params)):
             self._follow_new_parameters(state)
@@ -100,6 +128,49 @@ class ParallelModule(nn.Module):
                         outs[i].register_hook(self._outside_loss_hook)
                 self._sync.watch(outs[i])  # where a backward enters the module: the sync starts there
         return pytree.tree_unflatten(outs, self._out_spec)
+
+    def _use_graph_for(self, key: tuple, flat: list[Any], spec: Any) -> None:
+        """Switch to the graph of inputs with signature `key`, lowering it first if there is none yet."""
+        if key not in self._graphs:
+            self._graphs[key] = self._lower_for(key, flat, spec)
+        self._key = key
+        lowered = self._graphs[key]
+        object.__setattr__(self, "graph_module", lowered.gm)
+        self._out_spec, self._loss_index = lowered.out_spec, lowered.loss_index
+
+    def _lower_for(self, key: tuple, flat: list[Any], spec: Any) -> _Lowered:
+        """The plan lowered once more, for inputs of other shapes or values or for eval mode: the model
+        traced on the global batch these local inputs are a slice of, checked to have the planned graph's
+        ops, lowered over this module's own parameters and buffers (the new graph trains the same tensors)."""
+        shapes = [tuple(x.shape) if isinstance(x, torch.Tensor) else x for x in flat]
+        if self._retrace is None:
+            raise LoweringError(f"inputs {shapes} ({'training' if self.training else 'eval'} mode) are not those this module "
+                                "was lowered for, and it cannot trace the model again: build it with autopar.parallelize")
+        start = time.perf_counter()
+        world = math.prod(self.mesh.shape)
+        args, kwargs = pytree.tree_unflatten(flat if self.info.input_layout == "replicate" else global_like(flat, world), spec)
+        batch = kwargs if kwargs else args  # as a sample input is given (`tracer.split_sample_input`)
+        traced = self._retrace(batch, True)
+        _check_same_ops(self._traced, traced, self.plan, shapes)
+        if not self.training:
+            check_eval_graph(traced, self._retrace(batch, False))
+            traced = without_dropout(traced)
+        try:
+            gm = lower(traced, self.plan, self.mesh, params=dict(self.named_parameters(remove_duplicate=False)),
+                       buffers=dict(self.named_buffers(remove_duplicate=False)), input_layout=self.info.input_layout, local=True)
+        except (ValueError, LoweringError) as err:
+            raise LoweringError(f"inputs {shapes} cannot run under this module's plan: {err}; feed sizes its sharded dims "
+                                "divide into, or parallelize again with a sample of these sizes") from err
+        info: LoweringInfo = gm.meta["autopar"]
+        if (info.state_inputs, info.param_storage, info.grad_sync_axes) != (self.info.state_inputs, self.info.param_storage, self.info.grad_sync_axes):
+            raise LoweringError(f"at inputs {shapes} the model reads its parameters and buffers otherwise than the planned "
+                                "graph does; parallelize again with a sample of these sizes")
+        if torch.distributed.get_rank() == 0:
+            level = logging.WARNING if len(self._graphs) >= _MANY_GRAPHS else logging.INFO
+            log.log(level, "parallel module: new inputs %s (%s mode): traced and lowered again in %.2f s, graph %d of this "
+                    "module; each new shape costs a trace (pad inputs to a few fixed sizes to avoid it)", shapes,
+                    "training" if self.training else "eval", time.perf_counter() - start, len(self._graphs) + 1)
+        return _Lowered(gm, traced.out_spec, traced.loss_index)
 
     def _follow_new_parameters(self, state: list[torch.Tensor]) -> None:
         """A parameter was set anew on its module since the gradient sync was built (`mod.w = nn.Parameter(...)`):
@@ -172,6 +243,35 @@ class ParallelModule(nn.Module):
         owners = {k: t for k, t in own.items() if k not in self.info.aliases}
         load_full_state_dict(owners, full, {fqn: specs[fqn] for fqn in owners}, self.mesh, strict=False)
         return nn.modules.module._IncompatibleKeys(missing, unexpected)
+
+
+def _signature(flat: list[Any], training: bool) -> tuple:
+    """What a graph is lowered for: the mode, each tensor input's shape and dtype, each other input's value."""
+    return (training, *((x.shape, x.dtype) if isinstance(x, torch.Tensor) else _leaf_key(x) for x in flat))
+
+
+def _leaf_key(x: Any) -> Any:
+    """A non-tensor input as traced: export specialises the graph on its value (its type, if unhashable)."""
+    return x if isinstance(x, (int, float, bool, str, type(None))) else type(x)
+
+
+def _local_inputs(traced: TracedGraph, input_layout: str, world: int) -> list[Any]:
+    """The inputs (flattened, as `forward` gets them) each rank feeds for the batch `traced` was traced on."""
+    vals = [traced.node(name).meta["val"] for name in traced.input_names]
+    vals = [torch.empty(v.shape, dtype=v.dtype, device="meta") if isinstance(v, torch.Tensor) else v for v in vals]
+    return vals if input_layout == "replicate" else batch_slice(vals, 0, world)
+
+
+def _check_same_ops(planned: TracedGraph, traced: TracedGraph, plan: Plan, shapes: list[Any]) -> None:
+    """Raise unless the model traced at other inputs has the planned graph's ops and parameters."""
+    a, b = fingerprint(planned, plan.mesh, None), fingerprint(traced, plan.mesh, None)
+    if (a.ops_sha, a.params_sha) == (b.ops_sha, b.params_sha):
+        return
+    ours = [f"{n.name}: {n.target}" for n in planned.graph.nodes]
+    theirs = [f"{n.name}: {n.target}" for n in traced.graph.nodes]
+    first = next((f"'{y}' where the plan has '{x}'" for x, y in zip(ours, theirs) if x != y), "a different number of ops")
+    raise LoweringError(f"at inputs {shapes} the model traces to other ops than the graph its plan was solved for "
+                        f"({first}): its code depends on these sizes or values; parallelize again with a sample of them")
 
 
 def _slot(module: nn.Module, fqn: str) -> tuple[dict[str, torch.Tensor], str]:

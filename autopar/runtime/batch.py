@@ -60,3 +60,17 @@ def batch_slice(batch: Any, rank: int, world_size: int) -> Any:
     rows = size // world_size
     out = [t[rank * rows:(rank + 1) * rows] if isinstance(t, torch.Tensor) and is_batched(t.shape, size) else t for t in flat]
     return pytree.tree_unflatten(out, treespec)
+
+
+def global_like(local: Any, world_size: int) -> Any:
+    """Meta tensors shaped as the global batch whose `batch_slice` each rank fed as `local` (the inverse of
+    the split, in shapes and dtypes only: for tracing the model at the batch's sizes)."""
+    flat, treespec = pytree.tree_flatten(local)
+    rows = batch_size_of([t.shape for t in flat if isinstance(t, torch.Tensor)])
+    out = []
+    for t in flat:
+        if isinstance(t, torch.Tensor):
+            shape = (t.shape[0] * world_size, *t.shape[1:]) if is_batched(t.shape, rows) else t.shape
+            t = torch.empty(shape, dtype=t.dtype, device="meta")
+        out.append(t)
+    return pytree.tree_unflatten(out, treespec)

@@ -96,8 +96,12 @@ def trace(
     model: nn.Module,
     sample_input: Any,
     dynamic_dims: Mapping[str, int] | None = None,
+    training: bool = True,
 ) -> TracedGraph:
     """Capture `model`'s training forward on `sample_input` as a core-ATen graph.
+
+    training=False captures the eval-mode forward instead: a `ParallelModule` in eval mode checks
+    with it that the model computes what its training graph does but for dropout (`codegen.eval_mode`).
 
     dynamic_dims: e.g. {"batch": 0, "seq": 1}: every input tensor dimension with
     that index whose size equals the first input's size there becomes the named
@@ -105,7 +109,7 @@ def trace(
     """
     args, kwargs = split_sample_input(sample_input)
     was_training = model.training
-    model.train()
+    model.train(training)
     start = time.perf_counter()
     try:
         with _without_kv_cache(model):

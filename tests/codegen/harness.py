@@ -52,10 +52,15 @@ def trace_model(model: torch.nn.Module, sample: Any) -> TracedGraph:
 
 
 def reference(model: torch.nn.Module, sample: Any, steps: int) -> Reference:
+    return reference_steps(model, [sample] * steps)
+
+
+def reference_steps(model: torch.nn.Module, samples: Sequence[Any]) -> Reference:
+    """One device's AdamW steps, one per sample (their shapes may differ)."""
     ref = copy.deepcopy(model)
     opt = torch.optim.AdamW(ref.parameters(), lr=LR, eps=EPS)
     out = Reference([], [], [], [])
-    for _ in range(steps):
+    for sample in samples:
         opt.zero_grad()
         loss = loss_of(call(ref, sample))
         loss.backward()
@@ -86,17 +91,23 @@ def train(pm: ParallelModule, sample: Any, steps: int) -> list[float]:
     return losses
 
 
+def retracer(model: torch.nn.Module) -> Any:
+    """What `parallelize` gives a `ParallelModule` to trace `model` again for inputs of other shapes."""
+    return lambda batch, training: trace(*capture_copy(model, batch, "cpu"), training=training)
+
+
 def check_plan(model: torch.nn.Module, sample: Any, traced: TracedGraph, plan: Plan, ref: Reference, steps: int,
-               mesh: ProcessMesh, label: str) -> dict[str, float]:
-    """Train `steps` steps under `plan`; raise AssertionError naming the first mismatch; return the max errors."""
+               mesh: ProcessMesh, label: str, samples: Sequence[Any] | None = None) -> dict[str, float]:
+    """Train `steps` steps under `plan`; raise AssertionError naming the first mismatch; return the max errors.
+    samples: one per step (shapes may differ from `sample`, the one traced), else `sample` at every step."""
     t0 = time.perf_counter()
     gm = lower(traced, plan, mesh, params=dict(model.named_parameters(remove_duplicate=False)),
                buffers=dict(model.named_buffers()))
-    pm = ParallelModule(gm, traced, mesh, plan)
+    pm = ParallelModule(gm, traced, mesh, plan, retrace=retracer(model) if samples else None)
     opt = torch.optim.AdamW(pm.parameters(), lr=LR, eps=EPS)
-    args, kwargs = local_sample(sample, pm)
     worst = {"loss": 0.0, "grad": 0.0, "param": 0.0, "lower_s": time.perf_counter() - t0}
     for step in range(steps):
+        args, kwargs = local_sample(samples[step] if samples else sample, pm)
         opt.zero_grad()
         loss = loss_of(pm(*args, **kwargs))
         loss.backward()
