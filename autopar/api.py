@@ -14,7 +14,7 @@ import logging
 import math
 import time
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Callable, Literal
 
 import torch
 import torch.distributed as dist
@@ -24,9 +24,10 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.utils import _pytree as pytree
 
 from autopar.codegen import ParallelModule, lower
+from autopar.codegen.module import Retracer
 from autopar.profiler import profile
 from autopar.runtime.mesh import ProcessMesh
-from autopar.solver import solve
+from autopar.solver import solve, solve_keeping_params
 from autopar.solver.mesh import Mesh, make_mesh
 from autopar.solver.plan import Plan
 from autopar.solver.plan_io import check_plan, load_plan, plan_from_json, plan_to_json
@@ -119,23 +120,36 @@ def parallelize(
     if dist.get_rank() == 0:
         log.info("parallelize: %s on mesh %s in %.2f s (est. step %.1f ms)", type(model).__name__, pmesh.shape,
                  time.perf_counter() - start, plan.time.total_s * 1e3)
-    # The model's code, kept with its parameters on `meta` (no memory), to trace it again for inputs of
-    # other shapes or for eval mode (`ParallelModule._lower_for`).
+    return ParallelModule(gm, traced, pmesh, plan, make_retracer(model, sample_input, device, optimizer, time_limit_s))
+
+
+def make_retracer(model: nn.Module, sample_input: Any, device: str, optimizer: str = "adamw", time_limit_s: float = 30.0) -> Retracer:
+    """How a `ParallelModule` of `model` traces it again (on `device`, as it was first) for inputs of other
+    shapes or for eval mode, and plans an eval graph that is more than the training graph without dropout
+    (on rank 0: every rank calls it at once). The model's code is kept with its parameters on `meta`."""
     shape_only = capture_copy(model, sample_input, "meta")[0]
-    return ParallelModule(gm, traced, pmesh, plan, lambda batch, training: trace(*capture_copy(shape_only, batch, device), training=training))
+    return Retracer(
+        trace=lambda batch, training: trace(*capture_copy(shape_only, batch, device), training=training),
+        replan=lambda graph, planned: _on_rank0(lambda: solve_keeping_params(
+            graph, profile(graph, optimizer=optimizer), planned.mesh, planned.params, planned.fingerprint.budget_bytes, time_limit_s)),
+    )
 
 
 def _solve_on_rank0(traced: TracedGraph, pmesh: ProcessMesh, memory_budget: float | None, hardware: str | Mesh | None,
                     optimizer: str, time_limit_s: float) -> Plan:
-    """Rank 0 solves and broadcasts the plan as JSON: a time-limited ILP need not agree across ranks."""
-    text = [None]
-    if dist.get_rank() == 0:
+    """Rank 0 solves and broadcasts the plan."""
+    def solved() -> Plan:
         if isinstance(hardware, Mesh):
             mesh = hardware.with_shape(pmesh.shape, pmesh.axis_names)
         else:
             preset = hardware or ("h100" if torch.cuda.is_available() else "cpu")
             mesh = make_mesh(math.prod(pmesh.shape), pmesh.shape, preset, pmesh.axis_names)
-        prof = profile(traced, optimizer=optimizer)
-        text = [plan_to_json(solve(traced, prof, mesh, memory_budget_bytes=memory_budget, time_limit_s=time_limit_s))]
+        return solve(traced, profile(traced, optimizer=optimizer), mesh, memory_budget_bytes=memory_budget, time_limit_s=time_limit_s)
+    return _on_rank0(solved)
+
+
+def _on_rank0(make_plan: Callable[[], Plan]) -> Plan:
+    """The plan rank 0 makes, on every rank (as JSON): a time-limited ILP need not agree across ranks."""
+    text = [plan_to_json(make_plan()) if dist.get_rank() == 0 else None]
     dist.broadcast_object_list(text, src=0)
     return plan_from_json(text[0])

@@ -4,9 +4,10 @@ A plan is solved for the model's training forward, and `ParallelModule` runs tha
 In eval mode (`pm.eval()`) most transformers compute the same ops but for dropout
 (`nn.Dropout`, attention's `dropout_p`); BatchNorm (running statistics rather than the
 batch's), stochastic depth and other `if self.training:` branches compute something else.
-So eval mode lowers the training graph with its dropout turned off (`without_dropout`),
-after `check_eval_graph` has compared it, op by op, with the model's own eval-mode trace;
-where anything else differs it raises, naming the first op that does.
+So eval mode lowers the training graph with its dropout turned off (`without_dropout`)
+when `eval_difference` finds, op by op, nothing else in the model's own eval-mode trace;
+otherwise the eval graph runs under a plan of its own that keeps the parameters where the
+training plan stores them (`solver.search.solve_keeping_params`).
 """
 from __future__ import annotations
 
@@ -18,7 +19,6 @@ from typing import Any
 import torch
 from torch import fx
 
-from autopar.codegen.shapes import LoweringError
 from autopar.tracer import TracedGraph
 from autopar.tracer.nodes import is_dropout_clone, module_path
 
@@ -26,6 +26,8 @@ aten = torch.ops.aten
 # Schema arguments that switch dropout on in an op (`native_dropout`'s train, attention's dropout_p)
 # and their values with dropout off.
 _DROPOUT_OFF = {"train": False, "dropout_p": 0.0}
+# Ops whose second argument is the output's size, which a -1 may stand in for.
+_SIZED = {aten.view.default, aten._unsafe_view.default, aten.reshape.default, aten.expand.default}
 
 
 def without_dropout(traced: TracedGraph) -> TracedGraph:
@@ -38,17 +40,20 @@ def without_dropout(traced: TracedGraph) -> TracedGraph:
     return dataclasses.replace(traced, gm=gm)
 
 
-def check_eval_graph(train: TracedGraph, evaluated: TracedGraph) -> None:
-    """Raise unless `evaluated` (the model traced in eval mode) computes what `train`'s graph
-    computes with dropout off: the same ops on the same inputs, in the same order, once every
-    dropout (a `native_dropout`'s output in training, the `clone` export writes for it in eval) and
-    every contiguous copy is read as its input."""
+def eval_difference(train: TracedGraph, evaluated: TracedGraph) -> str | None:
+    """None when `evaluated` (the model traced in eval mode) computes what `train`'s graph computes with
+    dropout off: the same ops on the same inputs, in the same order, once every dropout (a
+    `native_dropout`'s output in training, the `clone` export writes for it in eval) and every
+    contiguous copy is read as its input. Else the first op that differs, and where."""
     ours, theirs = _ops_without_dropout(train.graph), _ops_without_dropout(evaluated.graph)
-    for i, (a, b) in enumerate(zip(ours, theirs)):
-        if a != b:
-            raise _eval_error(evaluated.graph, i, b)
-    if len(ours) != len(theirs):
-        raise _eval_error(evaluated.graph, min(len(ours), len(theirs)), None)
+    position = next((i for i, (a, b) in enumerate(zip(ours, theirs)) if a != b), min(len(ours), len(theirs)))
+    if position == len(ours) == len(theirs):
+        return None
+    nodes = [n for n in evaluated.graph.nodes if n.op != "placeholder" and not _reads_as_input(n)
+             and n.target is not aten.native_dropout.default]
+    if position >= len(nodes):
+        return "fewer ops"
+    return f"{nodes[position].target} in {module_path(nodes[position]) or 'the top-level forward'}"
 
 
 def _dropout_off(node: fx.Node) -> tuple[tuple, dict]:
@@ -62,6 +67,23 @@ def _dropout_off(node: fx.Node) -> tuple[tuple, dict]:
             kwargs[arg.name] = _DROPOUT_OFF[arg.name]
         elif i < len(args):
             args[i] = _DROPOUT_OFF[arg.name]
+    return tuple(args), kwargs
+
+
+def _without_defaults(target: Any, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    """`args` and `kwargs` without the trailing arguments that equal their schema defaults: a traced call
+    may spell out `dropout_p=0.0` or leave it out."""
+    schema = getattr(target, "_schema", None)
+    if schema is None:
+        return args, kwargs
+    defaults = {a.name: a.default_value for a in schema.arguments if a.has_default_value()}
+    kwargs = {k: v for k, v in kwargs.items() if k not in defaults or v != defaults[k]}
+    args = list(args)
+    while args and len(args) <= len(schema.arguments):
+        arg = schema.arguments[len(args) - 1]
+        if arg.name not in defaults or args[-1] != defaults[arg.name] or isinstance(args[-1], fx.Node):
+            break
+        args.pop()
     return tuple(args), kwargs
 
 
@@ -79,7 +101,9 @@ def _ops_without_dropout(graph: fx.Graph) -> list[tuple[str, Any, tuple, tuple]]
             continue
         if node.target is aten.native_dropout.default:
             continue  # its output is read through `getitem(., 0)`, mapped above
-        args, kwargs = _dropout_off(node) if node.op == "call_function" else (node.args, node.kwargs)
+        args, kwargs = _without_defaults(node.target, *_dropout_off(node)) if node.op == "call_function" else (node.args, node.kwargs)
+        if node.target in _SIZED and isinstance(node.meta.get("val"), torch.Tensor):
+            args = (args[0], tuple(node.meta["val"].shape), *args[2:])  # `view(x, [4, -1])` is `view(x, [4, 8])`
         mapped = fx.node.map_arg((args, kwargs), lambda n: index[n])
         index[node] = ("op", len(out))
         out.append((node.op, node.target, mapped[0], tuple(sorted(mapped[1].items()))))
@@ -93,18 +117,3 @@ def _reads_as_input(node: fx.Node) -> bool:
         return True
     return (node.target is operator.getitem and node.args[1] == 0
             and getattr(node.args[0], "target", None) is aten.native_dropout.default)
-
-
-def _eval_error(graph: fx.Graph, position: int, op: tuple | None) -> LoweringError:
-    nodes = [n for n in graph.nodes if n.op != "placeholder" and not _reads_as_input(n)
-             and n.target is not aten.native_dropout.default]
-    where = ""
-    if op is not None and position < len(nodes):
-        node = nodes[position]
-        where = f" ({node.target} in {module_path(node) or 'the top-level forward'})"
-    return LoweringError(
-        f"in eval mode the model computes something other than its training graph with dropout off{where}: "
-        "autopar runs the graph its plan was solved for, the training forward, with dropout turned off in eval "
-        "mode, so batch norm's running statistics, stochastic depth and other `if self.training:` branches "
-        "cannot run. Evaluate in train mode (with dropout set to 0), or evaluate the full model on one device "
-        "after `pm.state_dict()`.")

@@ -22,13 +22,14 @@ import logging
 import math
 import operator
 import time
+from dataclasses import dataclass
 from typing import Any, Callable, Mapping, NamedTuple
 
 import torch
 from torch import fx, nn
 from torch.utils import _pytree as pytree
 
-from autopar.codegen.eval_mode import check_eval_graph, without_dropout
+from autopar.codegen.eval_mode import eval_difference, without_dropout
 from autopar.codegen.lower import LoweringInfo, lower, share_tree
 from autopar.codegen.shapes import LoweringError
 from autopar.runtime.batch import batch_slice, global_like
@@ -44,45 +45,67 @@ from autopar.tracer import TracedGraph
 
 log = logging.getLogger(__name__)
 
-# (the global batch as (args, kwargs), training) -> the model traced on it, as `parallelize` traced it
-Retrace = Callable[[Any, bool], TracedGraph]
 # Distinct input signatures past which each new one is logged as a warning: every one costs a trace.
 _MANY_GRAPHS = 8
 
 
-class _Lowered(NamedTuple):
-    """One graph of the module: for one input signature (shapes, dtypes, non-tensor values, mode)."""
+@dataclass(frozen=True)
+class Retracer:
+    """How a `ParallelModule` gets graphs for inputs it was not lowered for (`autopar.parallelize` makes one)."""
+
+    # (the global batch, as a sample input, training) -> the model traced on it, as it was traced first
+    trace: Callable[[Any, bool], TracedGraph]
+    # (a graph of the model, the module's plan) -> a plan for that graph storing the parameters as the module's
+    # plan does: for an eval-mode graph that is more than the training graph without dropout (None: such raise)
+    replan: Callable[[TracedGraph, Plan], Plan] | None = None
+
+
+class _Graph(NamedTuple):
+    """One lowered graph of the module, for one input signature (shapes, dtypes, non-tensor values, mode)."""
+
     gm: fx.GraphModule
     out_spec: Any
-    loss_index: int | None
+    loss_index: int | None  # None: no output is the loss
+    state_slots: list[tuple[dict[str, torch.Tensor], str]]  # where each parameter or buffer argument is read
+    param_positions: list[int]  # which arguments are parameters (the same FQNs, in order, in every graph)
+    trains: bool  # its gradients need what the module's sync does (False: an eval graph with a plan of its own)
 
 
 class ParallelModule(nn.Module):
-    def __init__(self, gm: fx.GraphModule, traced: TracedGraph, mesh: ProcessMesh, plan: Plan, retrace: Retrace | None = None):
-        """retrace: traces the model on a global batch of other shapes, for inputs the first graph was
-        not lowered for (None: such inputs raise, naming the shapes)."""
+    def __init__(self, gm: fx.GraphModule, traced: TracedGraph, mesh: ProcessMesh, plan: Plan, retracer: Retracer | None = None):
+        """retracer: traces the model again for inputs of other shapes or for eval mode (None: such inputs
+        raise, naming them)."""
         super().__init__()
         info: LoweringInfo = gm.meta["autopar"]
         share_tree(self, gm)  # the graph's parameter tree, so FQNs are the original ones (no "graph." prefix)
-        object.__setattr__(self, "graph_module", gm)  # not a child: its tensors are already ours
-        # the graph takes its parameters and buffers as arguments (`lower`'s docstring says why): each is
-        # read from its owner's dict at every call, so the graph gets the module's current tensors (a buffer
-        # `module.to` replaced, as get_attr read them)
-        self._state_slots = [_slot(self, fqn) for fqn in info.state_inputs]
-        self._param_positions = [i for i, (slots, name) in enumerate(self._state_slots) if isinstance(slots[name], nn.Parameter)]
         self.mesh, self.plan, self.info = mesh, plan, info
-        self._in_spec, self._out_spec = traced.in_spec, traced.out_spec
-        self._loss_index = traced.loss_index  # None: no output is the loss
+        self._in_spec = traced.in_spec
         # outputs come back as each rank's rows: a loss computed from them outside is one term of a sum.
         # Watched in the first training forward only: a loop that computes its loss outside does so from
         # its first step, and the watch costs an alias and a hook per output.
         self._watch_outputs = info.input_layout == "shard" and math.prod(mesh.shape) > 1
         self._outside_loss_logged = False
-        self._sync = _make_grad_sync(self, info, mesh)
-        self._synced_params = [slots[name] for slots, name in (self._state_slots[i] for i in self._param_positions)]  # the sync's
-        self._traced, self._retrace = traced, retrace
+        self._traced, self._retracer = traced, retracer
         self._key = _signature(_local_inputs(traced, info.input_layout, math.prod(mesh.shape)), True)
-        self._graphs = {self._key: _Lowered(gm, traced.out_spec, traced.loss_index)}
+        self._graphs = {self._key: self._graph_of(gm, traced, trains=True)}
+        self._use(self._graphs[self._key])
+        self._sync = _make_grad_sync(self, info, mesh)
+        self._synced_params = self._params_read()  # the sync's
+
+    def _graph_of(self, gm: fx.GraphModule, traced: TracedGraph, trains: bool) -> _Graph:
+        # the graph takes its parameters and buffers as arguments (`lower`'s docstring says why): each is
+        # read from its owner's dict at every call, so the graph gets the module's current tensors (a buffer
+        # `module.to` replaced, as get_attr read them)
+        slots = [_slot(self, fqn) for fqn in gm.meta["autopar"].state_inputs]
+        params = [i for i, (owner, name) in enumerate(slots) if isinstance(owner[name], nn.Parameter)]
+        return _Graph(gm, traced.out_spec, traced.loss_index, slots, params, trains)
+
+    def _use(self, graph: _Graph) -> None:
+        self._graph = graph
+        object.__setattr__(self, "graph_module", graph.gm)  # not a child: its tensors are already ours
+
+    def _params_read(self) -> list[torch.Tensor]:
+        return [owner[name] for owner, name in (self._graph.state_slots[i] for i in self._graph.param_positions)]
 
     def local_batch(self, batch: Any) -> Any:
         """This rank's part of a GLOBAL batch, as the module's input layout wants it fed.
@@ -108,11 +131,15 @@ class ParallelModule(nn.Module):
         key = _signature(flat, self.training)
         if key != self._key:
             self._use_graph_for(key, flat, spec)
-        state = [slots[name] for slots, name in self._state_slots]
-        if any(map(operator.is_not, [state[i] for i in self._param_positions], self._synced_params)):
-            self._follow_new_parameters(state)
+        graph = self._graph
+        state = [owner[name] for owner, name in graph.state_slots]
+        if any(map(operator.is_not, [state[i] for i in graph.param_positions], self._synced_params)):
+            self._follow_new_parameters()
+        if torch.is_grad_enabled() and not graph.trains:
+            raise LoweringError("in eval mode this model runs under a plan of its own, whose gradients the module's "
+                                "gradient sync does not handle: run eval-mode forwards under torch.no_grad()")
         with grads_scaled_by(self._sync):  # a mean loss may leave its division by the count to the sync
-            outs = list(self.graph_module(*state, *flat))
+            outs = list(graph.gm(*state, *flat))
         if torch.is_grad_enabled():
             if any(isinstance(t, torch.Tensor) and t.requires_grad for t in flat):
                 self._sync.forbid_deferral()  # their grads would be those of the loss's sum: it keeps its division
@@ -120,59 +147,68 @@ class ParallelModule(nn.Module):
             for i, out in enumerate(outs):
                 if not (isinstance(out, torch.Tensor) and out.requires_grad):
                     continue
-                if i != self._loss_index:
+                if i != graph.loss_index:
                     # on an alias: the loss reads the output itself (a model's logits), whose gradient
                     # is computed in every backward; the alias gets one only from the caller's use
                     outs[i] = other_output(out, self._sync)  # gradient entering there stays exact
                     if watch:
                         outs[i].register_hook(self._outside_loss_hook)
                 self._sync.watch(outs[i])  # where a backward enters the module: the sync starts there
-        return pytree.tree_unflatten(outs, self._out_spec)
+        return pytree.tree_unflatten(outs, graph.out_spec)
 
     def _use_graph_for(self, key: tuple, flat: list[Any], spec: Any) -> None:
         """Switch to the graph of inputs with signature `key`, lowering it first if there is none yet."""
         if key not in self._graphs:
-            self._graphs[key] = self._lower_for(key, flat, spec)
+            self._graphs[key] = self._lower_for(flat, spec)
         self._key = key
-        lowered = self._graphs[key]
-        object.__setattr__(self, "graph_module", lowered.gm)
-        self._out_spec, self._loss_index = lowered.out_spec, lowered.loss_index
+        self._use(self._graphs[key])
 
-    def _lower_for(self, key: tuple, flat: list[Any], spec: Any) -> _Lowered:
-        """The plan lowered once more, for inputs of other shapes or values or for eval mode: the model
-        traced on the global batch these local inputs are a slice of, checked to have the planned graph's
-        ops, lowered over this module's own parameters and buffers (the new graph trains the same tensors)."""
+    def _lower_for(self, flat: list[Any], spec: Any) -> _Graph:
+        """A graph for inputs of other shapes or values, or for eval mode: the model traced on the global batch
+        these local inputs are a slice of, checked to have the planned graph's ops, and lowered over this
+        module's own parameters and buffers (the new graph trains the same tensors). In eval mode the training
+        graph with dropout off, when that is all eval mode changes; else the eval graph under a plan that keeps
+        the parameters where they are."""
         shapes = [tuple(x.shape) if isinstance(x, torch.Tensor) else x for x in flat]
-        if self._retrace is None:
-            raise LoweringError(f"inputs {shapes} ({'training' if self.training else 'eval'} mode) are not those this module "
-                                "was lowered for, and it cannot trace the model again: build it with autopar.parallelize")
+        mode = "training" if self.training else "eval"
+        if self._retracer is None:
+            raise LoweringError(f"inputs {shapes} ({mode} mode) are not those this module was lowered for, and it "
+                                "cannot trace the model again: build it with autopar.parallelize")
         start = time.perf_counter()
         world = math.prod(self.mesh.shape)
         args, kwargs = pytree.tree_unflatten(flat if self.info.input_layout == "replicate" else global_like(flat, world), spec)
         batch = kwargs if kwargs else args  # as a sample input is given (`tracer.split_sample_input`)
-        traced = self._retrace(batch, True)
+        traced, plan = self._retracer.trace(batch, True), self.plan
         _check_same_ops(self._traced, traced, self.plan, shapes)
         if not self.training:
-            check_eval_graph(traced, self._retrace(batch, False))
-            traced = without_dropout(traced)
+            evaluated = self._retracer.trace(batch, False)
+            difference = eval_difference(traced, evaluated)
+            if difference is None:
+                traced = without_dropout(traced)
+            elif self._retracer.replan is None:
+                raise LoweringError(f"in eval mode the model computes something other than its training graph with "
+                                    f"dropout off ({difference}), and this module cannot plan another graph: build it with autopar.parallelize")
+            else:
+                traced, plan = evaluated, self._retracer.replan(evaluated, self.plan)
         try:
-            gm = lower(traced, self.plan, self.mesh, params=dict(self.named_parameters(remove_duplicate=False)),
+            gm = lower(traced, plan, self.mesh, params=dict(self.named_parameters(remove_duplicate=False)),
                        buffers=dict(self.named_buffers(remove_duplicate=False)), input_layout=self.info.input_layout, local=True)
         except (ValueError, LoweringError) as err:
             raise LoweringError(f"inputs {shapes} cannot run under this module's plan: {err}; feed sizes its sharded dims "
                                 "divide into, or parallelize again with a sample of these sizes") from err
         info: LoweringInfo = gm.meta["autopar"]
-        if (info.state_inputs, info.param_storage, info.grad_sync_axes) != (self.info.state_inputs, self.info.param_storage, self.info.grad_sync_axes):
-            raise LoweringError(f"at inputs {shapes} the model reads its parameters and buffers otherwise than the planned "
+        graph = self._graph_of(gm, traced, trains=(info.param_storage, info.grad_sync_axes) == (self.info.param_storage, self.info.grad_sync_axes))
+        if _param_fqns(graph) != _param_fqns(self._graphs[next(iter(self._graphs))]) or info.param_storage != self.info.param_storage:
+            raise LoweringError(f"at inputs {shapes} ({mode} mode) the model reads its parameters otherwise than the planned "
                                 "graph does; parallelize again with a sample of these sizes")
         if torch.distributed.get_rank() == 0:
             level = logging.WARNING if len(self._graphs) >= _MANY_GRAPHS else logging.INFO
             log.log(level, "parallel module: new inputs %s (%s mode): traced and lowered again in %.2f s, graph %d of this "
-                    "module; each new shape costs a trace (pad inputs to a few fixed sizes to avoid it)", shapes,
-                    "training" if self.training else "eval", time.perf_counter() - start, len(self._graphs) + 1)
-        return _Lowered(gm, traced.out_spec, traced.loss_index)
+                    "module; each new shape costs a trace (pad inputs to a few fixed sizes to avoid it)", shapes, mode,
+                    time.perf_counter() - start, len(self._graphs) + 1)
+        return graph
 
-    def _follow_new_parameters(self, state: list[torch.Tensor]) -> None:
+    def _follow_new_parameters(self) -> None:
         """A parameter was set anew on its module since the gradient sync was built (`mod.w = nn.Parameter(...)`):
         the graph reads the new one, so the sync is rebuilt over the current parameters (their grads are synced,
         as eager autograd would give the new one its gradient; an optimizer made before keeps the old one, as in
@@ -181,7 +217,7 @@ class ParallelModule(nn.Module):
         old.remove()
         self._sync = _make_grad_sync(self, self.info, self.mesh)
         self._sync.keep_marks(old)
-        self._synced_params = [state[i] for i in self._param_positions]
+        self._synced_params = self._params_read()
 
     def _outside_loss_hook(self, grad: torch.Tensor) -> None:
         """Gradient enters through an output other than the loss: say once what that trains on."""
@@ -272,6 +308,10 @@ def _check_same_ops(planned: TracedGraph, traced: TracedGraph, plan: Plan, shape
     first = next((f"'{y}' where the plan has '{x}'" for x, y in zip(ours, theirs) if x != y), "a different number of ops")
     raise LoweringError(f"at inputs {shapes} the model traces to other ops than the graph its plan was solved for "
                         f"({first}): its code depends on these sizes or values; parallelize again with a sample of them")
+
+
+def _param_fqns(graph: _Graph) -> list[str]:
+    return [graph.gm.meta["autopar"].state_inputs[i] for i in graph.param_positions]
 
 
 def _slot(module: nn.Module, fqn: str) -> tuple[dict[str, torch.Tensor], str]:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["solve", "solve_for_devices", "fixed_plan", "baseline_plan", "baseline_plans", "ShapeResult", "BASELINES"]
+__all__ = ["solve", "solve_for_devices", "solve_keeping_params", "fixed_plan", "baseline_plan", "baseline_plans", "ShapeResult", "BASELINES"]
 
 
 def __getattr__(name: str) -> Any:

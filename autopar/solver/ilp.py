@@ -142,6 +142,7 @@ class Restrictions:
     allowed: Mapping[int, frozenset[int]] = field(default_factory=dict)  # node -> option indices it may take
     zero: Literal["free", "never", "always"] = "free"  # "always": every param with a ZeRO option uses it
     recompute: Literal["free", "never"] = "free"
+    zero_nodes: Mapping[int, bool] = field(default_factory=dict)  # node -> its ZeRO storage forced on or off
 
 
 @dataclass(frozen=True)
@@ -447,6 +448,9 @@ class _Model:
         if self.restrictions.zero == "never":
             return
         for v, node in enumerate(self.problem.nodes):
+            forced = self.restrictions.zero_nodes.get(v)
+            if forced is False:
+                continue
             def key(o: Option):
                 if o.zero is None or o.zero.factor <= 1:
                     return None
@@ -454,7 +458,7 @@ class _Model:
             for g, ((saving, net_s, gathered), members) in enumerate(self._groups(v, key).items()):
                 z = pulp.LpVariable(f"z_{v}_{g}", cat=pulp.LpBinary)
                 chosen = pulp.lpSum(self.x[v][s] for s in members)
-                self.prob += (z == chosen if self.restrictions.zero == "always" else z <= chosen), f"zero_{v}_{g}"
+                self.prob += (z == chosen if self.restrictions.zero == "always" or forced else z <= chosen), f"zero_{v}_{g}"
                 self.z.update(((v, s), z) for s in members)
                 self.time_terms.append((z, net_s * _MS))
                 self.memory_terms.append((z, -saving * self.per_byte))

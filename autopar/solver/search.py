@@ -162,6 +162,63 @@ def fixed_plan(
     return to_plan(traced, mesh, built, Solution(a, memory, step, report))
 
 
+def solve_keeping_params(
+    traced: TracedGraph,
+    profile: GraphProfile | ConcreteProfile,
+    mesh: Mesh,
+    params: tuple[ParamDecision, ...],
+    memory_budget_bytes: float | None = None,
+    time_limit_s: float = 30.0,
+) -> Plan:
+    """The fastest plan for another graph of a model whose parameters are already stored as `params` say
+    (another plan's decisions): each parameter keeps its use and storage specs, every other node is free.
+    A model's eval-mode graph gets its plan so (`ParallelModule`); nothing is recomputed."""
+    pins = {p.fqn: p for p in params}
+    missing = sorted(set(traced.param_fqns.values()) - set(pins))
+    if missing:
+        raise AutoparError(f"the graph reads parameters the plan does not store: {missing[:5]}")
+    budget = _budget(mesh, memory_budget_bytes)
+    built = _build(traced, profile, mesh, budget, None)
+    restrictions = _keeping(traced, built, pins)
+    if restrictions is None:  # repeated layers tied into one class are stored differently: decide them one by one
+        built = _build(traced, profile, mesh, budget, None, grouped=False)
+        restrictions = _keeping(traced, built, pins)
+    if restrictions is None:
+        raise AutoparError("the graph cannot read its parameters as they are stored (no strategy uses them so)")
+    try:
+        sol = solve_problem(built.problem, time_limit_s, restrictions=restrictions)
+    except InfeasibleError:
+        sol = min_memory(built.problem, time_limit_s, restrictions=restrictions)  # the leanest such plan, over budget
+    return to_plan(traced, mesh, built, sol)
+
+
+def _keeping(traced: TracedGraph, built: BuiltProblem, pins: Mapping[str, ParamDecision]) -> Restrictions | None:
+    """Restrictions holding every parameter of `traced` to its pinned use and storage (None: a problem node
+    stands for parameters pinned differently)."""
+    g = built.grouping
+    allowed, zero = {}, {}
+    for v, node in enumerate(built.problem.nodes):
+        leaders = [g.clusters[c].leader for c in g.classes[v]]
+        pinned = [pins[traced.param_fqns[n]] for n in leaders if n in traced.param_fqns]
+        if not pinned:
+            continue
+        if len({p.zero for p in pinned}) > 1:
+            return None
+
+        def keeps(s: int) -> bool:
+            for n in leaders:
+                k = built.member_strategy(n, s)
+                p = pins[traced.param_fqns[n]]
+                if built.strategies[n][k].output_specs[0] != p.use or (p.zero and built.storage.get((n, k)) != p.storage):
+                    return False
+            return True
+        allowed[v] = frozenset(s for s in range(len(node.options)) if keeps(s))
+        if not allowed[v]:
+            return None
+        zero[v] = pinned[0].zero
+    return Restrictions(allowed, recompute="never", zero_nodes=zero)
+
+
 def batch_dependent(traced: TracedGraph) -> frozenset[str]:
     """User inputs and every non-scalar call_function node downstream of one: what carries the batch."""
     params = set(traced.param_fqns) | set(traced.buffer_fqns)

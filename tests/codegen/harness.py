@@ -15,8 +15,9 @@ from typing import Any, Sequence
 
 import torch
 
-from autopar.api import capture_copy
+from autopar.api import capture_copy, make_retracer
 from autopar.codegen import ParallelModule, lower
+from autopar.codegen.module import Retracer
 from autopar.codegen.shapes import local_block
 from autopar.runtime.batch import batch_slice
 from autopar.runtime.mesh import ProcessMesh
@@ -91,9 +92,9 @@ def train(pm: ParallelModule, sample: Any, steps: int) -> list[float]:
     return losses
 
 
-def retracer(model: torch.nn.Module) -> Any:
+def retracer(model: torch.nn.Module, sample: Any) -> Retracer:
     """What `parallelize` gives a `ParallelModule` to trace `model` again for inputs of other shapes."""
-    return lambda batch, training: trace(*capture_copy(model, batch, "cpu"), training=training)
+    return make_retracer(model, sample, "cpu")
 
 
 def check_plan(model: torch.nn.Module, sample: Any, traced: TracedGraph, plan: Plan, ref: Reference, steps: int,
@@ -103,7 +104,7 @@ def check_plan(model: torch.nn.Module, sample: Any, traced: TracedGraph, plan: P
     t0 = time.perf_counter()
     gm = lower(traced, plan, mesh, params=dict(model.named_parameters(remove_duplicate=False)),
                buffers=dict(model.named_buffers()))
-    pm = ParallelModule(gm, traced, mesh, plan, retrace=retracer(model) if samples else None)
+    pm = ParallelModule(gm, traced, mesh, plan, retracer(model, sample) if samples else None)
     opt = torch.optim.AdamW(pm.parameters(), lr=LR, eps=EPS)
     worst = {"loss": 0.0, "grad": 0.0, "param": 0.0, "lower_s": time.perf_counter() - t0}
     for step in range(steps):

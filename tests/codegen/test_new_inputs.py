@@ -59,7 +59,7 @@ def test_other_shapes_train_like_one_device():
 def _eval_losses(rank, world, model, sample, traced, plan, other):
     mesh = ProcessMesh((world,))
     pm = ParallelModule(lower(traced, plan, mesh, params=dict(model.named_parameters(remove_duplicate=False))),
-                        traced, mesh, plan, retrace=retracer(model))
+                        traced, mesh, plan, retracer(model, sample))
     train_graph = pm.graph_module
     pm.eval()
     with torch.no_grad():
@@ -89,6 +89,8 @@ def test_eval_mode_turns_dropout_off():
 
 
 class _BatchNormNet(nn.Module):
+    """Batch norm in eval mode reads its running statistics: another graph than the training one."""
+
     def __init__(self) -> None:
         super().__init__()
         self.fc, self.bn = nn.Linear(8, 8), nn.BatchNorm1d(8)
@@ -111,32 +113,40 @@ class _ShapeBranch(nn.Module):
         return y.square().mean()
 
 
-def _errors(rank, world, cases):
+def _outputs_or_errors(rank, world, cases):
     mesh = ProcessMesh((world,))
     out = []
     for model, sample, traced, plan, other, evaluate in cases:
-        pm = ParallelModule(lower(traced, plan, mesh, params=dict(model.named_parameters(remove_duplicate=False))),
-                            traced, mesh, plan, retrace=retracer(model))
+        pm = ParallelModule(lower(traced, plan, mesh, params=dict(model.named_parameters(remove_duplicate=False)),
+                                  buffers=dict(model.named_buffers())), traced, mesh, plan, retracer(model, sample))
         pm.train(not evaluate)
         try:
-            pm(*local_sample(other, pm)[0])
-            out.append("no error")
+            with torch.no_grad():
+                out.append(pm(*local_sample(other, pm)[0]).item())
         except LoweringError as err:
             out.append(str(err))
     return out
 
 
 @pytest.mark.timeout(120)
-def test_what_cannot_run_says_why():
-    """Batch norm in eval mode (running statistics: not the training graph) and code that branches on the
-    batch size raise, naming the op or the shapes."""
+def test_eval_graph_of_its_own_and_shape_dependent_code():
+    """Batch norm in eval mode (running statistics: not the training graph without dropout) runs under a
+    plan of its own that keeps the parameters where they are, data-parallel or sharded, and gives the
+    single-device eval output; code that branches on the batch size raises, naming the shapes."""
+    torch.manual_seed(0)
+    bn, x, other = _BatchNormNet(), torch.randn(8, 8), torch.randn(4, 8)
+    bn(x)  # running statistics off their initial values
+    bn.bn.running_var.mul_(3.0)
     cases = []
-    for cls, other, evaluate in ((_BatchNormNet, torch.randn(8, 8), True), (_ShapeBranch, torch.randn(4, 8), False)):
-        torch.manual_seed(0)
-        model, sample = cls(), torch.randn(8, 8)
-        traced = trace_model(model, sample)
-        plan = greedy_plan(traced, cpu_mesh((2,)), {n: "S(0)" for n in traced.input_names})
-        cases.append((model, (sample,), traced, plan, (other,), evaluate))
-    errors = run_ranks(_errors, 2, cases, timeout_s=100)[0]
-    assert "batch_norm" in errors[0] and "eval mode" in errors[0], errors[0]
-    assert "[(2, 8)]" in errors[1] and "other ops" in errors[1] and "tanh" in errors[1], errors[1]
+    for pins in ({}, {"x": "S(0)"}, {"p_fc_weight": "S(0)"}):
+        traced = trace_model(bn, (x,))
+        cases.append((bn, (x,), traced, greedy_plan(traced, cpu_mesh((2,)), pins), (other,), True))
+    branch, sample = _ShapeBranch(), torch.randn(8, 8)
+    traced = trace_model(branch, (sample,))
+    cases.append((branch, (sample,), traced, greedy_plan(traced, cpu_mesh((2,)), {"x": "S(0)"}), (other,), False))
+    results = run_ranks(_outputs_or_errors, 2, cases, timeout_s=100)
+    with torch.no_grad():
+        want = bn.eval()(other).item()
+    for got in results:
+        assert got[:3] == pytest.approx([want] * 3, rel=1e-5), got
+        assert "[(2, 8)]" in got[3] and "other ops" in got[3] and "tanh" in got[3], got[3]
