@@ -19,6 +19,7 @@ the parallel module and the model (`load_state_dict`, strict: the same keys).
 from __future__ import annotations
 
 import copy
+import logging
 
 import pytest
 import torch
@@ -116,3 +117,36 @@ def test_mixtral_experts_split_under_a_tight_budget():
     for loss, _, split in run_ranks(_train, 2, model, sample, want, (2,), budget, timeout_s=280):
         assert loss == pytest.approx(want.losses[0], rel=1e-5)
         assert split, "no expert matmul was split"
+
+
+def _evaluate(rank, world, model, sample):
+    pm = parallelize(model, sample, (world,))
+    records = LogRecords("autopar.codegen.module")
+    logging.getLogger("autopar.codegen.module").setLevel(logging.INFO)
+    pm.eval()
+    with torch.no_grad():
+        out = pm(**pm.local_batch(sample))
+    return out.loss.item(), out.logits, records.messages
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("name, config, how", [
+    ("deberta", {}, "with dropout off"),  # the config's dropout (0.1): the training graph, dropout off
+    ("swin", {"drop_path_rate": 0.2}, "keeping the parameters"),  # stochastic depth: an eval graph of its own
+])
+def test_hugging_face_family_evaluates_like_one_device(name, config, how):
+    """In eval mode (`pm.eval()`) the loss and each rank's rows of the logits are the single-device model's."""
+    torch.manual_seed(0)
+    model = FAMILIES[name]()
+    model.config.update({"hidden_dropout_prob": 0.1, "attention_probs_dropout_prob": 0.1} if name == "deberta" else config)
+    model = type(model)(model.config).train()  # rebuilt with the config's dropout
+    sample = _sample(name)
+    single = copy.deepcopy(model).eval()
+    with torch.no_grad():
+        want = single(**sample)
+    messages = []
+    for rank, (loss, logits, logged) in enumerate(run_ranks(_evaluate, 2, model, sample, timeout_s=280)):
+        assert loss == pytest.approx(want.loss.item(), rel=1e-5)
+        torch.testing.assert_close(logits, want.logits.chunk(2)[rank], rtol=1e-4, atol=1e-5)
+        messages += logged
+    assert any("eval mode" in m and how in m for m in messages), messages  # rank 0 says which graph runs

@@ -176,20 +176,28 @@ class ParallelModule(nn.Module):
                                 "cannot trace the model again: build it with autopar.parallelize")
         start = time.perf_counter()
         world = math.prod(self.mesh.shape)
-        args, kwargs = pytree.tree_unflatten(flat if self.info.input_layout == "replicate" else global_like(flat, world), spec)
+        batch_flat = flat if self.info.input_layout == "replicate" else global_like(flat, world)
+        args, kwargs = pytree.tree_unflatten(batch_flat, spec)
         batch = kwargs if kwargs else args  # as a sample input is given (`tracer.split_sample_input`)
+        planned = _numel([self._traced.node(n).meta["val"] for n in self._traced.input_names])
+        if _numel(batch_flat) > planned and torch.distributed.get_rank() == 0:
+            log.warning("parallel module: inputs %s hold more elements than the sample the plan was solved for (%d "
+                        "against %d): its memory prediction (%.3g GB per device) does not cover them", shapes,
+                        _numel(batch_flat), planned, self.plan.memory.total_bytes / 1e9)
         traced, plan = self._retracer.trace(batch, True), self.plan
         _check_same_ops(self._traced, traced, self.plan, shapes)
+        how = "the plan's graph"
         if not self.training:
             evaluated = self._retracer.trace(batch, False)
             difference = eval_difference(traced, evaluated)
             if difference is None:
-                traced = without_dropout(traced)
+                traced, how = without_dropout(traced), "the plan's graph with dropout off"
             elif self._retracer.replan is None:
                 raise LoweringError(f"in eval mode the model computes something other than its training graph with "
                                     f"dropout off ({difference}), and this module cannot plan another graph: build it with autopar.parallelize")
             else:
                 traced, plan = evaluated, self._retracer.replan(evaluated, self.plan)
+                how = f"the eval graph (it differs at {difference}) under a plan keeping the parameters"
         try:
             gm = lower(traced, plan, self.mesh, params=dict(self.named_parameters(remove_duplicate=False)),
                        buffers=dict(self.named_buffers(remove_duplicate=False)), input_layout=self.info.input_layout, local=True)
@@ -203,8 +211,8 @@ class ParallelModule(nn.Module):
                                 "graph does; parallelize again with a sample of these sizes")
         if torch.distributed.get_rank() == 0:
             level = logging.WARNING if len(self._graphs) >= _MANY_GRAPHS else logging.INFO
-            log.log(level, "parallel module: new inputs %s (%s mode): traced and lowered again in %.2f s, graph %d of this "
-                    "module; each new shape costs a trace (pad inputs to a few fixed sizes to avoid it)", shapes, mode,
+            log.log(level, "parallel module: new inputs %s (%s mode): %s, traced and lowered in %.2f s, graph %d of this "
+                    "module; each new shape costs a trace (pad inputs to a few fixed sizes to avoid it)", shapes, mode, how,
                     time.perf_counter() - start, len(self._graphs) + 1)
         return graph
 
@@ -308,6 +316,10 @@ def _check_same_ops(planned: TracedGraph, traced: TracedGraph, plan: Plan, shape
     first = next((f"'{y}' where the plan has '{x}'" for x, y in zip(ours, theirs) if x != y), "a different number of ops")
     raise LoweringError(f"at inputs {shapes} the model traces to other ops than the graph its plan was solved for "
                         f"({first}): its code depends on these sizes or values; parallelize again with a sample of them")
+
+
+def _numel(values: list[Any]) -> int:
+    return sum(v.numel() for v in values if isinstance(v, torch.Tensor))
 
 
 def _param_fqns(graph: _Graph) -> list[str]:

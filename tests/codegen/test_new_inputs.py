@@ -15,7 +15,7 @@ import pytest
 import torch
 from torch import nn
 
-from tests.codegen.harness import check_plan, local_sample, reference_steps, retracer, trace_model
+from tests.codegen.harness import LogRecords, check_plan, local_sample, reference_steps, retracer, trace_model
 from tests.codegen.plans import cpu_mesh, greedy_plan, load_zoo, random_plan
 
 from autopar.codegen import ParallelModule, lower
@@ -66,14 +66,18 @@ def _eval_losses(rank, world, model, sample, traced, plan, other):
         got = [pm(**local_sample(s, pm)[1]).item() for s in (sample, other)]
     pm.train()
     pm(**local_sample(sample, pm)[1])
-    return got, pm.graph_module is train_graph
+    back_to_training = pm.graph_module is train_graph
+    records = LogRecords("autopar.codegen.module")
+    pm(**local_sample(_same_weights_batch(8, 16, 6), pm)[1])  # twice the sample's tokens
+    return got, back_to_training and pm.graph_module is not train_graph, records.messages
 
 
 @pytest.mark.timeout(120)
 def test_eval_mode_turns_dropout_off():
     """GPT-2 with dropout 0.3 (embedding, residual, attention): in eval mode the module's loss is the
     single-device model's eval loss, at the traced shapes and at others; train mode returns to the
-    training graph."""
+    training graph, and a larger batch gets its own, with a warning that the plan's memory was
+    predicted for less."""
     model, sample = _gpt2(4, 16, dropout=0.3)
     other = _same_weights_batch(2, 8, 5)
     traced = trace_model(model, sample)
@@ -83,9 +87,13 @@ def test_eval_mode_turns_dropout_off():
     with torch.no_grad():
         want = [single(**s).item() for s in (sample, other)]
         assert model(**sample).item() != want[0]  # dropout really changes the training loss
-    for got, back_to_training in run_ranks(_eval_losses, 2, model, sample, traced, plan, other, timeout_s=100):
+    (got0, other0, logged0), (got1, other1, logged1) = run_ranks(_eval_losses, 2, model, sample, traced, plan, other, timeout_s=100)
+    for got, graphs_switched in ((got0, other0), (got1, other1)):
         assert got == pytest.approx(want, rel=1e-5)
-        assert back_to_training
+        assert graphs_switched  # back to the training graph, then another for the larger batch
+    # rank 0 says once that a batch larger than the sample is beyond the plan's memory prediction
+    assert [m for m in logged0 if "more elements than the sample" in m and "(256 against 128)" in m], logged0
+    assert not logged1
 
 
 class _BatchNormNet(nn.Module):
