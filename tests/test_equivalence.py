@@ -60,3 +60,22 @@ def test_random_plans_match_single_device(mesh_shape):
         assert [label for label, _ in rank_results] == [c[0] for c in cases]
         for label, worst in rank_results:
             assert worst["loss"] < 1e-5, label
+
+
+@pytest.mark.timeout(240)
+def test_frozen_parameters_stay_frozen():
+    """Fine-tuning a model whose embeddings and attention are frozen (`requires_grad=False`, as with adapters):
+    under random 2x2 plans the frozen parameters stay frozen (no gradient, not updated) and the others train
+    like one device."""
+    model, sample = load_zoo("gpt2").build(batch_size=4, seq_len=8, size="tiny", device="cpu")
+    frozen = [n for n, p in model.named_parameters() if "mlp" not in n and "ln" not in n]
+    for name in frozen:
+        model.get_parameter(name).requires_grad_(False)
+    traced = trace_model(model, sample)
+    ref = reference(model, sample, 2)
+    assert frozen and not set(frozen) & set(ref.grads[0])
+    rng, mesh = random.Random(3), cpu_mesh((2, 2))
+    cases = [(f"frozen plan {i}", model, sample, traced, random_plan(traced, mesh, rng), ref, 2) for i in range(4)]
+    for rank_results in run_ranks(run_plans, 4, (2, 2), cases, timeout_s=220):
+        for label, worst in rank_results:
+            assert worst["loss"] < 1e-5, label

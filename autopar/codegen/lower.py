@@ -157,7 +157,7 @@ class _Lowerer:
 
     # ------------------------------------------------------------ analysis
     def analyse_edges(self) -> None:
-        self.grad_carrying = grad_carrying(self.traced.graph, set(self.traced.buffer_fqns), self.tensor_args)
+        self.grad_carrying = grad_carrying(self.traced.graph, set(self.traced.buffer_fqns) | self.traced.frozen_params(), self.tensor_args)
         for node in self.traced.graph.nodes:
             if node.op != "call_function" or node.target is operator.getitem:
                 continue
@@ -272,7 +272,9 @@ class _Lowerer:
 
     def state_input(self, node: fx.Node, fqn: str, value: torch.Tensor, is_param: bool) -> fx.Node:
         """Store `value` under `fqn` and take it as the graph's next argument, named as the traced placeholder."""
-        _set_nested(self.root, fqn, nn.Parameter(value, requires_grad=value.is_floating_point()) if is_param else value, is_param)
+        # a parameter frozen in the model (requires_grad=False, as the trace recorded it) stays frozen
+        trains = value.is_floating_point() and node.meta["val"].requires_grad
+        _set_nested(self.root, fqn, nn.Parameter(value, requires_grad=trains) if is_param else value, is_param)
         self.state_fqns.append(fqn)
         if self.first_input is None:
             return self.graph.placeholder(node.name)

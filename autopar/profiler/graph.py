@@ -50,7 +50,8 @@ def analyze(traced: TracedGraph, elided: frozenset[str] = frozenset()) -> GraphF
         vals = output_vals(node)
         if node.op == "placeholder":
             val = node.meta.get("val")
-            rg[node.name] = node.name in traced.param_fqns and isinstance(val, torch.Tensor) and val.is_floating_point()
+            rg[node.name] = node.name in traced.param_fqns and isinstance(val, torch.Tensor) and val.is_floating_point() \
+                and val.requires_grad  # a frozen parameter takes no gradient
             if vals:
                 base[(node.name, 0)] = (node.name, 0)
                 aliases[node.name] = (False,)

@@ -204,14 +204,15 @@ def _params(traced: TracedGraph, opt: str) -> dict[str, ParamProfile]:
         owners.add(sid)
         if tied:
             log.debug("profiler: %s is tied to another parameter; counted once", traced.param_fqns[n.name])
-        grad = 0 if tied or not val.is_floating_point() else nbytes
+        # a frozen parameter (requires_grad=False) has no gradient, and the optimizer keeps no state for it
+        grad = 0 if tied or not val.is_floating_point() or not val.requires_grad else nbytes
         params[traced.param_fqns[n.name]] = ParamProfile(
             fqn=traced.param_fqns[n.name],
             node=n.name,
             numel=int(val.numel()),
             param_bytes=0 if tied else nbytes,
             grad_bytes=grad,
-            optimizer_bytes=0 if tied else cost.state_mult * nbytes + (4 if cost.has_step else 0),
+            optimizer_bytes=0 if not grad else cost.state_mult * nbytes + (4 if cost.has_step else 0),
             update_launches=cost.launches if grad else 0,  # the optimizer steps what has a gradient, once per storage
             update_write_bytes=cost.writes * grad,
         )

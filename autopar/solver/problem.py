@@ -491,7 +491,7 @@ def count_hidden_in_forward(traced: TracedGraph) -> set[tuple[str, int]]:
     loss = traced.node(traced.output_names[traced.loss_index])
     if loss.target is not torch.ops.aten.div.Tensor or len(loss.args) != 2 or not isinstance(loss.args[1], fx.Node):
         return set()
-    if loss.args[1].name in grad_carrying(traced.graph, set(traced.buffer_fqns)):
+    if loss.args[1].name in grad_carrying(traced.graph, set(traced.buffer_fqns) | traced.frozen_params()):
         return set()  # a divisor with a gradient is an input of the loss like any other
     return {(loss.name, 1)}
 

@@ -81,6 +81,10 @@ class TracedGraph:
     def num_ops(self) -> int:
         return sum(1 for n in self.gm.graph.nodes if n.op == "call_function")
 
+    def frozen_params(self) -> frozenset[str]:
+        """Placeholders of parameters that take no gradient (`requires_grad=False`: a frozen base model)."""
+        return frozenset(ph for ph in self.param_fqns if not self.node(ph).meta["val"].requires_grad)
+
 
 def split_sample_input(sample_input: Any) -> tuple[tuple, dict]:
     """A sample input is a tensor, a tuple/list of positional args, or a dict of kwargs."""

@@ -60,13 +60,14 @@ def is_float(node: fx.Node) -> bool:
     return isinstance(val, torch.Tensor) and val.is_floating_point()
 
 
-def grad_carrying(graph: fx.Graph, buffers: set[str], targs: Callable[[fx.Node], tuple[fx.Node, ...]] = tensor_args) -> set[str]:
+def grad_carrying(graph: fx.Graph, no_grad: set[str], targs: Callable[[fx.Node], tuple[fx.Node, ...]] = tensor_args) -> set[str]:
     """Names of nodes whose value can carry a gradient: float values computed from a float parameter or
-    user input. Others (integer tensors, `arange`, a float count of labels, constants) get no grad all-reduce."""
+    user input, but for the placeholders in `no_grad` (buffers, frozen parameters). Others (integer
+    tensors, `arange`, a float count of labels, constants) get no grad all-reduce."""
     out: set[str] = set()
     for node in graph.nodes:
         if node.op == "placeholder":
-            if node.name not in buffers and is_float(node):
+            if node.name not in no_grad and is_float(node):
                 out.add(node.name)
         elif node.op == "call_function":
             val = node.meta.get("val")

@@ -66,7 +66,7 @@ def reference_steps(model: torch.nn.Module, samples: Sequence[Any]) -> Reference
         loss = loss_of(call(ref, sample))
         loss.backward()
         out.losses.append(loss.item())
-        out.grads.append({n: p.grad.clone() for n, p in ref.named_parameters()})
+        out.grads.append({n: p.grad.clone() for n, p in ref.named_parameters() if p.grad is not None})  # none when frozen
         opt.step()
         out.params.append({n: p.detach().clone() for n, p in ref.named_parameters()})
         out.buffers.append({n: b.clone() for n, b in ref.named_buffers()})
@@ -119,6 +119,9 @@ def check_plan(model: torch.nn.Module, sample: Any, traced: TracedGraph, plan: P
         # the full tensors, without a gather per check (the gathered path is tested in test_parallelize)
         storage = pm.info.param_storage
         for fqn, p in pm.named_parameters():
+            if fqn not in ref.grads[step]:  # frozen in the model: frozen here, no gradient
+                assert not p.requires_grad and p.grad is None, f"{label}: {fqn} is frozen in the model, not here"
+                continue
             if p.grad is None:
                 raise AssertionError(f"{label}: {fqn} got no gradient")
             want = local_block(ref.grads[step][fqn], storage[fqn], mesh.shape, mesh.coordinate)

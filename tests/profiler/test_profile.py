@@ -90,6 +90,26 @@ def test_parameter_and_optimizer_bytes(net_profile, optimizer, state_per_param):
     assert b.optimizer_bytes == state_per_param(48 * 4)
 
 
+def test_frozen_parameters_have_no_gradient_or_optimizer_state():
+    """A frozen parameter (`requires_grad=False`) gets no gradient and no optimizer state, as torch's AdamW
+    keeps none for it; a frozen first layer's backward stops there (no gradient for its output)."""
+    model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 1))
+    model[0].requires_grad_(False)
+    x = torch.randn(4, 16)
+    params = profile(trace(model, x)).params
+    assert (params["0.weight"].grad_bytes, params["0.weight"].optimizer_bytes) == (0, 0)
+    assert params["0.weight"].param_bytes == 16 * 32 * 4
+    opt = torch.optim.AdamW(model.parameters())
+    model(x).sum().backward()
+    opt.step()
+    state_bytes = sum(t.numel() * t.element_size() for t in opt.state[model[2].weight].values())
+    assert not opt.state[model[0].weight] and params["2.weight"].optimizer_bytes == state_bytes
+    assert params["2.weight"].grad_bytes == 32 * 4 and model[0].weight.grad is None
+    nodes = profile(trace(model, x)).nodes
+    assert [(n.op, n.requires_grad) for n in nodes.values() if n.op in ("aten.addmm.default", "aten.relu.default")] == [
+        ("aten.addmm.default", False), ("aten.relu.default", False), ("aten.addmm.default", True)]
+
+
 class _OpsOnParamSizedTensors(torch.utils._python_dispatch.TorchDispatchMode):
     """Counts every ATen op, and the ops writing a tensor of `numel` elements (in place or as a new output)."""
 

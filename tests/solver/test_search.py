@@ -217,3 +217,28 @@ def test_a_gradient_is_priced_bucketed_only_on_axes_codegen_can_lift_it_to_the_p
                 + bucketed_all_reduce_s(grad_bytes, mesh, (0,)) - bucketed_all_reduce_s(grad_bytes, mesh, (0, 1)))
     assert edge.cost(split, batch_split) == pytest.approx(expected, rel=1e-9)
     assert expected > reshard_cost(rp, rr, (32, 64), 4, mesh) + 0.5 * collective_time_s("all_reduce", grad_bytes, mesh.axes[1])
+
+
+def test_frozen_parameters_cost_no_gradient_memory_or_sync():
+    """A data-parallel plan of an MLP whose first layer is frozen: no gradient or optimizer bytes for it (AdamW:
+    2 fp32 states, a 4-byte step), and one gradient all-reduce fewer to price than with every layer training."""
+    m = _zoo("zoo_mlp")
+    with torch.device("meta"):
+        model = m.MLP(m.MLPConfig(2, 256, 1024)).train()
+        x, y = torch.randn(64, 256), torch.randn(64, 256)
+    mesh = slow_mesh(4, 50e9)
+    plans = {}
+    for frozen in (False, True):
+        model.requires_grad_(True)
+        if frozen:
+            model.get_submodule("layers.0").requires_grad_(False)
+        traced = trace(model, (x, y))
+        prof = profile(traced)
+        plans[frozen] = {b.name: b for b in baseline_plans(traced, prof, mesh)}["data_parallel"]
+    frozen_bytes = sum(p.numel() * 4 for p in model.get_submodule("layers.0").parameters())
+    n_frozen = len(list(model.get_submodule("layers.0").parameters()))
+    full, part = plans[False].memory, plans[True].memory
+    assert full.params_bytes == part.params_bytes
+    assert full.grads_bytes - part.grads_bytes == frozen_bytes
+    assert full.optimizer_bytes - part.optimizer_bytes == 2 * frozen_bytes + 4 * n_frozen
+    assert plans[True].time.comm_s < plans[False].time.comm_s
