@@ -88,16 +88,18 @@ def lower(
     input_layout: InputLayout = "shard",
     device: torch.device | None = None,
     local: bool = False,
+    frozen: frozenset[str] | None = None,
 ) -> fx.GraphModule:
     """This rank's GraphModule for `plan`. `params`/`buffers`: full tensors by FQN (zeros when omitted,
     for a look at the code only; given, each must hold every tensor the graph reads). local=True:
     they are this rank's blocks already, taken as they are (a `ParallelModule` lowering the same plan
-    for inputs of other shapes: the new graph reads the parameters the first one trains)."""
+    for inputs of other shapes: the new graph reads the parameters the first one trains). frozen: the FQNs of
+    the parameters that take no gradient (default: those the trace recorded with requires_grad=False)."""
     if tuple(plan.mesh.shape) != tuple(mesh.shape):
         raise LoweringError(f"plan is for mesh {plan.mesh.shape} but the process mesh is {mesh.shape}; solve again for this mesh")
     if input_layout not in ("shard", "replicate"):
         raise LoweringError(f"input_layout={input_layout!r}; use 'shard' (each rank feeds its slice of the batch) or 'replicate'")
-    return _Lowerer(traced, plan, mesh, params, buffers, input_layout, device, local).run()
+    return _Lowerer(traced, plan, mesh, params, buffers, input_layout, device, local, frozen).run()
 
 
 def _device_of(mesh: ProcessMesh) -> torch.device:
@@ -107,7 +109,7 @@ def _device_of(mesh: ProcessMesh) -> torch.device:
 
 
 class _Lowerer:
-    def __init__(self, traced, plan, mesh, params, buffers, input_layout, device, local):
+    def __init__(self, traced, plan, mesh, params, buffers, input_layout, device, local, frozen):
         self.traced, self.plan, self.mesh = traced, plan, mesh
         self.local = local
         self.full_params = params
@@ -123,6 +125,11 @@ class _Lowerer:
         self.cache: dict[tuple, fx.Node] = {}
         self.edges: dict[tuple[str, int], Edge] = {}
         self.tied = _tied_groups(params or {})
+        if frozen is None:
+            self.frozen = traced.frozen_params()  # placeholders of parameters that take no gradient
+        else:
+            owners = {self.owner(fqn) for fqn in frozen}
+            self.frozen = frozenset(ph for ph, fqn in traced.param_fqns.items() if self.owner(fqn) in owners)
         self._targs: dict[str, tuple[fx.Node, ...]] = {}
         self.origin: dict[str, str] = {}  # new node name -> the traced node it implements (for recompute regions)
         self.buffer_attrs: dict[str, fx.Node] = {}  # buffer FQN -> its input node
@@ -157,7 +164,7 @@ class _Lowerer:
 
     # ------------------------------------------------------------ analysis
     def analyse_edges(self) -> None:
-        self.grad_carrying = grad_carrying(self.traced.graph, set(self.traced.buffer_fqns) | self.traced.frozen_params(), self.tensor_args)
+        self.grad_carrying = grad_carrying(self.traced.graph, set(self.traced.buffer_fqns) | self.frozen, self.tensor_args)
         for node in self.traced.graph.nodes:
             if node.op != "call_function" or node.target is operator.getitem:
                 continue
@@ -272,8 +279,7 @@ class _Lowerer:
 
     def state_input(self, node: fx.Node, fqn: str, value: torch.Tensor, is_param: bool) -> fx.Node:
         """Store `value` under `fqn` and take it as the graph's next argument, named as the traced placeholder."""
-        # a parameter frozen in the model (requires_grad=False, as the trace recorded it) stays frozen
-        trains = value.is_floating_point() and node.meta["val"].requires_grad
+        trains = value.is_floating_point() and node.name not in self.frozen  # a frozen parameter stays frozen
         _set_nested(self.root, fqn, nn.Parameter(value, requires_grad=trains) if is_param else value, is_param)
         self.state_fqns.append(fqn)
         if self.first_input is None:

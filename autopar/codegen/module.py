@@ -68,7 +68,7 @@ class _Graph(NamedTuple):
     loss_index: int | None  # None: no output is the loss
     state_slots: list[tuple[dict[str, torch.Tensor], str]]  # where each parameter or buffer argument is read
     param_positions: list[int]  # which arguments are parameters (the same FQNs, in order, in every graph)
-    trains: bool  # its gradients need what the module's sync does (False: an eval graph with a plan of its own)
+    sync_key: tuple  # what the gradient sync it needs is built from: the axes each gradient is summed over, which train
 
 
 class ParallelModule(nn.Module):
@@ -86,19 +86,30 @@ class ParallelModule(nn.Module):
         self._watch_outputs = info.input_layout == "shard" and math.prod(mesh.shape) > 1
         self._outside_loss_logged = False
         self._traced, self._retracer = traced, retracer
-        self._key = _signature(_local_inputs(traced, info.input_layout, math.prod(mesh.shape)), True)
-        self._graphs = {self._key: self._graph_of(gm, traced, trains=True)}
-        self._use(self._graphs[self._key])
+        first = self._graph_of(gm, traced)
+        # each parameter's requires_grad is part of a graph's signature: freezing or unfreezing one after
+        # `parallelize` lowers a graph whose backward follows the new flags (and rebuilds the sync)
+        self._param_slots = [first.state_slots[i] for i in first.param_positions]
+        self._key = _signature(_local_inputs(traced, info.input_layout, math.prod(mesh.shape)), True, self._trainable())
+        self._graphs = {self._key: first}
+        self._use(first)
         self._sync = _make_grad_sync(self, info, mesh)
+        self._sync_key = first.sync_key
         self._synced_params = self._params_read()  # the sync's
 
-    def _graph_of(self, gm: fx.GraphModule, traced: TracedGraph, trains: bool) -> _Graph:
+    def _graph_of(self, gm: fx.GraphModule, traced: TracedGraph) -> _Graph:
         # the graph takes its parameters and buffers as arguments (`lower`'s docstring says why): each is
         # read from its owner's dict at every call, so the graph gets the module's current tensors (a buffer
         # `module.to` replaced, as get_attr read them)
-        slots = [_slot(self, fqn) for fqn in gm.meta["autopar"].state_inputs]
+        info: LoweringInfo = gm.meta["autopar"]
+        slots = [_slot(self, fqn) for fqn in info.state_inputs]
         params = [i for i, (owner, name) in enumerate(slots) if isinstance(owner[name], nn.Parameter)]
-        return _Graph(gm, traced.out_spec, traced.loss_index, slots, params, trains)
+        trainable = tuple(slots[i][0][slots[i][1]].requires_grad for i in params)
+        sync_key = (tuple(sorted(info.grad_sync_axes.items())), trainable)
+        return _Graph(gm, traced.out_spec, traced.loss_index, slots, params, sync_key)
+
+    def _trainable(self) -> tuple[bool, ...]:
+        return tuple(owner[name].requires_grad for owner, name in self._param_slots)
 
     def _use(self, graph: _Graph) -> None:
         self._graph = graph
@@ -128,16 +139,15 @@ class ParallelModule(nn.Module):
         flat, spec = pytree.tree_flatten((args, kwargs))
         if spec != self._in_spec:
             raise LoweringError(f"called with inputs structured as {spec}; the model was traced with {self._in_spec}")
-        key = _signature(flat, self.training)
+        key = _signature(flat, self.training, self._trainable())
         if key != self._key:
             self._use_graph_for(key, flat, spec)
         graph = self._graph
         state = [owner[name] for owner, name in graph.state_slots]
         if any(map(operator.is_not, [state[i] for i in graph.param_positions], self._synced_params)):
-            self._follow_new_parameters()
-        if torch.is_grad_enabled() and not graph.trains:
-            raise LoweringError("in eval mode this model runs under a plan of its own, whose gradients the module's "
-                                "gradient sync does not handle: run eval-mode forwards under torch.no_grad()")
+            self._sync_to(graph)  # a parameter was set anew since the sync was built
+        elif graph.sync_key != self._sync_key and torch.is_grad_enabled():
+            self._sync_to(graph)  # another graph's gradients are summed over other axes
         with grads_scaled_by(self._sync):  # a mean loss may leave its division by the count to the sync
             outs = list(graph.gm(*state, *flat))
         if torch.is_grad_enabled():
@@ -159,12 +169,13 @@ class ParallelModule(nn.Module):
     def _use_graph_for(self, key: tuple, flat: list[Any], spec: Any) -> None:
         """Switch to the graph of inputs with signature `key`, lowering it first if there is none yet."""
         if key not in self._graphs:
-            self._graphs[key] = self._lower_for(flat, spec)
+            self._graphs[key] = self._lower_for(flat, spec, key[1])
         self._key = key
         self._use(self._graphs[key])
 
-    def _lower_for(self, flat: list[Any], spec: Any) -> _Graph:
-        """A graph for inputs of other shapes or values, or for eval mode: the model traced on the global batch
+    def _lower_for(self, flat: list[Any], spec: Any, trainable: tuple[bool, ...]) -> _Graph:
+        """A graph for inputs of other shapes or values, for eval mode or for parameters frozen or unfrozen
+        since (`trainable`: each one's requires_grad): the model traced on the global batch
         these local inputs are a slice of, checked to have the planned graph's ops, and lowered over this
         module's own parameters and buffers (the new graph trains the same tensors). In eval mode the training
         graph with dropout off, when that is all eval mode changes; else the eval graph under a plan that keeps
@@ -198,14 +209,16 @@ class ParallelModule(nn.Module):
             else:
                 traced, plan = evaluated, self._retracer.replan(evaluated, self.plan)
                 how = f"the eval graph (it differs at {difference}) under a plan keeping the parameters"
+        frozen = frozenset(_param_fqns(self._graphs[next(iter(self._graphs))])[i] for i, t in enumerate(trainable) if not t)
         try:
             gm = lower(traced, plan, self.mesh, params=dict(self.named_parameters(remove_duplicate=False)),
-                       buffers=dict(self.named_buffers(remove_duplicate=False)), input_layout=self.info.input_layout, local=True)
+                       buffers=dict(self.named_buffers(remove_duplicate=False)), input_layout=self.info.input_layout,
+                       local=True, frozen=frozen)
         except (ValueError, LoweringError) as err:
             raise LoweringError(f"inputs {shapes} cannot run under this module's plan: {err}; feed sizes its sharded dims "
                                 "divide into, or parallelize again with a sample of these sizes") from err
         info: LoweringInfo = gm.meta["autopar"]
-        graph = self._graph_of(gm, traced, trains=(info.param_storage, info.grad_sync_axes) == (self.info.param_storage, self.info.grad_sync_axes))
+        graph = self._graph_of(gm, traced)
         if _param_fqns(graph) != _param_fqns(self._graphs[next(iter(self._graphs))]) or info.param_storage != self.info.param_storage:
             raise LoweringError(f"at inputs {shapes} ({mode} mode) the model reads its parameters otherwise than the planned "
                                 "graph does; parallelize again with a sample of these sizes")
@@ -216,15 +229,18 @@ class ParallelModule(nn.Module):
                     time.perf_counter() - start, len(self._graphs) + 1)
         return graph
 
-    def _follow_new_parameters(self) -> None:
-        """A parameter was set anew on its module since the gradient sync was built (`mod.w = nn.Parameter(...)`):
-        the graph reads the new one, so the sync is rebuilt over the current parameters (their grads are synced,
-        as eager autograd would give the new one its gradient; an optimizer made before keeps the old one, as in
-        eager PyTorch). Sums a sync wrote to parameters that stayed keep their marks (gradient accumulation)."""
+    def _sync_to(self, graph: _Graph) -> None:
+        """The gradient sync rebuilt for `graph` over the current parameters: when a parameter was set anew on its
+        module since the sync was built (`mod.w = nn.Parameter(...)`: the graph reads the new one, whose grad is
+        synced, as eager autograd would give it its gradient; an optimizer made before keeps the old one, as in
+        eager PyTorch), or when `graph` leaves other gradients to sum (parameters frozen or unfrozen, an eval graph
+        under a plan of its own). Sums a sync wrote to parameters that stayed keep their marks (gradient
+        accumulation)."""
         old = self._sync
         old.remove()
-        self._sync = _make_grad_sync(self, self.info, self.mesh)
+        self._sync = _make_grad_sync(self, graph.gm.meta["autopar"], self.mesh)
         self._sync.keep_marks(old)
+        self._sync_key = graph.sync_key
         self._synced_params = self._params_read()
 
     def _outside_loss_hook(self, grad: torch.Tensor) -> None:
@@ -289,9 +305,10 @@ class ParallelModule(nn.Module):
         return nn.modules.module._IncompatibleKeys(missing, unexpected)
 
 
-def _signature(flat: list[Any], training: bool) -> tuple:
-    """What a graph is lowered for: the mode, each tensor input's shape and dtype, each other input's value."""
-    return (training, *((x.shape, x.dtype) if isinstance(x, torch.Tensor) else _leaf_key(x) for x in flat))
+def _signature(flat: list[Any], training: bool, trainable: tuple[bool, ...]) -> tuple:
+    """What a graph is lowered for: the mode, which parameters take a gradient, each tensor input's shape and
+    dtype, each other input's value."""
+    return (training, trainable, *((x.shape, x.dtype) if isinstance(x, torch.Tensor) else _leaf_key(x) for x in flat))
 
 
 def _leaf_key(x: Any) -> Any:

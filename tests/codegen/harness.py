@@ -11,7 +11,7 @@ import copy
 import logging
 import time
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 
@@ -56,12 +56,14 @@ def reference(model: torch.nn.Module, sample: Any, steps: int) -> Reference:
     return reference_steps(model, [sample] * steps)
 
 
-def reference_steps(model: torch.nn.Module, samples: Sequence[Any]) -> Reference:
-    """One device's AdamW steps, one per sample (their shapes may differ)."""
+def reference_steps(model: torch.nn.Module, samples: Sequence[Any], before_step: Callable[[torch.nn.Module, int], None] | None = None) -> Reference:
+    """One device's AdamW steps, one per sample (their shapes may differ); `before_step(model, step)` first."""
     ref = copy.deepcopy(model)
     opt = torch.optim.AdamW(ref.parameters(), lr=LR, eps=EPS)
     out = Reference([], [], [], [])
-    for sample in samples:
+    for step, sample in enumerate(samples):
+        if before_step:
+            before_step(ref, step)
         opt.zero_grad()
         loss = loss_of(call(ref, sample))
         loss.backward()
@@ -98,16 +100,20 @@ def retracer(model: torch.nn.Module, sample: Any) -> Retracer:
 
 
 def check_plan(model: torch.nn.Module, sample: Any, traced: TracedGraph, plan: Plan, ref: Reference, steps: int,
-               mesh: ProcessMesh, label: str, samples: Sequence[Any] | None = None) -> dict[str, float]:
+               mesh: ProcessMesh, label: str, samples: Sequence[Any] | None = None,
+               before_step: Callable[[torch.nn.Module, int], None] | None = None) -> dict[str, float]:
     """Train `steps` steps under `plan`; raise AssertionError naming the first mismatch; return the max errors.
-    samples: one per step (shapes may differ from `sample`, the one traced), else `sample` at every step."""
+    samples: one per step (shapes may differ from `sample`, the one traced), else `sample` at every step.
+    before_step(module, step): called first at each step (as `reference_steps` calls it)."""
     t0 = time.perf_counter()
     gm = lower(traced, plan, mesh, params=dict(model.named_parameters(remove_duplicate=False)),
                buffers=dict(model.named_buffers()))
-    pm = ParallelModule(gm, traced, mesh, plan, retracer(model, sample) if samples else None)
+    pm = ParallelModule(gm, traced, mesh, plan, retracer(model, sample) if samples or before_step else None)
     opt = torch.optim.AdamW(pm.parameters(), lr=LR, eps=EPS)
     worst = {"loss": 0.0, "grad": 0.0, "param": 0.0, "lower_s": time.perf_counter() - t0}
     for step in range(steps):
+        if before_step:
+            before_step(pm, step)
         args, kwargs = local_sample(samples[step] if samples else sample, pm)
         opt.zero_grad()
         loss = loss_of(pm(*args, **kwargs))

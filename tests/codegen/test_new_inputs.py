@@ -56,6 +56,36 @@ def test_other_shapes_train_like_one_device():
     run_ranks(_train_steps, 4, (2, 2), model, sample, traced, plans, ref, samples, timeout_s=220)
 
 
+def _freeze_schedule(module: nn.Module, step: int) -> None:
+    """Step 1 freezes the first block (a model's or a parallel module's); step 2 unfreezes it and freezes the
+    token embedding, tied to the LM head."""
+    module.get_submodule("transformer.h.0").requires_grad_(step != 1)
+    module.get_submodule("transformer.wte").requires_grad_(step != 2)
+
+
+def _train_freezing(rank, world, mesh_shape, model, sample, traced, plans, ref):
+    mesh = ProcessMesh(mesh_shape)
+    for label, plan in plans:
+        torch.manual_seed(0)
+        check_plan(model, sample, traced, plan, ref, 3, mesh, label, before_step=_freeze_schedule)
+
+
+@pytest.mark.timeout(240)
+def test_freezing_and_unfreezing_after_parallelize():
+    """Parameters frozen and unfrozen between steps, after `parallelize`: each change lowers the plan again with
+    the new flags and rebuilds the gradient sync, and every step matches one device under the same schedule
+    (frozen parameters get no gradient and do not move)."""
+    model, sample = _gpt2(8, 16)
+    traced = trace_model(model, sample)
+    ref = reference_steps(model, [sample] * 3, before_step=_freeze_schedule)
+    assert "transformer.h.0.attn.c_attn.weight" not in ref.grads[1] and "transformer.wte.weight" not in ref.grads[2]
+    mesh = cpu_mesh((2, 2))
+    rng = random.Random(11)
+    plans = [("data parallel", greedy_plan(traced, mesh, {n: "S(0)S(0)" for n in traced.input_names}))]
+    plans += [(f"random {i}", random_plan(traced, mesh, rng)) for i in range(2)]
+    run_ranks(_train_freezing, 4, (2, 2), model, sample, traced, plans, ref, timeout_s=220)
+
+
 def _eval_losses(rank, world, model, sample, traced, plan, other):
     mesh = ProcessMesh((world,))
     pm = ParallelModule(lower(traced, plan, mesh, params=dict(model.named_parameters(remove_duplicate=False))),
