@@ -128,8 +128,18 @@ def make_retracer(model: nn.Module, sample_input: Any, device: str, optimizer: s
     shapes or for eval mode, and plans an eval graph that is more than the training graph without dropout
     (on rank 0: every rank calls it at once). The model's code is kept with its parameters on `meta`."""
     shape_only = capture_copy(model, sample_input, "meta")[0]
+
+    def traced(batch: Any, training: bool, autocast: torch.dtype | None) -> TracedGraph:
+        if autocast is None:
+            return trace(*capture_copy(shape_only, batch, device), training=training)
+        # autocast casts the tensors of its device type, so on GPUs the model is traced on fake CUDA tensors
+        # (meta ones it would leave alone)
+        cast_device = "cpu" if device == "cpu" else "cuda"
+        with torch.autocast(cast_device, dtype=autocast):
+            return trace(*capture_copy(shape_only, batch, cast_device), training=training)
+
     return Retracer(
-        trace=lambda batch, training: trace(*capture_copy(shape_only, batch, device), training=training),
+        trace=traced,
         replan=lambda graph, planned: _on_rank0(lambda: solve_keeping_params(
             graph, profile(graph, optimizer=optimizer), planned.mesh, planned.params, planned.fingerprint.budget_bytes, time_limit_s)),
     )

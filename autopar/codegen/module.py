@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import logging
 import math
+from contextlib import nullcontext
 import operator
 import time
 from dataclasses import dataclass
@@ -39,7 +40,6 @@ from autopar.runtime.grad_sync import GradSync
 from autopar.runtime.mesh import ProcessMesh
 from autopar.runtime.state_dict import full_state_dict, load_full_state_dict
 from autopar.solver.plan import Plan
-from autopar.solver.plan_io import fingerprint
 from autopar.solver.spec import Spec
 from autopar.tracer import TracedGraph
 
@@ -53,10 +53,11 @@ _MANY_GRAPHS = 8
 class Retracer:
     """How a `ParallelModule` gets graphs for inputs it was not lowered for (`autopar.parallelize` makes one)."""
 
-    # (the global batch, as a sample input, training) -> the model traced on it, as it was traced first
-    trace: Callable[[Any, bool], TracedGraph]
+    # (the global batch, as a sample input, training, autocast dtype or None) -> the model traced on it, as it
+    # was traced first, under autocast to that dtype if one is given (the graph then holds autocast's casts)
+    trace: Callable[[Any, bool, torch.dtype | None], TracedGraph]
     # (a graph of the model, the module's plan) -> a plan for that graph storing the parameters as the module's
-    # plan does: for an eval-mode graph that is more than the training graph without dropout (None: such raise)
+    # plan does, for a graph with other ops than the planned one (None: such graphs raise)
     replan: Callable[[TracedGraph, Plan], Plan] | None = None
 
 
@@ -69,6 +70,7 @@ class _Graph(NamedTuple):
     state_slots: list[tuple[dict[str, torch.Tensor], str]]  # where each parameter or buffer argument is read
     param_positions: list[int]  # which arguments are parameters (the same FQNs, in order, in every graph)
     sync_key: tuple  # what the gradient sync it needs is built from: the axes each gradient is summed over, which train
+    casts: bool  # traced under autocast: it holds autocast's casts, and runs with autocast off
 
 
 class ParallelModule(nn.Module):
@@ -86,18 +88,19 @@ class ParallelModule(nn.Module):
         self._watch_outputs = info.input_layout == "shard" and math.prod(mesh.shape) > 1
         self._outside_loss_logged = False
         self._traced, self._retracer = traced, retracer
-        first = self._graph_of(gm, traced)
+        self._first = first = self._graph_of(gm, traced, casts=False)
         # each parameter's requires_grad is part of a graph's signature: freezing or unfreezing one after
         # `parallelize` lowers a graph whose backward follows the new flags (and rebuilds the sync)
         self._param_slots = [first.state_slots[i] for i in first.param_positions]
-        self._key = _signature(_local_inputs(traced, info.input_layout, math.prod(mesh.shape)), True, self._trainable())
+        self._device_type = mesh.device_mesh.device_type  # whose autocast state a graph's signature holds
+        self._key = _signature(_local_inputs(traced, info.input_layout, math.prod(mesh.shape)), True, self._trainable(), None)
         self._graphs = {self._key: first}
         self._use(first)
         self._sync = _make_grad_sync(self, info, mesh)
         self._sync_key = first.sync_key
         self._synced_params = self._params_read()  # the sync's
 
-    def _graph_of(self, gm: fx.GraphModule, traced: TracedGraph) -> _Graph:
+    def _graph_of(self, gm: fx.GraphModule, traced: TracedGraph, casts: bool) -> _Graph:
         # the graph takes its parameters and buffers as arguments (`lower`'s docstring says why): each is
         # read from its owner's dict at every call, so the graph gets the module's current tensors (a buffer
         # `module.to` replaced, as get_attr read them)
@@ -106,7 +109,7 @@ class ParallelModule(nn.Module):
         params = [i for i, (owner, name) in enumerate(slots) if isinstance(owner[name], nn.Parameter)]
         trainable = tuple(slots[i][0][slots[i][1]].requires_grad for i in params)
         sync_key = (tuple(sorted(info.grad_sync_axes.items())), trainable)
-        return _Graph(gm, traced.out_spec, traced.loss_index, slots, params, sync_key)
+        return _Graph(gm, traced.out_spec, traced.loss_index, slots, params, sync_key, casts)
 
     def _trainable(self) -> tuple[bool, ...]:
         return tuple(owner[name].requires_grad for owner, name in self._param_slots)
@@ -139,7 +142,8 @@ class ParallelModule(nn.Module):
         flat, spec = pytree.tree_flatten((args, kwargs))
         if spec != self._in_spec:
             raise LoweringError(f"called with inputs structured as {spec}; the model was traced with {self._in_spec}")
-        key = _signature(flat, self.training, self._trainable())
+        autocast = torch.get_autocast_dtype(self._device_type) if torch.is_autocast_enabled(self._device_type) else None
+        key = _signature(flat, self.training, self._trainable(), autocast)
         if key != self._key:
             self._use_graph_for(key, flat, spec)
         graph = self._graph
@@ -148,7 +152,8 @@ class ParallelModule(nn.Module):
             self._sync_to(graph)  # a parameter was set anew since the sync was built
         elif graph.sync_key != self._sync_key and torch.is_grad_enabled():
             self._sync_to(graph)  # another graph's gradients are summed over other axes
-        with grads_scaled_by(self._sync):  # a mean loss may leave its division by the count to the sync
+        # a mean loss may leave its division by the count to the sync; autocast's casts, if any, are in the graph
+        with grads_scaled_by(self._sync), (torch.autocast(self._device_type, enabled=False) if graph.casts else nullcontext()):
             outs = list(graph.gm(*state, *flat))
         if torch.is_grad_enabled():
             if any(isinstance(t, torch.Tensor) and t.requires_grad for t in flat):
@@ -169,47 +174,31 @@ class ParallelModule(nn.Module):
     def _use_graph_for(self, key: tuple, flat: list[Any], spec: Any) -> None:
         """Switch to the graph of inputs with signature `key`, lowering it first if there is none yet."""
         if key not in self._graphs:
-            self._graphs[key] = self._lower_for(flat, spec, key[1])
+            self._graphs[key] = self._lower_for(flat, spec, key[1], key[2])
         self._key = key
         self._use(self._graphs[key])
 
-    def _lower_for(self, flat: list[Any], spec: Any, trainable: tuple[bool, ...]) -> _Graph:
-        """A graph for inputs of other shapes or values, for eval mode or for parameters frozen or unfrozen
-        since (`trainable`: each one's requires_grad): the model traced on the global batch
-        these local inputs are a slice of, checked to have the planned graph's ops, and lowered over this
-        module's own parameters and buffers (the new graph trains the same tensors). In eval mode the training
-        graph with dropout off, when that is all eval mode changes; else the eval graph under a plan that keeps
-        the parameters where they are."""
+    def _lower_for(self, flat: list[Any], spec: Any, trainable: tuple[bool, ...], autocast: torch.dtype | None) -> _Graph:
+        """A graph for inputs of other shapes or values, for eval mode, for autocast, or for parameters frozen or
+        unfrozen since (`trainable`: each one's requires_grad): the model traced on the global batch these local
+        inputs are a slice of (`_graph_to_run`), lowered over this module's own parameters and buffers (the new
+        graph trains the same tensors): under the module's plan when it has the planned graph's ops, else under
+        a plan of its own that keeps every parameter where the module's plan stores it."""
         shapes = [tuple(x.shape) if isinstance(x, torch.Tensor) else x for x in flat]
-        mode = "training" if self.training else "eval"
+        mode = ("training" if self.training else "eval") + (f" mode, autocast to {autocast}" if autocast else " mode")
         if self._retracer is None:
-            raise LoweringError(f"inputs {shapes} ({mode} mode) are not those this module was lowered for, and it "
+            raise LoweringError(f"inputs {shapes} ({mode}) are not those this module was lowered for, and it "
                                 "cannot trace the model again: build it with autopar.parallelize")
         start = time.perf_counter()
-        world = math.prod(self.mesh.shape)
-        batch_flat = flat if self.info.input_layout == "replicate" else global_like(flat, world)
-        args, kwargs = pytree.tree_unflatten(batch_flat, spec)
-        batch = kwargs if kwargs else args  # as a sample input is given (`tracer.split_sample_input`)
-        planned = _numel([self._traced.node(n).meta["val"] for n in self._traced.input_names])
-        if _numel(batch_flat) > planned and torch.distributed.get_rank() == 0:
-            log.warning("parallel module: inputs %s hold more elements than the sample the plan was solved for (%d "
-                        "against %d): its memory prediction (%.3g GB per device) does not cover them", shapes,
-                        _numel(batch_flat), planned, self.plan.memory.total_bytes / 1e9)
-        traced, plan = self._retracer.trace(batch, True), self.plan
-        _check_same_ops(self._traced, traced, self.plan, shapes)
-        how = "the plan's graph"
-        if not self.training:
-            evaluated = self._retracer.trace(batch, False)
-            difference = eval_difference(traced, evaluated)
-            if difference is None:
-                traced, how = without_dropout(traced), "the plan's graph with dropout off"
-            elif self._retracer.replan is None:
-                raise LoweringError(f"in eval mode the model computes something other than its training graph with "
-                                    f"dropout off ({difference}), and this module cannot plan another graph: build it with autopar.parallelize")
-            else:
-                traced, plan = evaluated, self._retracer.replan(evaluated, self.plan)
-                how = f"the eval graph (it differs at {difference}) under a plan keeping the parameters"
-        frozen = frozenset(_param_fqns(self._graphs[next(iter(self._graphs))])[i] for i, t in enumerate(trainable) if not t)
+        traced, how = self._graph_to_run(self._global_batch(flat, spec, shapes), autocast)
+        plan, difference = self.plan, _ops_difference(self._traced, traced)
+        if difference is not None:  # code that depends on the sizes, autocast's casts, eval-mode branches
+            if self._retracer.replan is None:
+                raise LoweringError(f"at inputs {shapes} ({mode}) the model traces to other ops than the graph its plan "
+                                    f"was solved for ({difference}), and this module cannot plan another graph: build it with autopar.parallelize")
+            plan = self._retracer.replan(traced, self.plan)
+            how += f" (it differs at {difference}) under a plan of its own keeping the parameters"
+        frozen = frozenset(_param_fqns(self._first)[i] for i, t in enumerate(trainable) if not t)
         try:
             gm = lower(traced, plan, self.mesh, params=dict(self.named_parameters(remove_duplicate=False)),
                        buffers=dict(self.named_buffers(remove_duplicate=False)), input_layout=self.info.input_layout,
@@ -218,16 +207,39 @@ class ParallelModule(nn.Module):
             raise LoweringError(f"inputs {shapes} cannot run under this module's plan: {err}; feed sizes its sharded dims "
                                 "divide into, or parallelize again with a sample of these sizes") from err
         info: LoweringInfo = gm.meta["autopar"]
-        graph = self._graph_of(gm, traced)
-        if _param_fqns(graph) != _param_fqns(self._graphs[next(iter(self._graphs))]) or info.param_storage != self.info.param_storage:
-            raise LoweringError(f"at inputs {shapes} ({mode} mode) the model reads its parameters otherwise than the planned "
+        graph = self._graph_of(gm, traced, casts=autocast is not None)
+        if _param_fqns(graph) != _param_fqns(self._first) or info.param_storage != self.info.param_storage:
+            raise LoweringError(f"at inputs {shapes} ({mode}) the model reads its parameters otherwise than the planned "
                                 "graph does; parallelize again with a sample of these sizes")
         if torch.distributed.get_rank() == 0:
             level = logging.WARNING if len(self._graphs) >= _MANY_GRAPHS else logging.INFO
-            log.log(level, "parallel module: new inputs %s (%s mode): %s, traced and lowered in %.2f s, graph %d of this "
+            log.log(level, "parallel module: new inputs %s (%s): %s, traced and lowered in %.2f s, graph %d of this "
                     "module; each new shape costs a trace (pad inputs to a few fixed sizes to avoid it)", shapes, mode, how,
                     time.perf_counter() - start, len(self._graphs) + 1)
         return graph
+
+    def _global_batch(self, flat: list[Any], spec: Any, shapes: list[Any]) -> Any:
+        """The global batch whose slices these local inputs are (meta tensors), as a sample input is given
+        (`tracer.split_sample_input`); logged when it holds more than the sample the plan was solved for."""
+        batch_flat = flat if self.info.input_layout == "replicate" else global_like(flat, math.prod(self.mesh.shape))
+        planned = _numel([self._traced.node(n).meta["val"] for n in self._traced.input_names])
+        if _numel(batch_flat) > planned and torch.distributed.get_rank() == 0:
+            log.warning("parallel module: inputs %s hold more elements than the sample the plan was solved for (%d "
+                        "against %d): its memory prediction (%.3g GB per device) does not cover them", shapes,
+                        _numel(batch_flat), planned, self.plan.memory.total_bytes / 1e9)
+        args, kwargs = pytree.tree_unflatten(batch_flat, spec)
+        return kwargs if kwargs else args
+
+    def _graph_to_run(self, batch: Any, autocast: torch.dtype | None) -> tuple[TracedGraph, str]:
+        """The model traced on `batch` (under autocast to `autocast`, whose casts the graph then holds), and what
+        it is. In eval mode, the training graph with dropout off when that is all eval mode changes."""
+        traced = self._retracer.trace(batch, True, autocast)
+        if self.training:
+            return traced, "the model's graph"
+        evaluated = self._retracer.trace(batch, False, autocast)
+        if eval_difference(traced, evaluated) is None:
+            return without_dropout(traced), "the training graph with dropout off"
+        return evaluated, "the eval graph"
 
     def _sync_to(self, graph: _Graph) -> None:
         """The gradient sync rebuilt for `graph` over the current parameters: when a parameter was set anew on its
@@ -305,10 +317,10 @@ class ParallelModule(nn.Module):
         return nn.modules.module._IncompatibleKeys(missing, unexpected)
 
 
-def _signature(flat: list[Any], training: bool, trainable: tuple[bool, ...]) -> tuple:
-    """What a graph is lowered for: the mode, which parameters take a gradient, each tensor input's shape and
-    dtype, each other input's value."""
-    return (training, trainable, *((x.shape, x.dtype) if isinstance(x, torch.Tensor) else _leaf_key(x) for x in flat))
+def _signature(flat: list[Any], training: bool, trainable: tuple[bool, ...], autocast: torch.dtype | None) -> tuple:
+    """What a graph is lowered for: the mode, which parameters take a gradient, the autocast dtype (None: off),
+    each tensor input's shape and dtype, each other input's value."""
+    return (training, trainable, autocast, *((x.shape, x.dtype) if isinstance(x, torch.Tensor) else _leaf_key(x) for x in flat))
 
 
 def _leaf_key(x: Any) -> Any:
@@ -323,16 +335,17 @@ def _local_inputs(traced: TracedGraph, input_layout: str, world: int) -> list[An
     return vals if input_layout == "replicate" else batch_slice(vals, 0, world)
 
 
-def _check_same_ops(planned: TracedGraph, traced: TracedGraph, plan: Plan, shapes: list[Any]) -> None:
-    """Raise unless the model traced at other inputs has the planned graph's ops and parameters."""
-    a, b = fingerprint(planned, plan.mesh, None), fingerprint(traced, plan.mesh, None)
-    if (a.ops_sha, a.params_sha) == (b.ops_sha, b.params_sha):
-        return
-    ours = [f"{n.name}: {n.target}" for n in planned.graph.nodes]
-    theirs = [f"{n.name}: {n.target}" for n in traced.graph.nodes]
-    first = next((f"'{y}' where the plan has '{x}'" for x, y in zip(ours, theirs) if x != y), "a different number of ops")
-    raise LoweringError(f"at inputs {shapes} the model traces to other ops than the graph its plan was solved for "
-                        f"({first}): its code depends on these sizes or values; parallelize again with a sample of them")
+def _ops_difference(planned: TracedGraph, traced: TracedGraph) -> str | None:
+    """None when `traced` has the planned graph's ops (node names and targets, in order); else the first that differs."""
+    ours = [f"{n.name}: {_target(n)}" for n in planned.graph.nodes]
+    theirs = [f"{n.name}: {_target(n)}" for n in traced.graph.nodes]
+    if ours == theirs:
+        return None
+    return next((f"'{y}' where the plan has '{x}'" for x, y in zip(ours, theirs) if x != y), "a different number of ops")
+
+
+def _target(node: fx.Node) -> str:
+    return str(node.target) if node.op == "call_function" else node.op
 
 
 def _numel(values: list[Any]) -> int:

@@ -193,29 +193,31 @@ def solve_keeping_params(
 
 
 def _keeping(traced: TracedGraph, built: BuiltProblem, pins: Mapping[str, ParamDecision]) -> Restrictions | None:
-    """Restrictions holding every parameter of `traced` to its pinned use and storage (None: a problem node
-    stands for parameters pinned differently)."""
+    """Restrictions holding every parameter of `traced` to its pinned storage (None: a problem node stands for
+    parameters that cannot all be held so). A parameter is used as pinned (gathered from its ZeRO storage where
+    it has one) when one of the node's options makes that storage, else it is used as stored."""
     g = built.grouping
     allowed, zero = {}, {}
     for v, node in enumerate(built.problem.nodes):
-        leaders = [g.clusters[c].leader for c in g.classes[v]]
-        pinned = [pins[traced.param_fqns[n]] for n in leaders if n in traced.param_fqns]
-        if not pinned:
+        members = [(n, pins[traced.param_fqns[n]]) for n in (g.clusters[c].leader for c in g.classes[v]) if n in traced.param_fqns]
+        if not members:
             continue
-        if len({p.zero for p in pinned}) > 1:
-            return None
 
-        def keeps(s: int) -> bool:
-            for n in leaders:
+        def as_planned(s: int) -> bool:
+            for n, p in members:
                 k = built.member_strategy(n, s)
-                p = pins[traced.param_fqns[n]]
                 if built.strategies[n][k].output_specs[0] != p.use or (p.zero and built.storage.get((n, k)) != p.storage):
                     return False
             return True
-        allowed[v] = frozenset(s for s in range(len(node.options)) if keeps(s))
+
+        def as_stored(s: int) -> bool:
+            return all(built.strategies[n][built.member_strategy(n, s)].output_specs[0] == p.storage for n, p in members)
+
+        options = range(len(node.options))
+        planned = frozenset(filter(as_planned, options)) if len({p.zero for _, p in members}) == 1 else frozenset()
+        allowed[v], zero[v] = (planned, members[0][1].zero) if planned else (frozenset(filter(as_stored, options)), False)
         if not allowed[v]:
             return None
-        zero[v] = pinned[0].zero
     return Restrictions(allowed, recompute="never", zero_nodes=zero)
 
 

@@ -19,7 +19,7 @@ from tests.codegen.harness import LogRecords, check_plan, local_sample, referenc
 from tests.codegen.plans import cpu_mesh, greedy_plan, load_zoo, random_plan
 
 from autopar.codegen import ParallelModule, lower
-from autopar.codegen.shapes import LoweringError
+from autopar.codegen.shapes import LoweringError, local_block
 from autopar.runtime.launch import run_ranks
 from autopar.runtime.mesh import ProcessMesh
 
@@ -84,6 +84,46 @@ def test_freezing_and_unfreezing_after_parallelize():
     plans = [("data parallel", greedy_plan(traced, mesh, {n: "S(0)S(0)" for n in traced.input_names}))]
     plans += [(f"random {i}", random_plan(traced, mesh, rng)) for i in range(2)]
     run_ranks(_train_freezing, 4, (2, 2), model, sample, traced, plans, ref, timeout_s=220)
+
+
+def _autocast_step(rank, world, model, sample, traced, plans, want_grads):
+    mesh = ProcessMesh((world,))
+    out = []
+    for plan in plans:
+        pm = ParallelModule(lower(traced, plan, mesh, params=dict(model.named_parameters(remove_duplicate=False))),
+                            traced, mesh, plan, retracer(model, sample))
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = pm(**local_sample(sample, pm)[1])
+        loss.backward()
+        worst = 0.0  # each gradient's largest error, relative to its largest entry
+        for fqn, p in pm.named_parameters():
+            want = local_block(want_grads[fqn], pm.info.param_storage[fqn], mesh.shape, mesh.coordinate)
+            worst = max(worst, ((p.grad - want).abs().max() / want.abs().max()).item())
+        out.append((loss.item(), loss.dtype, worst))
+    return out
+
+
+@pytest.mark.timeout(240)
+def test_autocast_runs_as_eager_autocast():
+    """Under `torch.autocast` (bfloat16) the module traces the model under autocast once, so its graph casts
+    where eager autocast does (the cross-entropy in float32), and runs it under a plan keeping the parameters,
+    data parallel or random (ZeRO storage included): the loss is eager autocast's, gradients within bf16 error."""
+    model, sample = _gpt2(4, 16)
+    traced = trace_model(model, sample)
+    mesh = cpu_mesh((2,))
+    rng = random.Random(1)
+    plans = [greedy_plan(traced, mesh, {n: "S(0)" for n in traced.input_names}), random_plan(traced, mesh, rng),
+             random_plan(traced, mesh, rng)]
+    assert any(p.zero for plan in plans for p in plan.params)
+    single = copy.deepcopy(model)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        want = single(**sample)
+    want.backward()
+    want_grads = {fqn: p.grad for fqn, p in single.named_parameters()}
+    for rank_results in run_ranks(_autocast_step, 2, model, sample, traced, plans, want_grads, timeout_s=220):
+        for loss, dtype, grad_error in rank_results:
+            assert dtype == torch.float32 and loss == pytest.approx(want.item(), rel=1e-5)
+            assert grad_error < 3e-2
 
 
 def _eval_losses(rank, world, model, sample, traced, plan, other):
@@ -154,9 +194,10 @@ class _ShapeBranch(nn.Module):
 def _outputs_or_errors(rank, world, cases):
     mesh = ProcessMesh((world,))
     out = []
-    for model, sample, traced, plan, other, evaluate in cases:
+    for model, sample, traced, plan, other, evaluate, can_retrace in cases:
         pm = ParallelModule(lower(traced, plan, mesh, params=dict(model.named_parameters(remove_duplicate=False)),
-                                  buffers=dict(model.named_buffers())), traced, mesh, plan, retracer(model, sample))
+                                  buffers=dict(model.named_buffers())), traced, mesh, plan,
+                            retracer(model, sample) if can_retrace else None)
         pm.train(not evaluate)
         try:
             with torch.no_grad():
@@ -167,24 +208,27 @@ def _outputs_or_errors(rank, world, cases):
 
 
 @pytest.mark.timeout(120)
-def test_eval_graph_of_its_own_and_shape_dependent_code():
-    """Batch norm in eval mode (running statistics: not the training graph without dropout) runs under a
-    plan of its own that keeps the parameters where they are, data-parallel or sharded, and gives the
-    single-device eval output; code that branches on the batch size raises, naming the shapes."""
+def test_graphs_with_other_ops_get_plans_of_their_own():
+    """Batch norm in eval mode (running statistics: not the training graph without dropout) and code that
+    branches on the batch size trace to other ops than the planned graph: each runs under a plan of its own
+    that keeps the parameters where they are, data-parallel or sharded, and gives the single-device output.
+    A module built from a lowered graph alone cannot trace again: it raises, naming the inputs."""
     torch.manual_seed(0)
     bn, x, other = _BatchNormNet(), torch.randn(8, 8), torch.randn(4, 8)
     bn(x)  # running statistics off their initial values
     bn.bn.running_var.mul_(3.0)
+    branch = _ShapeBranch()
     cases = []
     for pins in ({}, {"x": "S(0)"}, {"p_fc_weight": "S(0)"}):
-        traced = trace_model(bn, (x,))
-        cases.append((bn, (x,), traced, greedy_plan(traced, cpu_mesh((2,)), pins), (other,), True))
-    branch, sample = _ShapeBranch(), torch.randn(8, 8)
-    traced = trace_model(branch, (sample,))
-    cases.append((branch, (sample,), traced, greedy_plan(traced, cpu_mesh((2,)), {"x": "S(0)"}), (other,), False))
+        for model, evaluate in ((bn, True), (branch, False)):
+            traced = trace_model(model, (x,))
+            cases.append((model, (x,), traced, greedy_plan(traced, cpu_mesh((2,)), pins), (other,), evaluate, True))
+    cases.append(cases[1][:-1] + (False,))
     results = run_ranks(_outputs_or_errors, 2, cases, timeout_s=100)
     with torch.no_grad():
-        want = bn.eval()(other).item()
+        want = [bn.eval()(other).item(), branch(other).item()] * 3
+        # the planned graph (batch 8: tanh) would give another value than the batch of 4 does (no tanh)
+        assert torch.tanh(branch.fc(other)).square().mean().item() != pytest.approx(want[1], rel=1e-3)
     for got in results:
-        assert got[:3] == pytest.approx([want] * 3, rel=1e-5), got
-        assert "[(2, 8)]" in got[3] and "other ops" in got[3] and "tanh" in got[3], got[3]
+        assert got[:6] == pytest.approx(want, rel=1e-5), got
+        assert "[(2, 8)]" in got[6] and "cannot trace the model again" in got[6], got[6]
