@@ -12,17 +12,19 @@ graph's own submodules, shared, so `named_parameters()` reads
 `load_state_dict()` takes full tensors and keeps this rank's block.
 
 A graph is lowered for the input shapes (and non-tensor inputs) it was traced with, in
-training mode. Inputs of other shapes (an epoch's last, smaller batch; another sequence
-length), other non-tensor inputs or eval mode (`pm.eval()`: dropout off) get a graph of
-their own, traced and lowered once under the same plan over the same parameters, and kept.
+training mode, without autocast, for the parameters that required grad then. Other inputs
+(an epoch's last, smaller batch; another sequence length), eval mode (`pm.eval()`: dropout
+off), `torch.autocast` or parameters frozen or unfrozen since get a graph of their own,
+traced once over the same parameters and kept: under the same plan when it has the planned
+graph's ops, else under a plan of its own that keeps the parameters where they are.
 """
 from __future__ import annotations
 
 import logging
 import math
-from contextlib import nullcontext
 import operator
 import time
+from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping, NamedTuple
 
@@ -75,8 +77,8 @@ class _Graph(NamedTuple):
 
 class ParallelModule(nn.Module):
     def __init__(self, gm: fx.GraphModule, traced: TracedGraph, mesh: ProcessMesh, plan: Plan, retracer: Retracer | None = None):
-        """retracer: traces the model again for inputs of other shapes or for eval mode (None: such inputs
-        raise, naming them)."""
+        """retracer: traces the model again for inputs the first graph was not lowered for: other shapes, eval
+        mode, autocast, parameters frozen or unfrozen since (None: such inputs raise, naming them)."""
         super().__init__()
         info: LoweringInfo = gm.meta["autopar"]
         share_tree(self, gm)  # the graph's parameter tree, so FQNs are the original ones (no "graph." prefix)
