@@ -9,7 +9,9 @@ the config's defaults otherwise (KV cache on). It is parallelized with the solve
 plan on gloo ranks and takes one step; the table gives the loss and the largest
 gradient error against the same step on one device. Gradients are read back
 whatever the plan's layout: one SGD step with learning rate 1 on both sides, then
-the full state dicts' differences. A family that fails prints the error's last line.
+the full state dicts' differences. The last column is eval mode (`pm.eval()`) with the
+config's own dropout: the loss error against the model's eval loss on one device. A
+family that fails prints the error's last line.
 """
 from __future__ import annotations
 
@@ -98,18 +100,31 @@ def _step(rank, world, model, sample, mesh, budget):
     return loss.item(), {k: v - after[k] for k, v in model.state_dict().items() if v.is_floating_point()}
 
 
-def check(name: str, mesh: tuple[int, ...], budget: float | None) -> tuple[float, float, float]:
-    """(single-device loss, loss error, largest gradient error) of one family."""
+def _eval_loss(rank, world, model, sample, mesh, budget):
+    """The eval-mode loss under the solver's plan (dropout off, as `pm.eval()` turns it off)."""
+    pm = autopar.parallelize(copy.deepcopy(model), sample, mesh, memory_budget=budget)
+    pm.eval()
+    args, kwargs = pm.local_batch(split_sample_input(sample))
+    with torch.no_grad():
+        return pm(*args, **kwargs).loss.item()
+
+
+def check(name: str, mesh: tuple[int, ...], budget: float | None) -> tuple[float, float, float, float]:
+    """(single-device loss, loss error, largest gradient error, eval-mode loss error) of one family."""
     torch.manual_seed(0)
     build, kind = FAMILIES[name]
-    model = without_dropout(build())
+    with_dropout = build()
+    model = without_dropout(copy.deepcopy(with_dropout))
     sample = sample_for(kind)
     ref = copy.deepcopy(model)
     ref_loss = ref(**sample).loss
     ref_loss.backward()
     loss, step = run_ranks(_step, math.prod(mesh), model, sample, mesh, budget, timeout_s=600)[0]
     grad_error = max((step[k] - p.grad).abs().max().item() for k, p in ref.named_parameters() if p.grad is not None)
-    return ref_loss.item(), abs(loss - ref_loss.item()), grad_error
+    with torch.no_grad():
+        eval_ref = copy.deepcopy(with_dropout).eval()(**sample).loss.item()
+    eval_loss = run_ranks(_eval_loss, math.prod(mesh), with_dropout, sample, mesh, budget, timeout_s=600)[0]
+    return ref_loss.item(), abs(loss - ref_loss.item()), grad_error, abs(eval_loss - eval_ref)
 
 
 def main() -> None:
@@ -120,12 +135,12 @@ def main() -> None:
     opts = parser.parse_args()
     mesh = tuple(int(n) for n in opts.mesh.split("x"))
     names = opts.only.split(",") if opts.only else list(FAMILIES)
-    print(f"{'family':16} {'loss':>9} {'loss err':>9} {'grad err':>9}")
+    print(f"{'family':16} {'loss':>9} {'loss err':>9} {'grad err':>9} {'eval err':>9}")
     failed = 0
     for name in names:
         try:
-            loss, loss_error, grad_error = check(name, mesh, opts.memory)
-            print(f"{name:16} {loss:9.5f} {loss_error:9.1e} {grad_error:9.1e}", flush=True)
+            loss, loss_error, grad_error, eval_error = check(name, mesh, opts.memory)
+            print(f"{name:16} {loss:9.5f} {loss_error:9.1e} {grad_error:9.1e} {eval_error:9.1e}", flush=True)
         except Exception as err:  # a sweep: report every family
             failed += 1
             print(f"{name:16} failed: {str(err).strip().splitlines()[-1][:200]}", flush=True)
