@@ -124,9 +124,9 @@ def parallelize(
 
 
 def make_retracer(model: nn.Module, sample_input: Any, device: str, optimizer: str = "adamw", time_limit_s: float = 30.0) -> Retracer:
-    """How a `ParallelModule` of `model` traces it again (on `device`, as it was first) for inputs of other
-    shapes or for eval mode, and plans an eval graph that is more than the training graph without dropout
-    (on rank 0: every rank calls it at once). The model's code is kept with its parameters on `meta`."""
+    """How a `ParallelModule` of `model` traces it again (on `device`, as it was first) for inputs it was not
+    lowered for, and plans a graph with other ops than its plan's (on rank 0: every rank calls it at once).
+    The model's code is kept with its parameters on `meta`."""
     shape_only = capture_copy(model, sample_input, "meta")[0]
 
     def traced(batch: Any, training: bool, autocast: torch.dtype | None) -> TracedGraph:

@@ -1,4 +1,4 @@
-"""The training graph run in eval mode: dropout off, and nothing else may differ.
+"""Eval mode as the training graph with dropout off, where that is all eval mode changes.
 
 A plan is solved for the model's training forward, and `ParallelModule` runs that graph.
 In eval mode (`pm.eval()`) most transformers compute the same ops but for dropout

@@ -171,8 +171,10 @@ def solve_keeping_params(
     time_limit_s: float = 30.0,
 ) -> Plan:
     """The fastest plan for another graph of a model whose parameters are already stored as `params` say
-    (another plan's decisions): each parameter keeps its use and storage specs, every other node is free.
-    A model's eval-mode graph gets its plan so (`ParallelModule`); nothing is recomputed."""
+    (another plan's decisions): each parameter keeps its storage spec (used as that plan uses it where an
+    option gathers it so, else as stored), every other node is free, nothing is recomputed. A
+    `ParallelModule` plans so the graphs it traces with other ops than its plan's (eval mode, autocast,
+    code that depends on the sizes)."""
     pins = {p.fqn: p for p in params}
     missing = sorted(set(traced.param_fqns.values()) - set(pins))
     if missing:
@@ -180,11 +182,12 @@ def solve_keeping_params(
     budget = _budget(mesh, memory_budget_bytes)
     built = _build(traced, profile, mesh, budget, None)
     restrictions = _keeping(traced, built, pins)
-    if restrictions is None:  # repeated layers tied into one class are stored differently: decide them one by one
+    if isinstance(restrictions, str):  # repeated layers tied into one class are stored differently: one by one
         built = _build(traced, profile, mesh, budget, None, grouped=False)
         restrictions = _keeping(traced, built, pins)
-    if restrictions is None:
-        raise AutoparError("the graph cannot read its parameters as they are stored (no strategy uses them so)")
+    if isinstance(restrictions, str):
+        raise AutoparError(f"no strategy of this graph reads parameter {restrictions!r} as it is stored "
+                           f"({pins[restrictions].storage}); parallelize again with a sample of these inputs")
     try:
         sol = solve_problem(built.problem, time_limit_s, restrictions=restrictions)
     except InfeasibleError:
@@ -192,9 +195,9 @@ def solve_keeping_params(
     return to_plan(traced, mesh, built, sol)
 
 
-def _keeping(traced: TracedGraph, built: BuiltProblem, pins: Mapping[str, ParamDecision]) -> Restrictions | None:
-    """Restrictions holding every parameter of `traced` to its pinned storage (None: a problem node stands for
-    parameters that cannot all be held so). A parameter is used as pinned (gathered from its ZeRO storage where
+def _keeping(traced: TracedGraph, built: BuiltProblem, pins: Mapping[str, ParamDecision]) -> Restrictions | str:
+    """Restrictions holding every parameter of `traced` to its pinned storage (or the FQN of one that a problem
+    node standing for it cannot hold so). A parameter is used as pinned (gathered from its ZeRO storage where
     it has one) when one of the node's options makes that storage, else it is used as stored."""
     g = built.grouping
     allowed, zero = {}, {}
@@ -217,7 +220,7 @@ def _keeping(traced: TracedGraph, built: BuiltProblem, pins: Mapping[str, ParamD
         planned = frozenset(filter(as_planned, options)) if len({p.zero for _, p in members}) == 1 else frozenset()
         allowed[v], zero[v] = (planned, members[0][1].zero) if planned else (frozenset(filter(as_stored, options)), False)
         if not allowed[v]:
-            return None
+            return members[0][1].fqn
     return Restrictions(allowed, recompute="never", zero_nodes=zero)
 
 

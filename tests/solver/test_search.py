@@ -10,9 +10,9 @@ import torch
 from tests.zoo import load_zoo
 from autopar.errors import InfeasibleError
 from autopar.profiler import profile
-from autopar.solver import baseline_plans, fixed_plan, solve, solve_for_devices
+from autopar.solver import baseline_plans, fixed_plan, solve, solve_for_devices, solve_keeping_params
 from autopar.solver.mesh import MeshAxis, make_mesh
-from autopar.solver.spec import Shard
+from autopar.solver.spec import Shard, Spec
 from autopar.tracer import trace
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -242,3 +242,21 @@ def test_frozen_parameters_cost_no_gradient_memory_or_sync():
     assert full.grads_bytes - part.grads_bytes == frozen_bytes
     assert full.optimizer_bytes - part.optimizer_bytes == 2 * frozen_bytes + 4 * n_frozen
     assert plans[True].time.comm_s < plans[False].time.comm_s
+
+
+def test_solve_keeping_params_holds_every_parameter_where_it_is_stored():
+    """Another graph of a model whose parameters a plan already stores: the plan kept for it stores each one
+    the same way, as that plan uses it (ZeRO included) or, where its storage is no option's ZeRO storage
+    (sharded on another dim), used as stored."""
+    traced, prof = mlp(2, 1024, 4096, 32768)
+    mesh = slow_mesh(4, 50e9)
+    dp = solve(traced, prof, mesh)
+    tight = solve(traced, prof, mesh, memory_budget_bytes=0.7 * dp.memory.total_bytes)
+    assert any(p.zero for p in tight.params)
+    first = tight.params[0]
+    odd = dataclasses.replace(first, storage=Spec.parse("S(1)" if first.storage != Spec.parse("S(1)") else "S(0)"))
+    for pins in (tight.params, (odd, *tight.params[1:])):
+        kept = solve_keeping_params(traced, prof, mesh, pins)
+        assert {p.fqn: p.storage for p in kept.params} == {p.fqn: p.storage for p in pins}
+        assert kept.recomputed() == ()
+    assert {p.fqn: p.use for p in kept.params}[odd.fqn] == odd.storage  # used as stored
