@@ -226,9 +226,11 @@ class ParallelModule(nn.Module):
         batch_flat = flat if self.info.input_layout == "replicate" else global_like(flat, math.prod(self.mesh.shape))
         planned = _numel([self._traced.node(n).meta["val"] for n in self._traced.input_names])
         if _numel(batch_flat) > planned and torch.distributed.get_rank() == 0:
+            whole = self.info.input_layout == "shard" and _numel(flat) == planned  # a global batch fed on every rank?
             log.warning("parallel module: inputs %s hold more elements than the sample the plan was solved for (%d "
-                        "against %d): its memory prediction (%.3g GB per device) does not cover them", shapes,
-                        _numel(batch_flat), planned, self.plan.memory.total_bytes / 1e9)
+                        "against %d): its memory prediction (%.3g GB per device) does not cover them%s", shapes,
+                        _numel(batch_flat), planned, self.plan.memory.total_bytes / 1e9,
+                        "; if every rank fed the whole batch, each should feed its own slice (pm.local_batch(batch))" if whole else "")
         args, kwargs = pytree.tree_unflatten(batch_flat, spec)
         return kwargs if kwargs else args
 

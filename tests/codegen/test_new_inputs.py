@@ -162,7 +162,10 @@ def test_eval_mode_turns_dropout_off():
         assert got == pytest.approx(want, rel=1e-5)
         assert graphs_switched  # back to the training graph, then another for the larger batch
     # rank 0 says once that a batch larger than the sample is beyond the plan's memory prediction
-    assert [m for m in logged0 if "more elements than the sample" in m and "(256 against 128)" in m], logged0
+    larger = [m for m in logged0 if "more elements than the sample" in m]
+    assert len(larger) == 1 and "(256 against 128)" in larger[0], logged0
+    # each rank fed as many rows as the sample's whole batch: what a rank feeding the global batch does
+    assert "pm.local_batch(batch)" in larger[0], larger[0]
     assert not logged1
 
 
