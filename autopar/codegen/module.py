@@ -42,6 +42,7 @@ from autopar.runtime.grad_sync import GradSync
 from autopar.runtime.mesh import ProcessMesh
 from autopar.runtime.state_dict import full_state_dict, load_full_state_dict
 from autopar.solver.plan import Plan
+from autopar.solver.plan_io import op_name
 from autopar.solver.spec import Spec
 from autopar.tracer import TracedGraph
 
@@ -97,6 +98,9 @@ class ParallelModule(nn.Module):
         self._device_type = mesh.device_mesh.device_type  # whose autocast state a graph's signature holds
         self._key = _signature(_local_inputs(traced, info.input_layout, math.prod(mesh.shape)), True, self._trainable(), None)
         self._graphs = {self._key: first}
+        # per signature but for the requires_grad flags: the graph traced for it, its plan, and what it is (a
+        # parameter frozen or unfrozen lowers these again, without another trace or solve)
+        self._planned: dict[tuple, tuple[TracedGraph, Plan, str]] = {_without_flags(self._key): (traced, plan, "the plan's graph")}
         self._use(first)
         self._sync = _make_grad_sync(self, info, mesh)
         self._sync_key = first.sync_key
@@ -176,30 +180,22 @@ class ParallelModule(nn.Module):
     def _use_graph_for(self, key: tuple, flat: list[Any], spec: Any) -> None:
         """Switch to the graph of inputs with signature `key`, lowering it first if there is none yet."""
         if key not in self._graphs:
-            self._graphs[key] = self._lower_for(flat, spec, key[1], key[2])
+            self._graphs[key] = self._lower_for(key, flat, spec)
         self._key = key
         self._use(self._graphs[key])
 
-    def _lower_for(self, flat: list[Any], spec: Any, trainable: tuple[bool, ...], autocast: torch.dtype | None) -> _Graph:
+    def _lower_for(self, key: tuple, flat: list[Any], spec: Any) -> _Graph:
         """A graph for inputs of other shapes or values, for eval mode, for autocast, or for parameters frozen or
-        unfrozen since (`trainable`: each one's requires_grad): the model traced on the global batch these local
-        inputs are a slice of (`_graph_to_run`), lowered over this module's own parameters and buffers (the new
-        graph trains the same tensors): under the module's plan when it has the planned graph's ops, else under
-        a plan of its own that keeps every parameter where the module's plan stores it."""
+        unfrozen since: the graph `_plan_for` traced and planned for these inputs, lowered over this module's own
+        parameters and buffers (the new graph trains the same tensors) with the parameters frozen that are."""
+        training, trainable, autocast = key[:3]
         shapes = [tuple(x.shape) if isinstance(x, torch.Tensor) else x for x in flat]
-        mode = ("training" if self.training else "eval") + (f" mode, autocast to {autocast}" if autocast else " mode")
-        if self._retracer is None:
-            raise LoweringError(f"inputs {shapes} ({mode}) are not those this module was lowered for, and it "
-                                "cannot trace the model again: build it with autopar.parallelize")
+        mode = ("training" if training else "eval") + (f" mode, autocast to {autocast}" if autocast else " mode")
         start = time.perf_counter()
-        traced, how = self._graph_to_run(self._global_batch(flat, spec, shapes), autocast)
-        plan, difference = self.plan, _ops_difference(self._traced, traced)
-        if difference is not None:  # code that depends on the sizes, autocast's casts, eval-mode branches
-            if self._retracer.replan is None:
-                raise LoweringError(f"at inputs {shapes} ({mode}) the model traces to other ops than the graph its plan "
-                                    f"was solved for ({difference}), and this module cannot plan another graph: build it with autopar.parallelize")
-            plan = self._retracer.replan(traced, self.plan)
-            how += f" (it differs at {difference}) under a plan of its own keeping the parameters"
+        inputs = _without_flags(key)
+        if inputs not in self._planned:
+            self._planned[inputs] = self._plan_for(inputs, flat, spec, shapes, mode)
+        traced, plan, how = self._planned[inputs]
         frozen = frozenset(_param_fqns(self._first)[i] for i, t in enumerate(trainable) if not t)
         try:
             gm = lower(traced, plan, self.mesh, params=dict(self.named_parameters(remove_duplicate=False)),
@@ -215,10 +211,27 @@ class ParallelModule(nn.Module):
                                 "graph does; parallelize again with a sample of these sizes")
         if torch.distributed.get_rank() == 0:
             level = logging.WARNING if len(self._graphs) >= _MANY_GRAPHS else logging.INFO
-            log.log(level, "parallel module: new inputs %s (%s): %s, traced and lowered in %.2f s, graph %d of this "
+            log.log(level, "parallel module: new inputs %s (%s): %s, lowered in %.2f s, graph %d of this "
                     "module; each new shape costs a trace (pad inputs to a few fixed sizes to avoid it)", shapes, mode, how,
                     time.perf_counter() - start, len(self._graphs) + 1)
         return graph
+
+    def _plan_for(self, inputs: tuple, flat: list[Any], spec: Any, shapes: list[Any], mode: str) -> tuple[TracedGraph, Plan, str]:
+        """The model traced on the global batch these local inputs are a slice of (`_graph_to_run`), the plan it
+        runs under and what it is: the module's plan when it has the planned graph's ops, else a plan of its own
+        that keeps every parameter where the module's plan stores it."""
+        if self._retracer is None:
+            raise LoweringError(f"inputs {shapes} ({mode}) are not those this module was lowered for, and it "
+                                "cannot trace the model again: build it with autopar.parallelize")
+        traced, how = self._graph_to_run(inputs, self._global_batch(flat, spec, shapes))
+        difference = _ops_difference(self._traced, traced)
+        if difference is None:
+            return traced, self.plan, how
+        if self._retracer.replan is None:  # code that depends on the sizes, autocast's casts, eval-mode branches
+            raise LoweringError(f"at inputs {shapes} ({mode}) the model traces to other ops than the graph its plan "
+                                f"was solved for ({difference}), and this module cannot plan another graph: build it with autopar.parallelize")
+        plan = self._retracer.replan(traced, self.plan)
+        return traced, plan, how + f" (it differs at {difference}) under a plan of its own keeping the parameters"
 
     def _global_batch(self, flat: list[Any], spec: Any, shapes: list[Any]) -> Any:
         """The global batch whose slices these local inputs are (meta tensors), as a sample input is given
@@ -234,11 +247,14 @@ class ParallelModule(nn.Module):
         args, kwargs = pytree.tree_unflatten(batch_flat, spec)
         return kwargs if kwargs else args
 
-    def _graph_to_run(self, batch: Any, autocast: torch.dtype | None) -> tuple[TracedGraph, str]:
-        """The model traced on `batch` (under autocast to `autocast`, whose casts the graph then holds), and what
-        it is. In eval mode, the training graph with dropout off when that is all eval mode changes."""
-        traced = self._retracer.trace(batch, True, autocast)
-        if self.training:
+    def _graph_to_run(self, inputs: tuple, batch: Any) -> tuple[TracedGraph, str]:
+        """The model traced on `batch` for `inputs` (`_without_flags` of a signature; under autocast, whose casts
+        the graph then holds, if it names a dtype), and what it is. In eval mode, the training graph with dropout
+        off when that is all eval mode changes (the training trace of these inputs is reused when there is one)."""
+        training, autocast = inputs[:2]
+        known = self._planned.get((True, *inputs[1:]))
+        traced = known[0] if known else self._retracer.trace(batch, True, autocast)
+        if training:
             return traced, "the model's graph"
         evaluated = self._retracer.trace(batch, False, autocast)
         if eval_difference(traced, evaluated) is None:
@@ -327,6 +343,11 @@ def _signature(flat: list[Any], training: bool, trainable: tuple[bool, ...], aut
     return (training, trainable, autocast, *((x.shape, x.dtype) if isinstance(x, torch.Tensor) else _leaf_key(x) for x in flat))
 
 
+def _without_flags(key: tuple) -> tuple:
+    """A graph's signature without the parameters' requires_grad flags: what its trace and plan depend on."""
+    return (key[0], *key[2:])
+
+
 def _leaf_key(x: Any) -> Any:
     """A non-tensor input as traced: export specialises the graph on its value (its type, if unhashable)."""
     return x if isinstance(x, (int, float, bool, str, type(None))) else type(x)
@@ -341,15 +362,12 @@ def _local_inputs(traced: TracedGraph, input_layout: str, world: int) -> list[An
 
 def _ops_difference(planned: TracedGraph, traced: TracedGraph) -> str | None:
     """None when `traced` has the planned graph's ops (node names and targets, in order); else the first that differs."""
-    ours = [f"{n.name}: {_target(n)}" for n in planned.graph.nodes]
-    theirs = [f"{n.name}: {_target(n)}" for n in traced.graph.nodes]
+    ours = [f"{n.name}: {op_name(n)}" for n in planned.graph.nodes]
+    theirs = [f"{n.name}: {op_name(n)}" for n in traced.graph.nodes]
     if ours == theirs:
         return None
     return next((f"'{y}' where the plan has '{x}'" for x, y in zip(ours, theirs) if x != y), "a different number of ops")
 
-
-def _target(node: fx.Node) -> str:
-    return str(node.target) if node.op == "call_function" else node.op
 
 
 def _numel(values: list[Any]) -> int:

@@ -264,7 +264,8 @@ def load_plan(path: str | Path) -> Plan:
 
 
 # ---------------------------------------------------------------- fingerprint
-def _op_name(node) -> str:
+def op_name(node) -> str:
+    """What a plan records as a node's op: its target, or its kind for placeholders and the output."""
     return str(node.target) if node.op == "call_function" else node.op
 
 
@@ -292,7 +293,7 @@ def fingerprint(traced: TracedGraph, mesh: Mesh, budget_bytes: float | None) -> 
     shapes = (f"{n.name}:" + ";".join(f"{tuple(str(d) for d in v.shape)}{v.dtype}" for v in output_vals(n) if v is not None) for n in nodes)
     param_shapes = _param_shapes(traced)
     return Fingerprint(
-        ops_sha=_sha(f"{n.name}:{_op_name(n)}" for n in nodes),
+        ops_sha=_sha(f"{n.name}:{op_name(n)}" for n in nodes),
         shapes_sha=_sha(shapes),
         params_sha=_sha(f"{fqn}:{shape}" for fqn, shape in param_shapes),
         mesh_shape=mesh.shape,
@@ -307,7 +308,7 @@ def _some(items: list[str]) -> list[str]:
 
 
 def _op_differences(plan: Plan, traced: TracedGraph) -> list[str]:
-    model_ops = {n.name: _op_name(n) for n in traced.graph.nodes}
+    model_ops = {n.name: op_name(n) for n in traced.graph.nodes}
     out = []
     for d in plan.nodes:
         if d.node not in model_ops:
