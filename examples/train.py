@@ -9,6 +9,12 @@ slice of every global batch (the DDP convention; `--input-layout replicate` feed
 the whole batch). Rank 0 prints the loss of each step: the global mean loss.
 The batches are random tokens drawn from one seeded generator on every rank; with
 `--fixed-batch` the model sees one batch over and over, and the loss falls fast.
+With `--checkpoint DIR` the run resumes from DIR when it holds a checkpoint (model,
+optimizer, step, data generator; saved under any plan or world size) and saves there
+after its last step.
+
+    torchrun --nproc_per_node 4 examples/train.py --steps 5 --checkpoint ckpt
+    torchrun --nproc_per_node 2 examples/train.py --steps 10 --checkpoint ckpt   # steps 5-9
 """
 from __future__ import annotations
 
@@ -74,11 +80,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--fixed-batch", action="store_true", help="train on one batch (overfit: the loss must fall)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--print-code", action="store_true", help="rank 0 prints the generated forward")
+    ap.add_argument("--checkpoint", default=None,
+                    help="a directory: resume from it if it holds a checkpoint; save to it after the last step")
     return ap.parse_args(argv)
 
 
 def train(args: argparse.Namespace) -> list[float]:
-    """Run the training loop on this rank; returns the loss of every step."""
+    """Run the training loop on this rank; returns the loss of every step it ran."""
     rank, world_size, device = init_from_env()
     if rank == 0:
         logging.basicConfig(level=logging.INFO, format="%(message)s")
@@ -97,8 +105,16 @@ def train(args: argparse.Namespace) -> list[float]:
     optimizer = torch.optim.AdamW(pm.parameters(), lr=args.lr)
 
     gen = torch.Generator().manual_seed(args.seed + 1)  # identical batches on every rank; each keeps its slice
+    first_step = 0
+    if args.checkpoint and (Path(args.checkpoint) / ".metadata").exists():
+        loop = {"step": 0, "data": gen.get_state()}  # what the loop needs beyond the model and optimizer
+        pm.load_checkpoint(args.checkpoint, optimizer, extra=loop)
+        first_step = loop["step"]
+        gen.set_state(loop["data"])
+        if rank == 0:
+            print(f"resumed from {args.checkpoint} at step {first_step}", flush=True)
     losses = []
-    for step in range(args.steps):
+    for step in range(first_step, args.steps):
         batch = sample if args.fixed_batch else random_like(sample, gen)
         if args.input_layout == "shard":
             batch = batch_slice(batch, rank, world_size)  # this rank's rows of the global batch, whatever the plan
@@ -114,6 +130,8 @@ def train(args: argparse.Namespace) -> list[float]:
         losses.append(loss.item())  # the global loss, identical on every rank
         if rank == 0:
             print(f"step {step:4d}  loss {losses[-1]:.4f}  {step_ms:7.1f} ms", flush=True)
+    if args.checkpoint:
+        pm.save_checkpoint(args.checkpoint, optimizer, extra={"step": max(first_step, args.steps), "data": gen.get_state()})
     return losses
 
 

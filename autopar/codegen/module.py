@@ -9,7 +9,10 @@
 Parameters are this rank's shards under their original FQNs (the lowered
 graph's own submodules, shared, so `named_parameters()` reads
 `transformer.h.0.attn.c_attn.weight`). `state_dict()` gathers full tensors;
-`load_state_dict()` takes full tensors and keeps this rank's block.
+`load_state_dict()` takes full tensors and keeps this rank's block; `optimizer_state_dict(opt)`
+and `load_optimizer_state_dict(opt, osd)` do the same for an optimizer's state.
+`save_checkpoint(path, opt)` writes both with torch.distributed.checkpoint, each rank its
+shards, and `load_checkpoint(path, opt)` resumes from it under any plan or mesh.
 
 A graph is lowered for the input shapes (and non-tensor inputs) it was traced with, in
 training mode, without autocast, for the parameters that required grad then. Other inputs
@@ -23,6 +26,7 @@ from __future__ import annotations
 import logging
 import math
 import operator
+import os
 import time
 from contextlib import nullcontext
 from dataclasses import dataclass
@@ -30,6 +34,7 @@ from typing import Any, Callable, Mapping, NamedTuple
 
 import torch
 from torch import fx, nn
+from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
 from torch.utils import _pytree as pytree
 
 from autopar.codegen.eval_mode import eval_difference, without_dropout
@@ -40,7 +45,14 @@ from autopar.runtime.deferred_loss import grads_scaled_by, other_output
 from autopar.runtime.grad_norm import clip_grad_norm_
 from autopar.runtime.grad_sync import GradSync
 from autopar.runtime.mesh import ProcessMesh
-from autopar.runtime.state_dict import full_state_dict, load_full_state_dict
+from autopar.runtime.state_dict import (
+    full_state_dict,
+    gather_optimizer_state,
+    load_full_state_dict,
+    load_sharded,
+    save_sharded,
+    shard_optimizer_state,
+)
 from autopar.solver.plan import Plan
 from autopar.solver.plan_io import op_name
 from autopar.solver.spec import Spec
@@ -335,6 +347,50 @@ class ParallelModule(nn.Module):
         owners = {k: t for k, t in own.items() if k not in self.info.aliases}
         load_full_state_dict(owners, full, {fqn: specs[fqn] for fqn in owners}, self.mesh, strict=False)
         return nn.modules.module._IncompatibleKeys(missing, unexpected)
+
+    # ------------------------------------------------------------ optimizer state and checkpoints
+    # The optimizer is the user's, over this module's shards. torch's FQN-keyed optimizer state dict
+    # (`get_optimizer_state_dict`: state by parameter name, a lazily made state created first) is the format;
+    # `runtime.state_dict` splits and joins its per-element tensors as the parameters are split.
+    def _shard_specs(self) -> tuple[dict[str, torch.Tensor], dict[str, Spec]]:
+        """This rank's shards by FQN (tied names included) and each one's storage spec."""
+        specs = self._specs()
+        local = self.sharded_state_dict()
+        return local, {fqn: specs[self.info.aliases.get(fqn, fqn)] for fqn in local}
+
+    def optimizer_state_dict(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+        """`optimizer`'s state as one device's, full tensors by parameter name, on every rank (a collective):
+        what torch's `get_optimizer_state_dict(model, optimizer)` gives for the unsplit model."""
+        local, specs = self._shard_specs()
+        return gather_optimizer_state(get_optimizer_state_dict(self, optimizer), local, specs, self.mesh)
+
+    def load_optimizer_state_dict(self, optimizer: torch.optim.Optimizer, state_dict: Mapping[str, Any]) -> None:
+        """Load one device's optimizer state (`optimizer_state_dict`'s, or torch's `get_optimizer_state_dict`
+        of the unsplit model) into `optimizer`: each rank keeps its blocks."""
+        local, specs = self._shard_specs()
+        set_optimizer_state_dict(self, optimizer, shard_optimizer_state(state_dict, local, specs, self.mesh))
+
+    def save_checkpoint(self, path: str | os.PathLike, optimizer: torch.optim.Optimizer | None = None,
+                        extra: dict[str, Any] | None = None) -> None:
+        """Write this module's parameters and buffers and `optimizer`'s state with torch.distributed.checkpoint,
+        each rank its shards (a collective). It loads under any plan or mesh (`load_checkpoint`) and into one
+        device's model and optimizer with torch alone (keys "model" and "optim", as torch's `get_state_dict`).
+        extra: other state every rank holds alike, saved under "extra" (the loop's step, a scheduler's
+        `state_dict()`, a data generator's state)."""
+        local, specs = self._shard_specs()
+        osd = None if optimizer is None else get_optimizer_state_dict(self, optimizer)
+        save_sharded(local, specs, self.mesh, path, osd, extra)
+
+    def load_checkpoint(self, path: str | os.PathLike, optimizer: torch.optim.Optimizer | None = None,
+                        extra: dict[str, Any] | None = None) -> None:
+        """Fill the parameters, buffers and `optimizer`'s state from a checkpoint written by `save_checkpoint`
+        under any plan or mesh, or by torch's `dcp.save` of one device's `get_state_dict` (a collective).
+        extra: a dict with the keys of the saved `extra` to read; each value is replaced in place."""
+        local, specs = self._shard_specs()
+        osd = None if optimizer is None else get_optimizer_state_dict(self, optimizer)
+        loaded = load_sharded(local, specs, self.mesh, path, osd, extra)
+        if optimizer is not None:
+            set_optimizer_state_dict(self, optimizer, loaded)
 
 
 def _signature(flat: list[Any], training: bool, trainable: tuple[bool, ...], autocast: torch.dtype | None) -> tuple:

@@ -4,8 +4,10 @@
     local = shard_state_dict(full, specs, mesh)            # slice: this rank's shards
     batch = shard_pytree(global_batch, input_specs, mesh)  # this rank's slice of every input
     load_full_state_dict(local, full, specs, mesh)         # slice and copy into existing shards
-    save_sharded(local, specs, mesh, path)                 # torch.distributed.checkpoint, one file per rank
-    load_sharded(local, specs, mesh, path)                 # reshards when the specs/mesh differ from the save
+    save_sharded(local, specs, mesh, path, osd, extra)     # torch.distributed.checkpoint, one file per rank
+    osd = load_sharded(local, specs, mesh, path, osd, extra)  # reshards when the specs/mesh differ from the save
+    full_osd = gather_optimizer_state(osd, local, specs, mesh)   # an optimizer's state, full tensors
+    osd = shard_optimizer_state(full_osd, local, specs, mesh)    # this rank's blocks of it
 
 `specs[name]` is the tensor's storage `Spec` (one placement per mesh axis; Partial
 is not a storage layout). Several axes sharding the same dim nest in mesh-axis order,
@@ -13,6 +15,16 @@ DTensor's convention: S(0)S(0) on a (2, 2) mesh puts rows [k*n/4, (k+1)*n/4) wit
 k = 2*coord0 + coord1 on each rank. Sharded checkpoints wrap each shard as a DTensor
 on the mesh's DeviceMesh (`DTensor.from_local`), so DCP writes and reshards them: we
 reuse torch's checkpoint format rather than inventing one.
+
+Optimizer state (`osd`) is torch's FQN-keyed optimizer state dict, as
+`torch.distributed.checkpoint.state_dict.get_optimizer_state_dict` returns it
+({"state": {fqn: {name: value}}, "param_groups": [{"params": [fqn, ...], ...}]}).
+An optimizer keeps per-element state (Adam's moments, SGD's momentum) shaped like
+the parameter: on a rank, like the parameter's local shard, split as its storage
+spec splits it. A 0-d tensor (Adam's step) is the same on every rank. Other state (a
+factored second moment) is refused by name: its split cannot be told from its shape.
+A checkpoint holds {"model": ..., "optim": ...}, the layout of torch's
+`get_state_dict`, so one device's model and optimizer load it with torch alone.
 """
 from __future__ import annotations
 
@@ -22,6 +34,7 @@ from typing import Any, Mapping, Sequence
 
 import torch
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor import Replicate as DReplicate
 from torch.distributed.tensor import Shard as DShard
@@ -63,7 +76,7 @@ def gather_full(local: torch.Tensor, spec: Spec, mesh: ProcessMesh) -> torch.Ten
         p = spec.placements[axis]
         if isinstance(p, Shard) and mesh.shape[axis] > 1:
             out = all_gather(out, p.dim, mesh.group_name(axis))
-    return out.clone() if out is local else out
+    return out.clone() if out.data_ptr() == local.data_ptr() else out  # never a view of the live shard
 
 
 @torch.no_grad()
@@ -73,7 +86,7 @@ def local_shard(full: torch.Tensor, spec: Spec, mesh: ProcessMesh) -> torch.Tens
     for axis, p in enumerate(spec.placements):
         if isinstance(p, Shard):
             out = local_slice(out, p.dim, mesh.group_name(axis))
-    return out.clone() if out is full else out
+    return out.clone() if out.data_ptr() == full.data_ptr() else out  # never a view of `full`
 
 
 def full_state_dict(local: Mapping[str, torch.Tensor], specs: Mapping[str, Spec], mesh: ProcessMesh) -> dict[str, torch.Tensor]:
@@ -138,32 +151,122 @@ def load_full_state_dict(
         dst.copy_(shard)
 
 
+def _as_dtensor(name: str, t: torch.Tensor, spec: Spec, mesh: ProcessMesh) -> DTensor:
+    _check_spec(name, spec, mesh)
+    placements = [DShard(p.dim) if isinstance(p, Shard) else DReplicate() for p in spec.placements]
+    shape = global_shape(t, spec, mesh)
+    stride = torch.empty(shape, device="meta").stride()
+    # A view of the local tensor: DCP's load writes straight into our shards.
+    return DTensor.from_local(t.detach(), mesh.device_mesh, placements, run_check=False, shape=shape, stride=stride)
+
+
 def _as_dtensors(local: Mapping[str, torch.Tensor], specs: Mapping[str, Spec], mesh: ProcessMesh) -> dict[str, DTensor]:
-    out = {}
-    for name, t in local.items():
-        spec = specs.get(name, Spec.replicate(mesh.ndim))
-        _check_spec(name, spec, mesh)
-        placements = [DShard(p.dim) if isinstance(p, Shard) else DReplicate() for p in spec.placements]
-        shape = global_shape(t, spec, mesh)
-        stride = torch.empty(shape, device="meta").stride()
-        # A view of the local tensor: DCP's load writes straight into our shards.
-        out[name] = DTensor.from_local(t.detach(), mesh.device_mesh, placements, run_check=False, shape=shape, stride=stride)
-    return out
+    return {name: _as_dtensor(name, t, specs.get(name, Spec.replicate(mesh.ndim)), mesh) for name, t in local.items()}
 
 
-def save_sharded(local: Mapping[str, torch.Tensor], specs: Mapping[str, Spec], mesh: ProcessMesh, path: str | os.PathLike) -> None:
-    """Write a sharded checkpoint (each rank writes its shards; replicated tensors are deduplicated by DCP)."""
-    dcp.save(_as_dtensors(local, specs, mesh), checkpoint_id=os.fspath(path))
+# ------------------------------------------------------------------ optimizer state
+def _state_spec(fqn: str, name: str, value: Any, local: Mapping[str, torch.Tensor], specs: Mapping[str, Spec],
+                mesh: ProcessMesh, full: bool) -> Spec | None:
+    """How state `name` of parameter `fqn` is split over the mesh; None when every rank holds it whole
+    (a 0-d tensor, a number). full: `value` is the full tensor, else this rank's."""
+    if not isinstance(value, torch.Tensor) or value.dim() == 0:
+        return None
+    if fqn not in local:
+        raise StateDictError(f"optimizer state for {fqn!r}, which is not a parameter of this module; load the state "
+                             f"of an optimizer over this model's parameters")
+    spec = specs.get(fqn, Spec.replicate(mesh.ndim))
+    param = local[fqn]
+    want = global_shape(param, spec, mesh) if full else tuple(param.shape)
+    if tuple(value.shape) != want:
+        raise StateDictError(
+            f"optimizer state {name!r} of {fqn} has shape {tuple(value.shape)}, neither the parameter's {want} nor a "
+            f"scalar: autopar splits only per-element optimizer state (Adam's moments, SGD's momentum) with the "
+            f"parameter; use such an optimizer, or a plan that replicates {fqn}")
+    return spec
+
+
+def _map_state(osd: Mapping[str, Any], fn) -> dict[str, Any]:
+    """`osd` with each state value replaced by fn(fqn, name, value); the param groups shared."""
+    state = {fqn: {name: fn(fqn, name, v) for name, v in entries.items()} for fqn, entries in osd["state"].items()}
+    return {"state": state, "param_groups": osd["param_groups"]}
+
+
+def gather_optimizer_state(osd: Mapping[str, Any], local: Mapping[str, torch.Tensor], specs: Mapping[str, Spec],
+                           mesh: ProcessMesh) -> dict[str, Any]:
+    """One device's optimizer state from this rank's (a collective: every rank calls it with the same names)."""
+    def gather(fqn, name, v):
+        spec = _state_spec(fqn, name, v, local, specs, mesh, full=False)
+        if spec is not None:
+            return gather_full(v, spec, mesh)
+        return v.detach().clone() if isinstance(v, torch.Tensor) else v
+    return _map_state(osd, gather)
+
+
+def shard_optimizer_state(full_osd: Mapping[str, Any], local: Mapping[str, torch.Tensor], specs: Mapping[str, Spec],
+                          mesh: ProcessMesh) -> dict[str, Any]:
+    """This rank's blocks of one device's optimizer state (no communication)."""
+    def shard(fqn, name, v):
+        spec = _state_spec(fqn, name, v, local, specs, mesh, full=True)
+        return v if spec is None else local_shard(v.to(local[fqn].device), spec, mesh)
+    return _map_state(full_osd, shard)
+
+
+# ------------------------------------------------------------------ checkpoints
+def _checkpoint(local: Mapping[str, torch.Tensor], specs: Mapping[str, Spec], mesh: ProcessMesh,
+                osd: Mapping[str, Any] | None, extra: dict[str, Any] | None) -> dict[str, Any]:
+    """What DCP saves or loads: the shards as DTensors (views of ours), the optimizer's split ones too, and
+    `extra` as it is (the same on every rank)."""
+    state: dict[str, Any] = {"model": _as_dtensors(local, specs, mesh)}
+    if extra is not None:
+        state["extra"] = extra
+    if osd is not None:
+        def wrap(fqn, name, v):
+            spec = _state_spec(fqn, name, v, local, specs, mesh, full=False)
+            return v if spec is None else _as_dtensor(f"{fqn}.{name}", v, spec, mesh)
+        state["optim"] = _map_state(osd, wrap)
+    return state
+
+
+def save_sharded(local: Mapping[str, torch.Tensor], specs: Mapping[str, Spec], mesh: ProcessMesh, path: str | os.PathLike,
+                 osd: Mapping[str, Any] | None = None, extra: dict[str, Any] | None = None) -> None:
+    """Write a sharded checkpoint of the shards and, if given, this rank's optimizer state `osd` and other
+    state `extra` that every rank holds alike (a step count, a scheduler's state dict). Each rank writes
+    its shards; replicated tensors are deduplicated by DCP."""
+    dcp.save(_checkpoint(local, specs, mesh, osd, extra), checkpoint_id=os.fspath(path))
     if mesh.coordinate == (0,) * mesh.ndim:
-        logger.info("runtime: saved %d tensors to %s", len(local), path)
+        logger.info("runtime: saved %d tensors%s to %s", len(local), " and the optimizer state" if osd else "", path)
 
 
 @torch.no_grad()
-def load_sharded(local: Mapping[str, torch.Tensor], specs: Mapping[str, Spec], mesh: ProcessMesh, path: str | os.PathLike) -> None:
-    """Fill the local shards in place from a checkpoint written by `save_sharded` under any specs or mesh."""
-    state = _as_dtensors(local, specs, mesh)
-    dcp.load(state, checkpoint_id=os.fspath(path))
+def load_sharded(local: Mapping[str, torch.Tensor], specs: Mapping[str, Spec], mesh: ProcessMesh, path: str | os.PathLike,
+                 osd: Mapping[str, Any] | None = None, extra: dict[str, Any] | None = None) -> dict[str, Any] | None:
+    """Fill the local shards in place from a checkpoint written by `save_sharded` under any specs or mesh.
+    osd: this rank's optimizer state, whose names and shapes say what to read (made by the optimizer
+    over these shards); returns it filled from the checkpoint, to load into the optimizer.
+    extra: the keys of the saved `extra` to read, each value replaced in place by the saved one."""
+    state = _checkpoint(local, specs, mesh, osd, extra)
+    try:
+        dcp.load(state, checkpoint_id=os.fspath(path))
+    except CheckpointException as e:
+        missing = "" if osd is None or _has_optimizer_state(path) else " (it holds no optimizer state: it was saved without one)"
+        raise StateDictError(f"checkpoint {os.fspath(path)!r} does not match this module{missing}: {_cause(e)}") from e
     for name, t in local.items():
-        loaded = state[name].to_local()
+        loaded = state["model"][name].to_local()
         if loaded.data_ptr() != t.data_ptr():  # DCP replaced the tensor instead of filling it
             t.copy_(loaded)
+    if osd is None:
+        return None
+    return _map_state(state["optim"], lambda fqn, name, v: v.to_local() if isinstance(v, DTensor) else v)
+
+
+def _has_optimizer_state(path: str | os.PathLike) -> bool:
+    keys = dcp.FileSystemReader(os.fspath(path)).read_metadata().state_dict_metadata
+    return any(k.startswith("optim.") for k in keys)
+
+
+def _cause(e: BaseException) -> str:
+    """What DCP says went wrong: the first rank's error (its exception carries each rank's, with tracebacks)."""
+    failures = getattr(e, "failures", None)
+    if failures:
+        e = next(iter(failures.values()))[0]
+    return str(e).strip() or type(e).__name__

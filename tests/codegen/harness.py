@@ -106,15 +106,30 @@ def check_plan(model: torch.nn.Module, sample: Any, traced: TracedGraph, plan: P
     samples: one per step (shapes may differ from `sample`, the one traced), else `sample` at every step.
     before_step(module, step): called first at each step (as `reference_steps` calls it)."""
     t0 = time.perf_counter()
+    pm = parallel_module(model, sample, traced, plan, mesh, retrace=bool(samples or before_step))
+    opt = torch.optim.AdamW(pm.parameters(), lr=LR, eps=EPS)
+    lower_s = time.perf_counter() - t0
+    return {**check_steps(pm, opt, ref, range(steps), label, samples or [sample] * steps, before_step), "lower_s": lower_s}
+
+
+def parallel_module(model: torch.nn.Module, sample: Any, traced: TracedGraph, plan: Plan, mesh: ProcessMesh,
+                    retrace: bool = False) -> ParallelModule:
+    """`model` under `plan` on this rank (its parameters' values; retrace: able to take other inputs)."""
     gm = lower(traced, plan, mesh, params=dict(model.named_parameters(remove_duplicate=False)),
                buffers=dict(model.named_buffers()))
-    pm = ParallelModule(gm, traced, mesh, plan, retracer(model, sample) if samples or before_step else None)
-    opt = torch.optim.AdamW(pm.parameters(), lr=LR, eps=EPS)
-    worst = {"loss": 0.0, "grad": 0.0, "param": 0.0, "lower_s": time.perf_counter() - t0}
-    for step in range(steps):
+    return ParallelModule(gm, traced, mesh, plan, retracer(model, sample) if retrace else None)
+
+
+def check_steps(pm: ParallelModule, opt: torch.optim.Optimizer, ref: Reference, steps: Sequence[int], label: str,
+                samples: Sequence[Any], before_step: Callable[[torch.nn.Module, int], None] | None = None) -> dict[str, float]:
+    """Train `pm` with `opt` for the reference's `steps` (numbers: training may resume mid-way), one sample
+    each; raise AssertionError naming the first mismatch with `ref`; return the max errors."""
+    mesh = pm.mesh
+    worst = {"loss": 0.0, "grad": 0.0, "param": 0.0}
+    for step, sample in zip(steps, samples, strict=True):
         if before_step:
             before_step(pm, step)
-        args, kwargs = local_sample(samples[step] if samples else sample, pm)
+        args, kwargs = local_sample(sample, pm)
         opt.zero_grad()
         loss = loss_of(pm(*args, **kwargs))
         loss.backward()

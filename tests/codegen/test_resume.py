@@ -1,0 +1,147 @@
+"""Checkpoint and resume: parameters and optimizer state saved under one plan, training resumed under another.
+
+A run that stops after two AdamW steps and resumes for two more must take the same steps as one
+device that never stopped: Adam's moments and step count carry over, split as each parameter is
+split, whatever the plans and meshes of the two halves. The checkpoint is torch.distributed.checkpoint's,
+so one device's model and optimizer load it with torch alone.
+"""
+from __future__ import annotations
+
+import copy
+import random
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
+
+from tests.codegen.harness import EPS, LR, call, check_steps, loss_of, parallel_module, reference, trace_model
+from tests.codegen.plans import cpu_mesh, greedy_plan, load_zoo, random_plan
+
+from autopar.runtime.launch import run_ranks
+from autopar.runtime.mesh import ProcessMesh
+from autopar.runtime.state_dict import StateDictError
+
+STEPS, STOP = 4, 2  # the reference trains STEPS steps; the parallel run stops after STOP and resumes
+
+
+def _gpt2():
+    return load_zoo("gpt2").build(batch_size=8, seq_len=16, size="tiny", device="cpu")
+
+
+def _one_device_after(model, sample, steps: int):
+    """One device's model and AdamW after `steps` steps (the reference's optimizer settings)."""
+    model = copy.deepcopy(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=LR, eps=EPS)
+    for _ in range(steps):
+        opt.zero_grad()
+        loss_of(call(model, sample)).backward()
+        opt.step()
+    return model, opt
+
+
+def _first_half(rank, world, model, sample, traced, plan, ref, path):
+    pm = parallel_module(model, sample, traced, plan, ProcessMesh((2, 2)))
+    opt = torch.optim.AdamW(pm.parameters(), lr=LR, eps=EPS)
+    check_steps(pm, opt, ref, range(STOP), "first half (2x2)", [sample] * STOP)
+    pm.save_checkpoint(path, opt)
+
+
+def _second_half(rank, world, model, sample, traced, plans, ref, path, full_model, full_osd):
+    """Each plan starts from the untrained model and a fresh AdamW, loads the first half's state (from the
+    checkpoint, or from one device's full state dicts) and must take the reference's remaining steps."""
+    mesh = ProcessMesh((world,))
+    resumed_osd = None
+    for how, plan in plans:
+        pm = parallel_module(model, sample, traced, plan, mesh)
+        opt = torch.optim.AdamW(pm.parameters(), lr=LR, eps=EPS)
+        if how == "checkpoint":
+            pm.load_checkpoint(path, opt)
+            resumed_osd = pm.optimizer_state_dict(opt)
+        else:
+            pm.load_state_dict(full_model)
+            pm.load_optimizer_state_dict(opt, full_osd)
+        check_steps(pm, opt, ref, range(STOP, STEPS), f"resumed from the {how} ({plan.mesh.shape})", [sample] * (STEPS - STOP))
+    return resumed_osd
+
+
+def _assert_same_optimizer_state(got, want):
+    assert got["param_groups"] == want["param_groups"]
+    assert list(got["state"]) == list(want["state"])
+    for fqn, entries in want["state"].items():
+        assert list(got["state"][fqn]) == list(entries), fqn
+        for name, value in entries.items():
+            torch.testing.assert_close(got["state"][fqn][name], value, rtol=1e-4, atol=1e-6, msg=lambda m: f"{fqn} {name}: {m}")
+
+
+@pytest.mark.timeout(300)
+def test_resume_under_another_plan_and_mesh_trains_like_one_device(tmp_path):
+    """Two steps under a random 2x2 plan with ZeRO storage, a checkpoint, two more steps on 2 ranks under
+    another random plan and under a data-parallel one: losses, gradients and parameters match one device
+    that trained four steps. The second half's gathered optimizer state is one device's after two steps,
+    and one device's model and optimizer load the checkpoint with torch alone and train on like it."""
+    model, sample = _gpt2()
+    traced = trace_model(model, sample)
+    ref = reference(model, sample, STEPS)
+    first = random_plan(traced, cpu_mesh((2, 2)), random.Random(5))
+    assert any(p.zero for p in first.params), "the first half's plan should split some optimizer state by ZeRO"
+    mesh = cpu_mesh((2,))
+    second = [("checkpoint", random_plan(traced, mesh, random.Random(8))),
+              ("checkpoint", greedy_plan(traced, mesh, {n: "S(0)" for n in traced.input_names})),
+              ("full state dicts", random_plan(traced, mesh, random.Random(9)))]
+    one_model, one_opt = _one_device_after(model, sample, STOP)
+    one_osd = get_optimizer_state_dict(one_model, one_opt)
+    path = str(tmp_path / "ckpt")
+
+    run_ranks(_first_half, 4, model, sample, traced, first, ref, path, timeout_s=240)
+    resumed = run_ranks(_second_half, 2, model, sample, traced, second, ref, path, one_model.state_dict(), one_osd,
+                        timeout_s=240)
+    for osd in resumed:
+        _assert_same_optimizer_state(osd, one_osd)
+
+    # one device, torch alone: the checkpoint's keys are torch's get_state_dict layout
+    fresh = copy.deepcopy(model)
+    opt = torch.optim.AdamW(fresh.parameters(), lr=LR, eps=EPS)
+    state = {"model": fresh.state_dict(), "optim": get_optimizer_state_dict(fresh, opt)}
+    dcp.load(state, checkpoint_id=path, no_dist=True)
+    fresh.load_state_dict(state["model"])
+    set_optimizer_state_dict(fresh, opt, state["optim"])
+    _assert_same_optimizer_state(get_optimizer_state_dict(fresh, opt), one_osd)
+    for step in range(STOP, STEPS):
+        opt.zero_grad()
+        loss = loss_of(call(fresh, sample))
+        loss.backward()
+        opt.step()
+        assert abs(loss.item() - ref.losses[step]) <= 1e-5 * abs(ref.losses[step]), step
+    for fqn, p in fresh.named_parameters():
+        torch.testing.assert_close(p.detach(), ref.params[STEPS - 1][fqn], rtol=1e-4, atol=1e-4, msg=lambda m: f"{fqn}: {m}")
+
+
+def _load_mismatched(rank, world, model, sample, traced, plan, path, other_path):
+    pm = parallel_module(model, sample, traced, plan, ProcessMesh((world,)))
+    opt = torch.optim.AdamW(pm.parameters(), lr=LR)
+    pm.save_checkpoint(path)  # no optimizer state
+    errors = []
+    for where in (path, other_path):
+        try:
+            pm.load_checkpoint(where, opt)
+        except StateDictError as e:
+            errors.append(str(e))
+    return errors
+
+
+@pytest.mark.timeout(120)
+def test_a_checkpoint_that_does_not_match_says_why(tmp_path):
+    """Loading optimizer state from a checkpoint saved without it, or a checkpoint of a wider model, raises
+    a StateDictError naming the checkpoint and what is missing or mismatched (the tensor, both shapes)."""
+    zoo = load_zoo("mlp")
+    model, sample = zoo.build(batch_size=8, size="tiny", device="cpu")
+    wider = zoo.MLP(zoo.MLPConfig(n_layers=3, dim=32, hidden=128))
+    other_path = str(tmp_path / "wider")
+    torch.distributed.checkpoint.save({"model": wider.state_dict()}, checkpoint_id=other_path, no_dist=True)
+    traced = trace_model(model, sample)
+    plan = greedy_plan(traced, cpu_mesh((2,)), {n: "S(0)" for n in traced.input_names})
+    errors = run_ranks(_load_mismatched, 2, model, sample, traced, plan, str(tmp_path / "ckpt"), other_path, timeout_s=100)[0]
+    assert len(errors) == 2, errors
+    assert "ckpt" in errors[0] and "saved without one" in errors[0], errors[0]
+    assert "wider" in errors[1] and "saved torch.Size([128, 32]) and current: torch.Size([64, 32]) for model.layers.0.fc1.weight" in errors[1], errors[1]
