@@ -156,6 +156,11 @@ class ParallelModule(nn.Module):
     def code(self) -> str:
         return self.graph_module.code
 
+    # Under torch.compile (`torch.compile(pm)`, or a compiled loop calling it) the forward runs eagerly, a
+    # graph break: dynamo fails inside the gradient sync's `register_hook` (an internal error), and the graph
+    # compiled alone breaks at each c10d collective and recompiles per grad mode (gpt2-tiny, 2 ranks: 55 s to
+    # compile, steps 20x slower than eager). Gradients and losses are the same either way.
+    @torch.compiler.disable(reason="autopar's ParallelModule runs its generated graph eagerly")
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         flat, spec = pytree.tree_flatten((args, kwargs))
         if spec != self._in_spec:
