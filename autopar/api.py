@@ -14,7 +14,7 @@ import logging
 import math
 import time
 from pathlib import Path
-from typing import Any, Callable, Literal
+from typing import Any, Callable, Literal, Mapping
 
 import torch
 import torch.distributed as dist
@@ -36,9 +36,11 @@ from autopar.tracer import TracedGraph, trace
 log = logging.getLogger(__name__)
 
 
-def capture_copy(model: nn.Module, sample: Any, device: str = "meta") -> tuple[nn.Module, Any]:
+def capture_copy(model: nn.Module, sample: Any, device: str = "meta",
+                 dtypes: Mapping[str, torch.dtype] | None = None) -> tuple[nn.Module, Any]:
     """A copy of `model` and `sample` holding no memory, for the tracer: tensors on `meta`, or fake
-    tensors (one `FakeTensorMode`) on `device`, tied weights still tied.
+    tensors (one `FakeTensorMode`) on `device`, tied weights still tied; `dtypes[fqn]`, where given, is
+    a parameter's or buffer's dtype in the copy (`model`'s own, elsewhere).
 
     Model code may branch on its tensors' device (transformers' MoE routing counts tokens per
     expert in float on CPU, in int elsewhere, since CPU's `histc` has no integer kernel): traced
@@ -48,18 +50,19 @@ def capture_copy(model: nn.Module, sample: Any, device: str = "meta") -> tuple[n
     unties weights: `.to` across device types makes a new Parameter per attribute.)
     """
     if device == "meta":
-        make = lambda t: torch.empty_like(t, device="meta")  # noqa: E731
+        make = lambda t, dtype=None: torch.empty_like(t, device="meta", dtype=dtype)  # noqa: E731
     else:
         mode = FakeTensorMode()
 
-        def make(t: torch.Tensor) -> torch.Tensor:
+        def make(t: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
             with mode:
-                return torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=device)
+                return torch.empty_strided(t.shape, t.stride(), dtype=dtype or t.dtype, device=device)
+    dtypes = dtypes or {}
     memo: dict[int, Any] = {}
-    for p in model.parameters():
-        memo[id(p)] = nn.Parameter(make(p), requires_grad=p.requires_grad)
-    for b in model.buffers():
-        memo[id(b)] = make(b)
+    for name, p in model.named_parameters(remove_duplicate=False):
+        memo.setdefault(id(p), nn.Parameter(make(p, dtypes.get(name)), requires_grad=p.requires_grad))
+    for name, b in model.named_buffers(remove_duplicate=False):
+        memo.setdefault(id(b), make(b, dtypes.get(name)))
     return copy.deepcopy(model, memo), pytree.tree_map_only(torch.Tensor, make, sample)
 
 
@@ -129,19 +132,20 @@ def make_retracer(model: nn.Module, sample_input: Any, device: str, optimizer: s
     The model's code is kept with its parameters on `meta`."""
     shape_only = capture_copy(model, sample_input, "meta")[0]
 
-    def traced(batch: Any, training: bool, autocast: torch.dtype | None) -> TracedGraph:
+    def traced(batch: Any, training: bool, autocast: torch.dtype | None, dtypes: Mapping[str, torch.dtype]) -> TracedGraph:
         if autocast is None:
-            return trace(*capture_copy(shape_only, batch, device), training=training)
+            return trace(*capture_copy(shape_only, batch, device, dtypes), training=training)
         # autocast casts the tensors of its device type, so on GPUs the model is traced on fake CUDA tensors
         # (meta ones it would leave alone)
         cast_device = "cpu" if device == "cpu" else "cuda"
         with torch.autocast(cast_device, dtype=autocast):
-            return trace(*capture_copy(shape_only, batch, cast_device), training=training)
+            return trace(*capture_copy(shape_only, batch, cast_device, dtypes), training=training)
 
     return Retracer(
         trace=traced,
-        replan=lambda graph, planned: _on_rank0(lambda: solve_keeping_params(
-            graph, profile(graph, optimizer=optimizer), planned.mesh, planned.params, planned.fingerprint.budget_bytes, time_limit_s)),
+        replan=lambda graph, planned, buffers: _on_rank0(lambda: solve_keeping_params(
+            graph, profile(graph, optimizer=optimizer), planned.mesh, planned.params, planned.fingerprint.budget_bytes,
+            time_limit_s, buffers)),
     )
 
 

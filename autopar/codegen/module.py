@@ -68,12 +68,14 @@ _MANY_GRAPHS = 8
 class Retracer:
     """How a `ParallelModule` gets graphs for inputs it was not lowered for (`autopar.parallelize` makes one)."""
 
-    # (the global batch, as a sample input, training, autocast dtype or None) -> the model traced on it, as it
-    # was traced first, under autocast to that dtype if one is given (the graph then holds autocast's casts)
-    trace: Callable[[Any, bool, torch.dtype | None], TracedGraph]
-    # (a graph of the model, the module's plan) -> a plan for that graph storing the parameters as the module's
-    # plan does, for a graph with other ops than the planned one (None: such graphs raise)
-    replan: Callable[[TracedGraph, Plan], Plan] | None = None
+    # (the global batch, as a sample input, training, autocast dtype or None, {fqn: dtype} of the parameters and
+    # buffers) -> the model traced on it, as it was traced first, with its tensors in those dtypes, under autocast
+    # to that dtype if one is given (the graph then holds autocast's casts)
+    trace: Callable[[Any, bool, torch.dtype | None, Mapping[str, torch.dtype]], TracedGraph]
+    # (a graph of the model, the module's plan, {fqn: spec} of the buffers the module holds split) -> a plan for
+    # that graph storing the parameters as the module's plan does and the buffers as the module holds them, for
+    # a graph with other ops than the planned one (None: such graphs raise)
+    replan: Callable[[TracedGraph, Plan, Mapping[str, Spec]], Plan] | None = None
 
 
 class _Graph(NamedTuple):
@@ -108,7 +110,9 @@ class ParallelModule(nn.Module):
         # `parallelize` lowers a graph whose backward follows the new flags (and rebuilds the sync)
         self._param_slots = [first.state_slots[i] for i in first.param_positions]
         self._device_type = mesh.device_mesh.device_type  # whose autocast state a graph's signature holds
-        self._key = _signature(_local_inputs(traced, info.input_layout, math.prod(mesh.shape)), True, self._trainable(), None)
+        self._state_dtypes = self._dtypes_read()  # as traced; `_apply` (pm.to(torch.bfloat16), pm.half()) updates it
+        self._key = _signature(_local_inputs(traced, info.input_layout, math.prod(mesh.shape)), True, self._trainable(), None,
+                               self._state_dtypes)
         self._graphs = {self._key: first}
         # per signature but for the requires_grad flags: the graph traced for it, its plan, and what it is (a
         # parameter frozen or unfrozen lowers these again, without another trace or solve)
@@ -131,6 +135,21 @@ class ParallelModule(nn.Module):
 
     def _trainable(self) -> tuple[bool, ...]:
         return tuple(owner[name].requires_grad for owner, name in self._param_slots)
+
+    def _dtypes_read(self) -> tuple[torch.dtype, ...]:
+        return tuple(owner[name].dtype for owner, name in self._first.state_slots)
+
+    def _apply(self, fn: Callable, recurse: bool = True) -> "ParallelModule":
+        """`nn.Module`'s conversions (`to`, `half`, `bfloat16`, ...), which change the tensors in place: a graph
+        casts to the dtypes it was traced with (HF Llama's RMSNorm casts back to its weight's), so other dtypes
+        get a graph of their own, traced with them, and the gradient sync is built again."""
+        out = super()._apply(fn, recurse)
+        self._state_dtypes = self._dtypes_read()
+        # a parameter given data of another dtype or device gets a new gradient accumulator (autograd's
+        # `set_data`), which the sync's watch does not know: backward would skip the sync (the gradients
+        # stayed each rank's own). A conversion is rare; the sync is rebuilt whatever it changed.
+        self._sync_to(self._graph)
+        return out
 
     def _use(self, graph: _Graph) -> None:
         self._graph = graph
@@ -166,7 +185,7 @@ class ParallelModule(nn.Module):
         if spec != self._in_spec:
             raise LoweringError(f"called with inputs structured as {spec}; the model was traced with {self._in_spec}")
         autocast = torch.get_autocast_dtype(self._device_type) if torch.is_autocast_enabled(self._device_type) else None
-        key = _signature(flat, self.training, self._trainable(), autocast)
+        key = _signature(flat, self.training, self._trainable(), autocast, self._state_dtypes)
         if key != self._key:
             self._use_graph_for(key, flat, spec)
         graph = self._graph
@@ -205,9 +224,10 @@ class ParallelModule(nn.Module):
         """A graph for inputs of other shapes or values, for eval mode, for autocast, or for parameters frozen or
         unfrozen since: the graph `_plan_for` traced and planned for these inputs, lowered over this module's own
         parameters and buffers (the new graph trains the same tensors) with the parameters frozen that are."""
-        training, trainable, autocast = key[:3]
+        training, trainable, autocast, state_dtypes = key[:4]
         shapes = [tuple(x.shape) if isinstance(x, torch.Tensor) else x for x in flat]
         mode = ("training" if training else "eval") + (f" mode, autocast to {autocast}" if autocast else " mode")
+        mode += ", parameters and buffers in " + ", ".join(sorted({str(d).removeprefix("torch.") for d in state_dtypes}))
         start = time.perf_counter()
         inputs = _without_flags(key)
         if inputs not in self._planned:
@@ -247,7 +267,7 @@ class ParallelModule(nn.Module):
         if self._retracer.replan is None:  # code that depends on the sizes, autocast's casts, eval-mode branches
             raise LoweringError(f"at inputs {shapes} ({mode}) the model traces to other ops than the graph its plan "
                                 f"was solved for ({difference}), and this module cannot plan another graph: build it with autopar.parallelize")
-        plan = self._retracer.replan(traced, self.plan)
+        plan = self._retracer.replan(traced, self.plan, self.info.buffer_specs)
         return traced, plan, how + f" (it differs at {difference}) under a plan of its own keeping the parameters"
 
     def _global_batch(self, flat: list[Any], spec: Any, shapes: list[Any]) -> Any:
@@ -268,12 +288,13 @@ class ParallelModule(nn.Module):
         """The model traced on `batch` for `inputs` (`_without_flags` of a signature; under autocast, whose casts
         the graph then holds, if it names a dtype), and what it is. In eval mode, the training graph with dropout
         off when that is all eval mode changes (the training trace of these inputs is reused when there is one)."""
-        training, autocast = inputs[:2]
+        training, autocast, state_dtypes = inputs[:3]
+        dtypes = dict(zip(self.info.state_inputs, state_dtypes))
         known = self._planned.get((True, *inputs[1:]))
-        traced = known[0] if known else self._retracer.trace(batch, True, autocast)
+        traced = known[0] if known else self._retracer.trace(batch, True, autocast, dtypes)
         if training:
             return traced, "the model's graph"
-        evaluated = self._retracer.trace(batch, False, autocast)
+        evaluated = self._retracer.trace(batch, False, autocast, dtypes)
         if eval_difference(traced, evaluated) is None:
             return without_dropout(traced), "the training graph with dropout off"
         return evaluated, "the eval graph"
@@ -398,10 +419,12 @@ class ParallelModule(nn.Module):
             set_optimizer_state_dict(self, optimizer, loaded)
 
 
-def _signature(flat: list[Any], training: bool, trainable: tuple[bool, ...], autocast: torch.dtype | None) -> tuple:
+def _signature(flat: list[Any], training: bool, trainable: tuple[bool, ...], autocast: torch.dtype | None,
+               state_dtypes: tuple[torch.dtype, ...]) -> tuple:
     """What a graph is lowered for: the mode, which parameters take a gradient, the autocast dtype (None: off),
-    each tensor input's shape and dtype, each other input's value."""
-    return (training, trainable, autocast, *((x.shape, x.dtype) if isinstance(x, torch.Tensor) else _leaf_key(x) for x in flat))
+    the parameters' and buffers' dtypes, each tensor input's shape and dtype, each other input's value."""
+    return (training, trainable, autocast, state_dtypes,
+            *((x.shape, x.dtype) if isinstance(x, torch.Tensor) else _leaf_key(x) for x in flat))
 
 
 def _without_flags(key: tuple) -> tuple:

@@ -169,25 +169,28 @@ def solve_keeping_params(
     params: tuple[ParamDecision, ...],
     memory_budget_bytes: float | None = None,
     time_limit_s: float = 30.0,
+    buffers: Mapping[str, Spec] | None = None,
 ) -> Plan:
     """The fastest plan for another graph of a model whose parameters are already stored as `params` say
     (another plan's decisions): each parameter keeps its storage spec (used as that plan uses it where an
-    option gathers it so, else as stored), every other node is free, nothing is recomputed. A
-    `ParallelModule` plans so the graphs it traces with other ops than its plan's (eval mode, autocast,
-    code that depends on the sizes)."""
+    option gathers it so, else as stored), each buffer its spec in `buffers` (by FQN; replicated if not
+    there), every other node is free, nothing is recomputed. A `ParallelModule` plans so the graphs it
+    traces with other ops than its plan's (eval mode, autocast, code that depends on the sizes)."""
     pins = {p.fqn: p for p in params}
     missing = sorted(set(traced.param_fqns.values()) - set(pins))
     if missing:
         raise AutoparError(f"the graph reads parameters the plan does not store: {missing[:5]}")
+    held = {fqn: (buffers or {}).get(fqn, Spec.replicate(len(mesh.shape))) for fqn in traced.buffer_fqns.values()}
     budget = _budget(mesh, memory_budget_bytes)
     built = _build(traced, profile, mesh, budget, None)
-    restrictions = _keeping(traced, built, pins)
+    restrictions = _keeping(traced, built, pins, held)
     if isinstance(restrictions, str):  # repeated layers tied into one class are stored differently: one by one
         built = _build(traced, profile, mesh, budget, None, grouped=False)
-        restrictions = _keeping(traced, built, pins)
+        restrictions = _keeping(traced, built, pins, held)
     if isinstance(restrictions, str):
-        raise AutoparError(f"no strategy of this graph reads parameter {restrictions!r} as it is stored "
-                           f"({pins[restrictions].storage}); parallelize again with a sample of these inputs")
+        stored = pins[restrictions].storage if restrictions in pins else held[restrictions]
+        raise AutoparError(f"no strategy of this graph reads {restrictions!r} as it is stored "
+                           f"({stored}); parallelize again with a sample of these inputs")
     try:
         sol = solve_problem(built.problem, time_limit_s, restrictions=restrictions)
     except InfeasibleError:
@@ -195,16 +198,23 @@ def solve_keeping_params(
     return to_plan(traced, mesh, built, sol)
 
 
-def _keeping(traced: TracedGraph, built: BuiltProblem, pins: Mapping[str, ParamDecision]) -> Restrictions | str:
-    """Restrictions holding every parameter of `traced` to its pinned storage (or the FQN of one that a problem
-    node standing for it cannot hold so). A parameter is used as pinned (gathered from its ZeRO storage where
-    it has one) when one of the node's options makes that storage, else it is used as stored."""
+def _keeping(traced: TracedGraph, built: BuiltProblem, pins: Mapping[str, ParamDecision],
+             held: Mapping[str, Spec]) -> Restrictions | str:
+    """Restrictions holding every parameter of `traced` to its pinned storage and every buffer to its `held`
+    spec (or the FQN of one that a problem node standing for it cannot hold so). A parameter is used as pinned
+    (gathered from its ZeRO storage where it has one) when one of the node's options makes that storage, else
+    it is used as stored."""
     g = built.grouping
     allowed, zero = {}, {}
     for v, node in enumerate(built.problem.nodes):
-        members = [(n, pins[traced.param_fqns[n]]) for n in (g.clusters[c].leader for c in g.classes[v]) if n in traced.param_fqns]
-        if not members:
+        leaders = [g.clusters[c].leader for c in g.classes[v]]
+        members = [(n, pins[traced.param_fqns[n]]) for n in leaders if n in traced.param_fqns]
+        buffers = [(n, held[traced.buffer_fqns[n]]) for n in leaders if n in traced.buffer_fqns]
+        if not (members or buffers):
             continue
+
+        def output_is(s: int, pinned: list[tuple[str, Spec]]) -> bool:
+            return all(built.strategies[n][built.member_strategy(n, s)].output_specs[0] == spec for n, spec in pinned)
 
         def as_planned(s: int) -> bool:
             for n, p in members:
@@ -213,14 +223,13 @@ def _keeping(traced: TracedGraph, built: BuiltProblem, pins: Mapping[str, ParamD
                     return False
             return True
 
-        def as_stored(s: int) -> bool:
-            return all(built.strategies[n][built.member_strategy(n, s)].output_specs[0] == p.storage for n, p in members)
-
-        options = range(len(node.options))
+        # a buffer placeholder's output is the buffer as the module holds it
+        options = [s for s in range(len(node.options)) if output_is(s, buffers)]
         planned = frozenset(filter(as_planned, options)) if len({p.zero for _, p in members}) == 1 else frozenset()
-        allowed[v], zero[v] = (planned, members[0][1].zero) if planned else (frozenset(filter(as_stored, options)), False)
+        stored = [(n, p.storage) for n, p in members]
+        allowed[v], zero[v] = (planned, members[0][1].zero) if planned else (frozenset(s for s in options if output_is(s, stored)), False)
         if not allowed[v]:
-            return members[0][1].fqn
+            return members[0][1].fqn if members else traced.buffer_fqns[buffers[0][0]]
     return Restrictions(allowed, recompute="never", zero_nodes=zero)
 
 

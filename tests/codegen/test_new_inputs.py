@@ -15,7 +15,7 @@ import pytest
 import torch
 from torch import nn
 
-from tests.codegen.harness import LogRecords, check_plan, local_sample, reference_steps, retracer, trace_model
+from tests.codegen.harness import LogRecords, check_plan, local_sample, parallel_module, reference_steps, retracer, trace_model
 from tests.codegen.plans import cpu_mesh, greedy_plan, load_zoo, random_plan
 
 from autopar.codegen import ParallelModule, lower
@@ -124,6 +124,55 @@ def test_autocast_runs_as_eager_autocast():
         for loss, dtype, grad_error in rank_results:
             assert dtype == torch.float32 and loss == pytest.approx(want.item(), rel=1e-5)
             assert grad_error < 3e-2
+
+
+def _converted_step(rank, world, model, sample, traced, plans, want_grads):
+    """Per plan: the loss and each gradient's largest error (relative to its largest entry) after
+    `pm.to(torch.bfloat16)`, then the loss after `pm.float()` and whether that ran the graph first lowered."""
+    mesh = ProcessMesh((world,))
+    out = []
+    for plan in plans:
+        pm = parallel_module(model, sample, traced, plan, mesh, retrace=True)
+        first = pm.graph_module
+        pm.to(torch.bfloat16)
+        loss = pm(**local_sample(sample, pm)[1]).loss
+        loss.backward()
+        worst = 0.0
+        for fqn, p in pm.named_parameters():
+            want = local_block(want_grads[fqn], pm.info.param_storage[fqn], mesh.shape, mesh.coordinate)
+            worst = max(worst, ((p.grad.float() - want).abs().max() / want.abs().max()).item())
+        pm.float()
+        with torch.no_grad():
+            back = pm(**local_sample(sample, pm)[1]).loss.item()
+        out.append((loss.item(), worst, back, pm.graph_module is first))
+    return out
+
+
+@pytest.mark.timeout(240)
+def test_parameters_converted_after_parallelize_run_in_their_dtype():
+    """`pm.to(torch.bfloat16)` after `parallelize` gets a graph traced with bf16 parameters: HF Llama's RMSNorm
+    casts back to its weight's dtype, which the float32 graph has as float32 (it crashed in attention, query
+    float32 against value bf16). Under a data-parallel and two random plans (ZeRO storage included) the loss is
+    eager bf16's and gradients within bf16 error (the gradient sync rebuilt: the conversion gives each parameter a new
+    gradient accumulator); `pm.float()` returns to the float32 graph."""
+    model, sample = load_zoo("hf_llama").build(batch_size=4, seq_len=16, size="tiny", device="cpu")
+    traced = trace_model(model, sample)
+    mesh = cpu_mesh((2,))
+    rng = random.Random(4)
+    plans = [greedy_plan(traced, mesh, {n: "S(0)" for n in traced.input_names}), random_plan(traced, mesh, rng),
+             random_plan(traced, mesh, rng)]
+    assert any(p.zero for plan in plans for p in plan.params)
+    single = copy.deepcopy(model).to(torch.bfloat16)
+    want = single(**sample).loss
+    want.backward()
+    want_grads = {fqn: p.grad.float() for fqn, p in single.named_parameters()}
+    with torch.no_grad():  # back in float32, with the parameters bf16 rounded them to
+        want_float = copy.deepcopy(single).float()(**sample).loss.item()
+    for results in run_ranks(_converted_step, 2, model, sample, traced, plans, want_grads, timeout_s=220):
+        for loss, grad_error, back, first_graph in results:
+            assert loss == pytest.approx(want.item(), rel=1e-3)
+            assert grad_error < 3e-2
+            assert back == pytest.approx(want_float, rel=1e-5) and first_graph
 
 
 def _eval_losses(rank, world, model, sample, traced, plan, other):
