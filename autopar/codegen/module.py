@@ -14,12 +14,13 @@ and `load_optimizer_state_dict(opt, osd)` do the same for an optimizer's state.
 `save_checkpoint(path, opt)` writes both with torch.distributed.checkpoint, each rank its
 shards, and `load_checkpoint(path, opt)` resumes from it under any plan or mesh.
 
-A graph is lowered for the input shapes (and non-tensor inputs) it was traced with, in
-training mode, without autocast, for the parameters that required grad then. Other inputs
-(an epoch's last, smaller batch; another sequence length), eval mode (`pm.eval()`: dropout
-off), `torch.autocast` or parameters frozen or unfrozen since get a graph of their own,
-traced once over the same parameters and kept: under the same plan when it has the planned
-graph's ops, else under a plan of its own that keeps the parameters where they are.
+A graph is lowered for the inputs (which arguments, their shapes, non-tensor values) it was
+traced with, in training mode, without autocast, for the parameters' dtypes and
+requires_grad then. Other inputs (an epoch's last, smaller batch; another sequence length;
+no labels, for logits), eval mode (`pm.eval()`: dropout off), `torch.autocast`, parameters
+frozen, unfrozen or converted since get a graph of their own, traced once over the same
+parameters and kept: under the same plan when it has the planned graph's ops, else under a
+plan of its own that keeps the parameters and buffers where they are.
 """
 from __future__ import annotations
 
@@ -56,6 +57,7 @@ from autopar.runtime.state_dict import (
 from autopar.solver.plan import Plan
 from autopar.solver.plan_io import op_name
 from autopar.solver.spec import Spec
+from autopar.errors import TraceError
 from autopar.tracer import TracedGraph
 
 log = logging.getLogger(__name__)
@@ -98,7 +100,6 @@ class ParallelModule(nn.Module):
         info: LoweringInfo = gm.meta["autopar"]
         share_tree(self, gm)  # the graph's parameter tree, so FQNs are the original ones (no "graph." prefix)
         self.mesh, self.plan, self.info = mesh, plan, info
-        self._in_spec = traced.in_spec
         # outputs come back as each rank's rows: a loss computed from them outside is one term of a sum.
         # Watched in the first training forward only: a loop that computes its loss outside does so from
         # its first step, and the watch costs an alias and a hook per output.
@@ -111,8 +112,8 @@ class ParallelModule(nn.Module):
         self._param_slots = [first.state_slots[i] for i in first.param_positions]
         self._device_type = mesh.device_mesh.device_type  # whose autocast state a graph's signature holds
         self._state_dtypes = self._dtypes_read()  # as traced; `_apply` (pm.to(torch.bfloat16), pm.half()) updates it
-        self._key = _signature(_local_inputs(traced, info.input_layout, math.prod(mesh.shape)), True, self._trainable(), None,
-                               self._state_dtypes)
+        self._key = _signature(_local_inputs(traced, info.input_layout, math.prod(mesh.shape)), traced.in_spec, True,
+                               self._trainable(), None, self._state_dtypes)
         self._graphs = {self._key: first}
         # per signature but for the requires_grad flags: the graph traced for it, its plan, and what it is (a
         # parameter frozen or unfrozen lowers these again, without another trace or solve)
@@ -182,10 +183,8 @@ class ParallelModule(nn.Module):
     @torch.compiler.disable(reason="autopar's ParallelModule runs its generated graph eagerly")
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         flat, spec = pytree.tree_flatten((args, kwargs))
-        if spec != self._in_spec:
-            raise LoweringError(f"called with inputs structured as {spec}; the model was traced with {self._in_spec}")
         autocast = torch.get_autocast_dtype(self._device_type) if torch.is_autocast_enabled(self._device_type) else None
-        key = _signature(flat, self.training, self._trainable(), autocast, self._state_dtypes)
+        key = _signature(flat, spec, self.training, self._trainable(), autocast, self._state_dtypes)
         if key != self._key:
             self._use_graph_for(key, flat, spec)
         graph = self._graph
@@ -260,7 +259,13 @@ class ParallelModule(nn.Module):
         if self._retracer is None:
             raise LoweringError(f"inputs {shapes} ({mode}) are not those this module was lowered for, and it "
                                 "cannot trace the model again: build it with autopar.parallelize")
-        traced, how = self._graph_to_run(inputs, self._global_batch(flat, spec, shapes))
+        try:
+            traced, how = self._graph_to_run(inputs, self._global_batch(flat, spec, shapes))
+        except TraceError as err:
+            if spec == self._traced.in_spec:
+                raise
+            raise LoweringError(f"called with arguments {_arguments(spec)}, where the model was first called with "
+                                f"{_arguments(self._traced.in_spec)}, and the model does not trace with them: {err}") from err
         difference = _ops_difference(self._traced, traced)
         if difference is None:
             return traced, self.plan, how
@@ -419,12 +424,19 @@ class ParallelModule(nn.Module):
             set_optimizer_state_dict(self, optimizer, loaded)
 
 
-def _signature(flat: list[Any], training: bool, trainable: tuple[bool, ...], autocast: torch.dtype | None,
-               state_dtypes: tuple[torch.dtype, ...]) -> tuple:
+def _signature(flat: list[Any], spec: pytree.TreeSpec, training: bool, trainable: tuple[bool, ...],
+               autocast: torch.dtype | None, state_dtypes: tuple[torch.dtype, ...]) -> tuple:
     """What a graph is lowered for: the mode, which parameters take a gradient, the autocast dtype (None: off),
-    the parameters' and buffers' dtypes, each tensor input's shape and dtype, each other input's value."""
-    return (training, trainable, autocast, state_dtypes,
+    the parameters' and buffers' dtypes, the inputs' structure (which arguments are given), each tensor
+    input's shape and dtype, each other input's value."""
+    return (training, trainable, autocast, state_dtypes, spec,
             *((x.shape, x.dtype) if isinstance(x, torch.Tensor) else _leaf_key(x) for x in flat))
+
+
+def _arguments(spec: pytree.TreeSpec) -> str:
+    """The arguments a call's input structure gives: '(2 positional; input_ids, labels)'."""
+    args, kwargs = spec.children()
+    return f"({args.num_children} positional; {', '.join(kwargs.context) or 'no keywords'})"
 
 
 def _without_flags(key: tuple) -> tuple:

@@ -18,6 +18,7 @@ from torch import nn
 from tests.codegen.harness import LogRecords, check_plan, local_sample, parallel_module, reference_steps, retracer, trace_model
 from tests.codegen.plans import cpu_mesh, greedy_plan, load_zoo, random_plan
 
+import autopar
 from autopar.codegen import ParallelModule, lower
 from autopar.codegen.shapes import LoweringError, local_block
 from autopar.runtime.launch import run_ranks
@@ -124,6 +125,42 @@ def test_autocast_runs_as_eager_autocast():
         for loss, dtype, grad_error in rank_results:
             assert dtype == torch.float32 and loss == pytest.approx(want.item(), rel=1e-5)
             assert grad_error < 3e-2
+
+
+def _other_arguments(rank, world, mesh_shape, model, sample, traced, plans, ref, samples, hf, hf_sample):
+    _train_steps(rank, world, mesh_shape, model, sample, traced, plans, ref, samples)
+    pm = autopar.parallelize(hf, hf_sample, (world,))
+    pm.eval()
+    with torch.no_grad():
+        logits = pm(input_ids=local_sample(hf_sample, pm)[1]["input_ids"]).logits  # no labels: logits only
+    try:
+        pm(input_idz=hf_sample["input_ids"])
+    except LoweringError as e:
+        return logits, str(e)
+
+
+@pytest.mark.timeout(240)
+def test_other_arguments_than_the_samples_get_a_graph_of_their_own():
+    """Training steps alternating (input_ids, labels) with input_ids alone (the model then predicts the next
+    token of its own input: other ops, a plan of their own) under a data-parallel and a random 2x2 plan match
+    one device; HF GPT-2 in eval mode called without labels returns each rank's rows of one device's logits;
+    a misspelt argument names both argument lists and the model's own complaint."""
+    model, sample = _gpt2(8, 16)
+    tokens_only = {"input_ids": _same_weights_batch(8, 16, 2)["input_ids"]}
+    samples = [tokens_only, sample, tokens_only]
+    traced = trace_model(model, sample)
+    ref = reference_steps(model, samples)
+    mesh = cpu_mesh((2, 2))
+    plans = [("data parallel", greedy_plan(traced, mesh, {n: "S(0)S(0)" for n in traced.input_names})),
+             ("random", random_plan(traced, mesh, random.Random(13)))]
+    hf, hf_sample = load_zoo("hf_gpt2").build(batch_size=4, seq_len=16, size="tiny", device="cpu")
+    with torch.no_grad():
+        want = copy.deepcopy(hf).eval()(input_ids=hf_sample["input_ids"]).logits
+    for rank, (logits, error) in enumerate(run_ranks(_other_arguments, 4, (2, 2), model, sample, traced, plans, ref,
+                                                     samples, hf, hf_sample, timeout_s=220)):
+        torch.testing.assert_close(logits, want[rank:rank + 1], rtol=1e-4, atol=1e-5)
+        assert "(0 positional; input_idz)" in error and "(0 positional; input_ids, labels)" in error, error
+        assert "You have to specify either input_ids or inputs_embeds" in error, error
 
 
 def _converted_step(rank, world, model, sample, traced, plans, want_grads):
