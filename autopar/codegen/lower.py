@@ -303,6 +303,8 @@ class _Lowerer:
             t = full[fqn].detach()
             if tuple(t.shape) != tuple(val.shape):
                 raise LoweringError(f"{fqn!r} has shape {tuple(t.shape)} but the traced model has {tuple(val.shape)}")
+            if t.is_meta:  # a model built on meta: its shards too, until `to_empty` and a checkpoint fill them
+                return torch.empty(spec.local_shape(tuple(t.shape), self.mesh.shape), dtype=t.dtype, device="meta")
             return local_block(t, spec, self.mesh.shape, self.mesh.coordinate).to(self.device, copy=True).contiguous()
         return torch.zeros(spec.local_shape(tuple(val.shape), self.mesh.shape), dtype=val.dtype, device=self.device)
 

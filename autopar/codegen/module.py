@@ -112,6 +112,7 @@ class ParallelModule(nn.Module):
         self._param_slots = [first.state_slots[i] for i in first.param_positions]
         self._device_type = mesh.device_mesh.device_type  # whose autocast state a graph's signature holds
         self._state_dtypes = self._dtypes_read()  # as traced; `_apply` (pm.to(torch.bfloat16), pm.half()) updates it
+        self._on_meta = self._meta_read()  # a model built on meta: no values until `to_empty` and a load
         self._key = _signature(_local_inputs(traced, info.input_layout, math.prod(mesh.shape)), traced.in_spec, True,
                                self._trainable(), None, self._state_dtypes)
         self._graphs = {self._key: first}
@@ -140,12 +141,20 @@ class ParallelModule(nn.Module):
     def _dtypes_read(self) -> tuple[torch.dtype, ...]:
         return tuple(owner[name].dtype for owner, name in self._first.state_slots)
 
+    def _meta_read(self) -> bool:
+        return any(owner[name].is_meta for owner, name in self._first.state_slots)
+
     def _apply(self, fn: Callable, recurse: bool = True) -> "ParallelModule":
-        """`nn.Module`'s conversions (`to`, `half`, `bfloat16`, ...), which change the tensors in place: a graph
+        """`nn.Module`'s conversions (`to`, `half`, `bfloat16`, `to_empty`, ...), which change the tensors: a graph
         casts to the dtypes it was traced with (HF Llama's RMSNorm casts back to its weight's), so other dtypes
         get a graph of their own, traced with them, and the gradient sync is built again."""
         out = super()._apply(fn, recurse)
         self._state_dtypes = self._dtypes_read()
+        was_meta, self._on_meta = self._on_meta, self._meta_read()
+        if was_meta and not self._on_meta and self.info.unsaved and torch.distributed.get_rank() == 0:
+            log.warning("parallel module: off the meta device, uninitialised. A checkpoint (pm.load_checkpoint) fills the "
+                        "parameters and persistent buffers, not %s (non-persistent buffers, constants the trace lifted): "
+                        "load their values with pm.load_state_dict({name: value, ...}, strict=False)", sorted(self.info.unsaved))
         # a parameter given data of another dtype or device gets a new gradient accumulator (autograd's
         # `set_data`), which the sync's watch does not know: backward would skip the sync (the gradients
         # stayed each rank's own). A conversion is rare; the sync is rebuilt whatever it changed.
@@ -182,6 +191,9 @@ class ParallelModule(nn.Module):
     # compile, steps 20x slower than eager). Gradients and losses are the same either way.
     @torch.compiler.disable(reason="autopar's ParallelModule runs its generated graph eagerly")
     def forward(self, *args: Any, **kwargs: Any) -> Any:
+        if self._on_meta:
+            raise LoweringError("the parameters are on the meta device (the model was built on meta): call "
+                                "pm.to_empty(device=...) and load them, e.g. pm.load_checkpoint(path)")
         flat, spec = pytree.tree_flatten((args, kwargs))
         autocast = torch.get_autocast_dtype(self._device_type) if torch.is_autocast_enabled(self._device_type) else None
         key = _signature(flat, spec, self.training, self._trainable(), autocast, self._state_dtypes)
@@ -364,18 +376,21 @@ class ParallelModule(nn.Module):
 
     def load_state_dict(self, state_dict: Mapping[str, torch.Tensor], strict: bool = True, assign: bool = False):  # type: ignore[override]
         """Load FULL tensors: each rank keeps its block per the plan's storage specs. A tied tensor is
-        loaded from whichever of its names `state_dict` has (the first, if several)."""
+        loaded from whichever of its names `state_dict` has (the first, if several). Buffers outside the
+        model's state dict (non-persistent ones, lifted constants) are loaded when given, never missing:
+        a model built on meta gets their values so."""
         specs = self._specs()
         own = self.sharded_state_dict()
+        loadable = {**own, **{k: t for k, t in nn.Module.state_dict(self, keep_vars=True).items() if k in self.info.unsaved}}
         full: dict[str, torch.Tensor] = {}
         for k, v in state_dict.items():
-            if k in own:
-                full.setdefault(self.info.aliases.get(k, k), v.to(own[k].device))
+            if k in loadable:
+                full.setdefault(self.info.aliases.get(k, k), v.to(loadable[k].device))
         missing = sorted(k for k in own if self.info.aliases.get(k, k) not in full)
-        unexpected = sorted(set(state_dict) - set(own))
+        unexpected = sorted(set(state_dict) - set(loadable))
         if strict and (missing or unexpected):
             raise LoweringError(f"load_state_dict: missing keys {missing}, unexpected keys {unexpected}; pass strict=False to load the intersection")
-        owners = {k: t for k, t in own.items() if k not in self.info.aliases}
+        owners = {k: t for k, t in loadable.items() if k not in self.info.aliases}
         load_full_state_dict(owners, full, {fqn: specs[fqn] for fqn in owners}, self.mesh, strict=False)
         return nn.modules.module._IncompatibleKeys(missing, unexpected)
 

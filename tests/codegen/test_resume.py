@@ -15,9 +15,11 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
 
-from tests.codegen.harness import EPS, LR, call, check_steps, loss_of, parallel_module, reference, trace_model
+from tests.codegen.harness import EPS, LR, LogRecords, call, check_steps, loss_of, parallel_module, reference, trace_model
 from tests.codegen.plans import cpu_mesh, greedy_plan, load_zoo, random_plan
 
+import autopar
+from autopar.codegen.shapes import LoweringError
 from autopar.runtime.launch import run_ranks
 from autopar.runtime.mesh import ProcessMesh
 from autopar.runtime.state_dict import StateDictError
@@ -145,3 +147,36 @@ def test_a_checkpoint_that_does_not_match_says_why(tmp_path):
     assert len(errors) == 2, errors
     assert "ckpt" in errors[0] and "saved without one" in errors[0], errors[0]
     assert "wider" in errors[1] and "saved torch.Size([128, 32]) and current: torch.Size([64, 32]) for model.layers.0.fc1.weight" in errors[1], errors[1]
+
+
+def _from_meta(rank, world, meta_model, sample, path, buffers, ref):
+    records = LogRecords("autopar.codegen.module")
+    pm = autopar.parallelize(meta_model, sample, (world,), memory_budget=1.5e6)  # tight: some ZeRO storage
+    with pytest.raises(LoweringError, match="on the meta device"):
+        pm(**sample)
+    pm.to_empty(device="cpu")
+    pm.load_checkpoint(path)
+    pm.load_state_dict(buffers, strict=False)  # the non-persistent ones the log names
+    opt = torch.optim.AdamW(pm.parameters(), lr=LR, eps=EPS)
+    check_steps(pm, opt, ref, range(2), "built on meta", [sample] * 2)
+    return sum(p.zero for p in pm.plan.params), records.messages
+
+
+@pytest.mark.timeout(240)
+def test_a_model_built_on_meta_trains_from_a_checkpoint(tmp_path):
+    """The flow for a model larger than one device: HF Llama built on meta, parallelized on 4 ranks under a tight
+    budget (its shards stay on meta; calling it says what to do), `to_empty`, a checkpoint one device wrote
+    with torch alone, and the non-persistent rotary buffers the log names loaded as full tensors: two steps
+    match one device's."""
+    zoo = load_zoo("hf_llama")
+    model, sample = zoo.build(batch_size=8, seq_len=16, size="tiny", device="cpu")
+    meta_model, _ = zoo.build(batch_size=8, seq_len=16, size="tiny", device="meta")
+    path = str(tmp_path / "one_device")
+    dcp.save({"model": model.state_dict()}, checkpoint_id=path, no_dist=True)
+    unsaved = {n: b for n, b in model.named_buffers() if n not in model.state_dict()}
+    assert unsaved, "the test wants buffers a checkpoint does not hold"
+    ref = reference(model, sample, 2)
+    results = run_ranks(_from_meta, 4, meta_model, sample, path, unsaved, ref, timeout_s=220)
+    assert results[0][0] > 0, "the tight budget should store some parameters as ZeRO shards"
+    warned = [m for m in results[0][1] if "off the meta device" in m]
+    assert len(warned) == 1 and all(n in warned[0] for n in unsaved), results[0][1]
