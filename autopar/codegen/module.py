@@ -24,6 +24,7 @@ plan of its own that keeps the parameters and buffers where they are.
 """
 from __future__ import annotations
 
+import copy
 import logging
 import math
 import operator
@@ -140,6 +141,21 @@ class ParallelModule(nn.Module):
 
     def _dtypes_read(self) -> tuple[torch.dtype, ...]:
         return tuple(owner[name].dtype for owner, name in self._first.state_slots)
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> "ParallelModule":
+        """A copy with its own parameters and buffers (an EMA of the weights, a frozen eval copy), on the same
+        mesh and plan. Process groups cannot be copied and the traces and plans are never changed, so the copy
+        shares them; its gradient sync is its own, over its parameters."""
+        immutable = (*self._graphs, *self._planned, *(g.out_spec for g in self._graphs.values()),
+                     *(t for t, _, _ in self._planned.values()))  # signatures, output structures, traces
+        for shared in (self.mesh, self.plan, self._retracer, self._sync, *immutable):
+            memo[id(shared)] = shared
+        new = type(self).__new__(type(self))
+        memo[id(self)] = new
+        new.__dict__.update({k: copy.deepcopy(v, memo) for k, v in self.__dict__.items()})
+        new._sync = _make_grad_sync(new, new._graph.gm.meta["autopar"], new.mesh)
+        new._synced_params = new._params_read()
+        return new
 
     def _meta_read(self) -> bool:
         return any(owner[name].is_meta for owner, name in self._first.state_slots)

@@ -180,3 +180,26 @@ def test_a_model_built_on_meta_trains_from_a_checkpoint(tmp_path):
     assert results[0][0] > 0, "the tight budget should store some parameters as ZeRO shards"
     warned = [m for m in results[0][1] if "off the meta device" in m]
     assert len(warned) == 1 and all(n in warned[0] for n in unsaved), results[0][1]
+
+
+def _copies_train_apart(rank, world, model, sample, traced, plans, ref):
+    for label, plan in plans:
+        pm = parallel_module(model, sample, traced, plan, ProcessMesh((2, 2)))
+        twin = copy.deepcopy(pm)  # an EMA's or an eval copy's way
+        for module in (twin, pm):  # the copy first: training it must leave the original as it was
+            opt = torch.optim.AdamW(module.parameters(), lr=LR, eps=EPS)
+            check_steps(module, opt, ref, range(2), f"{label}, {'copy' if module is twin else 'original'}", [sample] * 2)
+
+
+@pytest.mark.timeout(240)
+def test_a_deep_copy_trains_apart_from_its_original():
+    """`copy.deepcopy(pm)` (it raised: process groups cannot be pickled) gives a module with its own parameters
+    and its own gradient sync on the same mesh: under a data-parallel and a random 2x2 plan the copy trains
+    like one device, and the original, untouched by that, then trains like one device too."""
+    model, sample = _gpt2()
+    traced = trace_model(model, sample)
+    ref = reference(model, sample, 2)
+    mesh = cpu_mesh((2, 2))
+    plans = [("data parallel", greedy_plan(traced, mesh, {n: "S(0)S(0)" for n in traced.input_names})),
+             ("random", random_plan(traced, mesh, random.Random(21)))]
+    run_ranks(_copies_train_apart, 4, model, sample, traced, plans, ref, timeout_s=220)
