@@ -42,6 +42,7 @@ from torch.utils import _pytree as pytree
 from autopar.codegen.eval_mode import eval_difference, without_dropout
 from autopar.codegen.lower import LoweringInfo, lower, share_tree
 from autopar.codegen.shapes import LoweringError
+from autopar.errors import TraceError
 from autopar.runtime.batch import batch_slice, global_like
 from autopar.runtime.deferred_loss import grads_scaled_by, other_output
 from autopar.runtime.grad_norm import clip_grad_norm_
@@ -58,7 +59,6 @@ from autopar.runtime.state_dict import (
 from autopar.solver.plan import Plan
 from autopar.solver.plan_io import op_name
 from autopar.solver.spec import Spec
-from autopar.errors import TraceError
 from autopar.tracer import TracedGraph
 
 log = logging.getLogger(__name__)
