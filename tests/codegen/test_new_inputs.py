@@ -14,6 +14,7 @@ import random
 import pytest
 import torch
 from torch import nn
+from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 
 from tests.codegen.harness import LogRecords, check_plan, local_sample, parallel_module, reference_steps, retracer, trace_model
 from tests.codegen.plans import cpu_mesh, greedy_plan, load_zoo, random_plan
@@ -23,6 +24,7 @@ from autopar.codegen import ParallelModule, lower
 from autopar.codegen.shapes import LoweringError, local_block
 from autopar.runtime.launch import run_ranks
 from autopar.runtime.mesh import ProcessMesh
+from autopar.solver.spec import Shard
 
 
 def _gpt2(batch: int, seq: int, dropout: float = 0.0):
@@ -210,6 +212,36 @@ def test_parameters_converted_after_parallelize_run_in_their_dtype():
             assert loss == pytest.approx(want.item(), rel=1e-3)
             assert grad_error < 3e-2
             assert back == pytest.approx(want_float, rel=1e-5) and first_graph
+
+
+def _overflow_on_rank0(rank, world, model, sample, traced, plan):
+    """One fp16 autocast step with torch's ShardedGradScaler, an overflow put in rank 0's block of a split
+    gradient only: the scale after the step and whether the parameters moved."""
+    pm = parallel_module(model, sample, traced, plan, ProcessMesh((world,)), retrace=True)
+    opt = torch.optim.AdamW(pm.parameters(), lr=1e-2)
+    scaler = ShardedGradScaler("cpu", init_scale=1.0, process_group=torch.distributed.group.WORLD)
+    before = [p.detach().clone() for p in pm.parameters()]
+    with torch.autocast("cpu", dtype=torch.float16):
+        loss = pm(**local_sample(sample, pm)[1])
+    scaler.scale(loss).backward()
+    split = next(fqn for fqn, spec in pm.info.param_storage.items() if any(isinstance(p, Shard) for p in spec.placements))
+    if rank == 0:
+        pm.get_parameter(split).grad.view(-1)[0] = float("inf")
+    scaler.step(opt)
+    scaler.update()
+    return scaler.get_scale(), any(not torch.equal(a, p) for a, p in zip(before, pm.parameters()))
+
+
+@pytest.mark.timeout(120)
+def test_an_overflow_in_one_ranks_shard_skips_the_step_on_every_rank():
+    """fp16 with a loss scaler: an overflow in one rank's block of a split gradient must skip the step on every
+    rank, or replicated parameters diverge. torch's ShardedGradScaler (what the README prescribes; a plain
+    GradScaler checks this rank's gradients only) all-reduces the overflow: both ranks skip and halve the scale."""
+    model, sample = _gpt2(4, 16)
+    traced = trace_model(model, sample)
+    plan = random_plan(traced, cpu_mesh((2,)), random.Random(3))
+    for scale, moved in run_ranks(_overflow_on_rank0, 2, model, sample, traced, plan, timeout_s=100):
+        assert scale == 0.5 and not moved
 
 
 def _eval_losses(rank, world, model, sample, traced, plan, other):
