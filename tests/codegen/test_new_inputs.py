@@ -89,20 +89,34 @@ def test_freezing_and_unfreezing_after_parallelize():
     run_ranks(_train_freezing, 4, (2, 2), model, sample, traced, plans, ref, timeout_s=220)
 
 
+def _plans_with_zero(traced, seed: int) -> list:
+    """A data-parallel plan and two random ones on 2 ranks, ZeRO storage among them."""
+    mesh = cpu_mesh((2,))
+    rng = random.Random(seed)
+    plans = [greedy_plan(traced, mesh, {n: "S(0)" for n in traced.input_names}), random_plan(traced, mesh, rng),
+             random_plan(traced, mesh, rng)]
+    assert any(p.zero for plan in plans for p in plan.params)
+    return plans
+
+
+def _grad_error(pm: ParallelModule, want_grads) -> float:
+    """The largest error of this rank's block of any gradient, relative to that gradient's largest entry."""
+    worst = 0.0
+    for fqn, p in pm.named_parameters():
+        want = local_block(want_grads[fqn], pm.info.param_storage[fqn], pm.mesh.shape, pm.mesh.coordinate)
+        worst = max(worst, ((p.grad.float() - want).abs().max() / want.abs().max()).item())
+    return worst
+
+
 def _autocast_step(rank, world, model, sample, traced, plans, want_grads):
     mesh = ProcessMesh((world,))
     out = []
     for plan in plans:
-        pm = ParallelModule(lower(traced, plan, mesh, params=dict(model.named_parameters(remove_duplicate=False))),
-                            traced, mesh, plan, retracer(model, sample))
+        pm = parallel_module(model, sample, traced, plan, mesh, retrace=True)
         with torch.autocast("cpu", dtype=torch.bfloat16):
             loss = pm(**local_sample(sample, pm)[1])
         loss.backward()
-        worst = 0.0  # each gradient's largest error, relative to its largest entry
-        for fqn, p in pm.named_parameters():
-            want = local_block(want_grads[fqn], pm.info.param_storage[fqn], mesh.shape, mesh.coordinate)
-            worst = max(worst, ((p.grad - want).abs().max() / want.abs().max()).item())
-        out.append((loss.item(), loss.dtype, worst))
+        out.append((loss.item(), loss.dtype, _grad_error(pm, want_grads)))
     return out
 
 
@@ -113,11 +127,7 @@ def test_autocast_runs_as_eager_autocast():
     data parallel or random (ZeRO storage included): the loss is eager autocast's, gradients within bf16 error."""
     model, sample = _gpt2(4, 16)
     traced = trace_model(model, sample)
-    mesh = cpu_mesh((2,))
-    rng = random.Random(1)
-    plans = [greedy_plan(traced, mesh, {n: "S(0)" for n in traced.input_names}), random_plan(traced, mesh, rng),
-             random_plan(traced, mesh, rng)]
-    assert any(p.zero for plan in plans for p in plan.params)
+    plans = _plans_with_zero(traced, seed=1)
     single = copy.deepcopy(model)
     with torch.autocast("cpu", dtype=torch.bfloat16):
         want = single(**sample)
@@ -176,10 +186,7 @@ def _converted_step(rank, world, model, sample, traced, plans, want_grads):
         pm.to(torch.bfloat16)
         loss = pm(**local_sample(sample, pm)[1]).loss
         loss.backward()
-        worst = 0.0
-        for fqn, p in pm.named_parameters():
-            want = local_block(want_grads[fqn], pm.info.param_storage[fqn], mesh.shape, mesh.coordinate)
-            worst = max(worst, ((p.grad.float() - want).abs().max() / want.abs().max()).item())
+        worst = _grad_error(pm, want_grads)
         pm.float()
         with torch.no_grad():
             back = pm(**local_sample(sample, pm)[1]).loss.item()
@@ -196,11 +203,7 @@ def test_parameters_converted_after_parallelize_run_in_their_dtype():
     gradient accumulator); `pm.float()` returns to the float32 graph."""
     model, sample = load_zoo("hf_llama").build(batch_size=4, seq_len=16, size="tiny", device="cpu")
     traced = trace_model(model, sample)
-    mesh = cpu_mesh((2,))
-    rng = random.Random(4)
-    plans = [greedy_plan(traced, mesh, {n: "S(0)" for n in traced.input_names}), random_plan(traced, mesh, rng),
-             random_plan(traced, mesh, rng)]
-    assert any(p.zero for plan in plans for p in plan.params)
+    plans = _plans_with_zero(traced, seed=4)
     single = copy.deepcopy(model).to(torch.bfloat16)
     want = single(**sample).loss
     want.backward()
