@@ -165,6 +165,17 @@ class ParallelModule(nn.Module):
         casts to the dtypes it was traced with (HF Llama's RMSNorm casts back to its weight's), so other dtypes
         get a graph of their own, traced with them, and the gradient sync is built again."""
         out = super()._apply(fn, recurse)
+        for alias, owner in self.info.aliases.items():
+            # a conversion across device types (meta -> cpu by `to_empty`, cpu -> cuda) makes a new tensor
+            # per name it meets: a tied name the graph module registers is tied to its owner again
+            holder, _, name = alias.rpartition(".")
+            try:
+                alias_params = self.get_submodule(holder)._parameters
+            except AttributeError:  # the graph module does not register that name
+                continue
+            if name in alias_params:
+                owner_dict, owner_name = _slot(self, owner)
+                alias_params[name] = owner_dict[owner_name]
         self._state_dtypes = self._dtypes_read()
         was_meta, self._on_meta = self._on_meta, self._meta_read()
         if was_meta and not self._on_meta and self.info.unsaved and torch.distributed.get_rank() == 0:

@@ -34,6 +34,7 @@ from typing import Any, Mapping, Sequence
 
 import torch
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import HuggingFaceStorageReader
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor import Replicate as DReplicate
@@ -240,23 +241,58 @@ def save_sharded(local: Mapping[str, torch.Tensor], specs: Mapping[str, Spec], m
 @torch.no_grad()
 def load_sharded(local: Mapping[str, torch.Tensor], specs: Mapping[str, Spec], mesh: ProcessMesh, path: str | os.PathLike,
                  osd: Mapping[str, Any] | None = None, extra: dict[str, Any] | None = None) -> dict[str, Any] | None:
-    """Fill the local shards in place from a checkpoint written by `save_sharded` under any specs or mesh.
+    """Fill the local shards in place from a checkpoint written by `save_sharded` under any specs or mesh,
+    or from a Hugging Face model directory (safetensors, as `save_pretrained` writes them: weights only).
     osd: this rank's optimizer state, whose names and shapes say what to read (made by the optimizer
     over these shards); returns it filled from the checkpoint, to load into the optimizer.
     extra: the keys of the saved `extra` to read, each value replaced in place by the saved one."""
-    state = _checkpoint(local, specs, mesh, osd, extra)
-    try:
-        dcp.load(state, checkpoint_id=os.fspath(path))
-    except CheckpointException as e:
-        missing = "" if osd is None or _has_optimizer_state(path) else " (it holds no optimizer state: it was saved without one)"
-        raise StateDictError(f"checkpoint {os.fspath(path)!r} does not match this module{missing}: {_cause(e)}") from e
+    path = os.fspath(path)
+    if _is_hf_directory(path):
+        if osd is not None or extra is not None:
+            raise StateDictError(f"{path!r} is a Hugging Face model directory: it holds weights only, no optimizer "
+                                 "state or extra state; load those from a checkpoint written by save_checkpoint")
+        state = {"model": _hf_targets(local, specs, mesh, path)}
+        _load(state["model"], path, HuggingFaceStorageReader(path), osd)
+    else:
+        state = _checkpoint(local, specs, mesh, osd, extra)
+        _load(state, path, None, osd)
     for name, t in local.items():
+        if name not in state["model"]:
+            continue  # a tied name the file does not hold: the same tensor as a name it does
         loaded = state["model"][name].to_local()
         if loaded.data_ptr() != t.data_ptr():  # DCP replaced the tensor instead of filling it
             t.copy_(loaded)
     if osd is None:
         return None
     return _map_state(state["optim"], lambda fqn, name, v: v.to_local() if isinstance(v, DTensor) else v)
+
+
+def _load(state: dict[str, Any], path: str, reader: dcp.StorageReader | None, osd: Mapping[str, Any] | None) -> None:
+    try:
+        dcp.load(state, checkpoint_id=path, storage_reader=reader)
+    except CheckpointException as e:
+        missing = "" if osd is None or _has_optimizer_state(path) else " (it holds no optimizer state: it was saved without one)"
+        raise StateDictError(f"checkpoint {path!r} does not match this module{missing}: {_cause(e)}") from e
+
+
+def _is_hf_directory(path: str) -> bool:
+    """A directory of safetensors files without DCP's metadata: a Hugging Face model's weights."""
+    return os.path.isdir(path) and not os.path.exists(os.path.join(path, ".metadata")) and \
+        any(f.endswith(".safetensors") for f in os.listdir(path))
+
+
+def _hf_targets(local: Mapping[str, torch.Tensor], specs: Mapping[str, Spec], mesh: ProcessMesh, path: str) -> dict[str, DTensor]:
+    """The shards to fill from a Hugging Face directory, by the names its files hold. A tied tensor is read
+    under whichever of its names is there (`save_pretrained` writes one); a tensor under none is an error."""
+    saved = HuggingFaceStorageReader(path).read_metadata().state_dict_metadata
+    names_of: dict[int, list[str]] = {}
+    for name, t in local.items():
+        names_of.setdefault(id(t), []).append(name)
+    missing = [names[0] for names in names_of.values() if not any(n in saved for n in names)]
+    if missing:
+        raise StateDictError(f"Hugging Face directory {path!r} does not hold {sorted(missing)[:5]} ({len(missing)} "
+                             "tensors): it is not a checkpoint of this model")
+    return _as_dtensors({n: t for n, t in local.items() if n in saved}, specs, mesh)
 
 
 def _has_optimizer_state(path: str | os.PathLike) -> bool:

@@ -182,6 +182,34 @@ def test_a_model_built_on_meta_trains_from_a_checkpoint(tmp_path):
     assert len(warned) == 1 and all(n in warned[0] for n in unsaved), results[0][1]
 
 
+def _from_pretrained(rank, world, meta_model, sample, traced, plans, path, ref):
+    for label, plan in plans:
+        pm = parallel_module(meta_model, sample, traced, plan, ProcessMesh((2, 2)))
+        pm.to_empty(device="cpu")
+        pm.load_checkpoint(path)  # a save_pretrained directory: each rank reads its blocks of the safetensors
+        opt = torch.optim.AdamW(pm.parameters(), lr=LR, eps=EPS)
+        check_steps(pm, opt, ref, range(2), label, [sample] * 2)
+    with pytest.raises(StateDictError, match="holds weights only"):
+        pm.load_checkpoint(path, opt)
+
+
+@pytest.mark.timeout(240)
+def test_a_hugging_face_directory_loads_into_a_model_built_on_meta(tmp_path):
+    """HF GPT-2 (its LM head tied to the token embedding, which `save_pretrained` writes once) built on meta, under
+    a data-parallel and a random 2x2 plan (tensor splits, ZeRO), `to_empty`, then `load_checkpoint` of the directory
+    `save_pretrained` wrote: two steps match one device's. Optimizer state from such a directory is refused."""
+    zoo = load_zoo("hf_gpt2")
+    model, sample = zoo.build(batch_size=8, seq_len=16, size="tiny", device="cpu")
+    meta_model, _ = zoo.build(batch_size=8, seq_len=16, size="tiny", device="meta")
+    model.save_pretrained(tmp_path / "pretrained")
+    traced = trace_model(model, sample)
+    ref = reference(model, sample, 2)
+    mesh = cpu_mesh((2, 2))
+    plans = [("data parallel", greedy_plan(traced, mesh, {n: "S(0)S(0)" for n in traced.input_names})),
+             ("random", random_plan(traced, mesh, random.Random(17)))]
+    run_ranks(_from_pretrained, 4, meta_model, sample, traced, plans, str(tmp_path / "pretrained"), ref, timeout_s=220)
+
+
 def _copies_train_apart(rank, world, model, sample, traced, plans, ref):
     for label, plan in plans:
         pm = parallel_module(model, sample, traced, plan, ProcessMesh((2, 2)))
