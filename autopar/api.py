@@ -123,6 +123,11 @@ def parallelize(
     if dist.get_rank() == 0:
         log.info("parallelize: %s on mesh %s in %.2f s (est. step %.1f ms)", type(model).__name__, pmesh.shape,
                  time.perf_counter() - start, plan.time.total_s * 1e3)
+        hooked = [name or type(model).__name__ for name, m in model.named_modules() if m._forward_hooks or m._forward_pre_hooks]
+        if hooked:
+            log.warning("parallelize: forward hooks on %s ran once, while tracing (what they changed in the outputs is "
+                        "in the graph), and do not run in the parallel module's forward, which calls ops, not modules: "
+                        "read activations from the module's outputs instead", hooked[:5])
     return ParallelModule(gm, traced, pmesh, plan, make_retracer(model, sample_input, device, optimizer, time_limit_s))
 
 

@@ -109,3 +109,27 @@ def test_a_loss_computed_outside_the_model_is_a_term_of_a_sum_and_says_so():
     messages = run_ranks(_outside_loss, 2, model, x, y, want, timeout_s=100)
     assert len(messages[0]) == 1 and "divide it by 2" in messages[0][0], messages
     assert messages[1] == []
+
+
+def _hooked(rank, world, model, x):
+    records = LogRecords("autopar.api")
+    pm = parallelize(model, (x,), (world,))
+    calls_after_trace = len(model.seen)
+    pm(pm.local_batch((x,))[0])
+    return calls_after_trace, len(model.seen), records.messages
+
+
+@pytest.mark.timeout(100)
+def test_forward_hooks_on_submodules_are_named_as_not_running():
+    """A forward hook on a submodule runs once while tracing and never in the parallel module's forward (its graph
+    calls ops, not modules): rank 0 says so, naming the module."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
+    model.seen = []
+    model[1].register_forward_hook(lambda mod, args, out: model.seen.append(out.shape))
+    results = run_ranks(_hooked, 2, model, torch.randn(8, 8), timeout_s=90)
+    (traced_calls, calls, messages), (_, _, others) = results
+    assert calls == traced_calls  # the forward ran the graph, not the hooked module
+    warned = [m for m in messages if "forward hooks on ['1']" in m]
+    assert len(warned) == 1 and "do not run in the parallel module's forward" in warned[0], messages
+    assert not [m for m in others if "forward hooks" in m]
