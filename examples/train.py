@@ -10,8 +10,8 @@ the whole batch). Rank 0 prints the loss of each step: the global mean loss.
 The batches are random tokens drawn from one seeded generator on every rank; with
 `--fixed-batch` the model sees one batch over and over, and the loss falls fast.
 With `--checkpoint DIR` the run resumes from DIR when it holds a checkpoint (model,
-optimizer, step, data generator; saved under any plan or world size) and saves there
-after its last step.
+optimizer, step, data and dropout generators; saved under any plan or world size) and
+saves there after its last step.
 
     torchrun --nproc_per_node 4 examples/train.py --steps 5 --checkpoint ckpt
     torchrun --nproc_per_node 2 examples/train.py --steps 10 --checkpoint ckpt   # steps 5-9
@@ -56,6 +56,12 @@ def random_like(batch, gen: torch.Generator):
         high = int(t.max().item()) + 1
         return torch.randint(0, max(high, 1), t.shape, generator=gen, dtype=t.dtype)
     return pytree.tree_map(draw, batch)
+
+
+def loop_state(step: int, gen: torch.Generator) -> dict:
+    """What a resumed run needs besides the model and optimizer to continue as if never stopped: the next step,
+    the batches' generator and the default generator (dropout's masks), the same on every rank."""
+    return {"step": step, "data": gen.get_state(), "rng": torch.get_rng_state()}
 
 
 def call(model, batch) -> torch.Tensor:
@@ -107,10 +113,11 @@ def train(args: argparse.Namespace) -> list[float]:
     gen = torch.Generator().manual_seed(args.seed + 1)  # identical batches on every rank; each keeps its slice
     first_step = 0
     if args.checkpoint and (Path(args.checkpoint) / ".metadata").exists():
-        loop = {"step": 0, "data": gen.get_state()}  # what the loop needs beyond the model and optimizer
+        loop = loop_state(0, gen)  # what the loop needs beyond the model and optimizer
         pm.load_checkpoint(args.checkpoint, optimizer, extra=loop)
         first_step = loop["step"]
         gen.set_state(loop["data"])
+        torch.set_rng_state(loop["rng"])
         if rank == 0:
             print(f"resumed from {args.checkpoint} at step {first_step}", flush=True)
     losses = []
@@ -131,7 +138,7 @@ def train(args: argparse.Namespace) -> list[float]:
         if rank == 0:
             print(f"step {step:4d}  loss {losses[-1]:.4f}  {step_ms:7.1f} ms", flush=True)
     if args.checkpoint:
-        pm.save_checkpoint(args.checkpoint, optimizer, extra={"step": max(first_step, args.steps), "data": gen.get_state()})
+        pm.save_checkpoint(args.checkpoint, optimizer, extra=loop_state(max(first_step, args.steps), gen))
     return losses
 
 
