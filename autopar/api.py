@@ -128,7 +128,13 @@ def parallelize(
             log.warning("parallelize: forward hooks on %s ran once, while tracing (what they changed in the outputs is "
                         "in the graph), and do not run in the parallel module's forward, which calls ops, not modules: "
                         "read activations from the module's outputs instead", hooked[:5])
-    return ParallelModule(gm, traced, pmesh, plan, make_retracer(model, sample_input, device, optimizer, time_limit_s))
+    pm = ParallelModule(gm, traced, pmesh, plan, make_retracer(model, sample_input, device, optimizer, time_limit_s))
+    # code written against the model reads its plain attributes (a Hugging Face model's config, generation_config,
+    # name_or_path): the parallel module has them too; its own names and the model's methods are not copied
+    for name, value in vars(model).items():
+        if not (name.startswith("_") or hasattr(pm, name) or callable(value) or isinstance(value, torch.Tensor)):
+            setattr(pm, name, value)
+    return pm
 
 
 def make_retracer(model: nn.Module, sample_input: Any, device: str, optimizer: str = "adamw", time_limit_s: float = 30.0) -> Retracer:

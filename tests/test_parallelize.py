@@ -133,3 +133,22 @@ def test_forward_hooks_on_submodules_are_named_as_not_running():
     warned = [m for m in messages if "forward hooks on ['1']" in m]
     assert len(warned) == 1 and "do not run in the parallel module's forward" in warned[0], messages
     assert not [m for m in others if "forward hooks" in m]
+
+
+def _attributes(rank, world, model, sample):
+    pm = parallelize(model, sample, (world,))
+    batch = {k: v.to(pm.device) for k, v in pm.local_batch(sample).items()}  # an HF loop's idiom
+    return pm.config.vocab_size, pm.name_or_path, str(pm.device), pm(**batch).loss.item()
+
+
+@pytest.mark.timeout(100)
+def test_the_models_plain_attributes_and_device_are_the_parallel_modules():
+    """Code written for a Hugging Face model reads `model.config`, `model.name_or_path` and `model.device`: the
+    parallel module answers them as the model does (the config's values; the device of this rank's shards)."""
+    model, sample = load_zoo("hf_gpt2").build(batch_size=4, seq_len=16, size="tiny", device="cpu")
+    model.name_or_path = "tiny-gpt2"
+    with torch.no_grad():
+        want = copy.deepcopy(model)(**sample).loss.item()
+    for vocab, name, device, loss in run_ranks(_attributes, 2, model, sample, timeout_s=90):
+        assert (vocab, name, device) == (model.config.vocab_size, "tiny-gpt2", "cpu")
+        assert loss == pytest.approx(want, rel=1e-5)

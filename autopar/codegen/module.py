@@ -212,6 +212,11 @@ class ParallelModule(nn.Module):
     def code(self) -> str:
         return self.graph_module.code
 
+    @property
+    def device(self) -> torch.device:
+        """Where this rank's parameters live (what `batch.to(model.device)` in a Hugging Face loop wants)."""
+        return next(iter(self.parameters())).device
+
     # Under torch.compile (`torch.compile(pm)`, or a compiled loop calling it) the forward runs eagerly, a
     # graph break: dynamo fails inside the gradient sync's `register_hook` (an internal error), and the graph
     # compiled alone breaks at each c10d collective and recompiles per grad mode (gpt2-tiny, 2 ranks: 55 s to
