@@ -24,6 +24,7 @@ plan of its own that keeps the parameters and buffers where they are.
 """
 from __future__ import annotations
 
+import contextlib
 import copy
 import logging
 import math
@@ -32,7 +33,7 @@ import os
 import time
 from contextlib import nullcontext
 from dataclasses import dataclass
-from typing import Any, Callable, Mapping, NamedTuple
+from typing import Any, Callable, Iterator, Mapping, NamedTuple
 
 import torch
 from torch import fx, nn
@@ -122,6 +123,7 @@ class ParallelModule(nn.Module):
         self._planned: dict[tuple, tuple[TracedGraph, Plan, str]] = {_without_flags(self._key): (traced, plan, "the plan's graph")}
         self._use(first)
         self._sync = _make_grad_sync(self, info, mesh)
+        self._syncing = True  # False inside `no_sync()`
         self._sync_key = first.sync_key
         self._synced_params = self._params_read()  # the sync's
 
@@ -154,6 +156,7 @@ class ParallelModule(nn.Module):
         memo[id(self)] = new
         new.__dict__.update({k: copy.deepcopy(v, memo) for k, v in self.__dict__.items()})
         new._sync = _make_grad_sync(new, new._graph.gm.meta["autopar"], new.mesh)
+        new._sync.enabled = new._syncing
         new._synced_params = new._params_read()
         return new
 
@@ -211,6 +214,18 @@ class ParallelModule(nn.Module):
     @property
     def code(self) -> str:
         return self.graph_module.code
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """DDP's `no_sync`: backward calls inside leave the data-parallel gradient sync out, so gradients
+        accumulate as each rank's own terms over micro-batches; the first synced backward after it reduces all
+        of them. Gradients the plan reduces inside the graph (ZeRO's reduce-scatter, tensor-parallel sums) are
+        still reduced in each backward."""
+        self._syncing = self._sync.enabled = False
+        try:
+            yield
+        finally:
+            self._syncing = self._sync.enabled = True
 
     @property
     def device(self) -> torch.device:
@@ -359,6 +374,7 @@ class ParallelModule(nn.Module):
         old.remove()
         self._sync = _make_grad_sync(self, graph.gm.meta["autopar"], self.mesh)
         self._sync.keep_marks(old)
+        self._sync.enabled = self._syncing
         self._sync_key = graph.sync_key
         self._synced_params = self._params_read()
 
