@@ -24,14 +24,14 @@ plan of its own that keeps the parameters and buffers where they are.
 """
 from __future__ import annotations
 
-import contextlib
 import copy
 import logging
 import math
 import operator
 import os
 import time
-from contextlib import nullcontext
+from concurrent.futures import Future
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Mapping, NamedTuple
 
@@ -215,7 +215,7 @@ class ParallelModule(nn.Module):
     def code(self) -> str:
         return self.graph_module.code
 
-    @contextlib.contextmanager
+    @contextmanager
     def no_sync(self) -> Iterator[None]:
         """DDP's `no_sync`: backward calls inside leave the data-parallel gradient sync out, so gradients
         accumulate as each rank's own terms over micro-batches; the first synced backward after it reduces all
@@ -465,15 +465,17 @@ class ParallelModule(nn.Module):
         set_optimizer_state_dict(self, optimizer, shard_optimizer_state(state_dict, local, specs, self.mesh))
 
     def save_checkpoint(self, path: str | os.PathLike, optimizer: torch.optim.Optimizer | None = None,
-                        extra: dict[str, Any] | None = None) -> None:
+                        extra: dict[str, Any] | None = None, background: bool = False) -> Future | None:
         """Write this module's parameters and buffers and `optimizer`'s state with torch.distributed.checkpoint,
         each rank its shards (a collective). It loads under any plan or mesh (`load_checkpoint`) and into one
         device's model and optimizer with torch alone (keys "model" and "optim", as torch's `get_state_dict`).
         extra: other state every rank holds alike, saved under "extra" (the loop's step, a scheduler's
-        `state_dict()`, a data generator's state)."""
+        `state_dict()`, a data generator's state).
+        background: return once the state is copied aside and write it while training goes on; the returned
+        future completes when the files are written (wait for it before the next save)."""
         local, specs = self._shard_specs()
         osd = None if optimizer is None else get_optimizer_state_dict(self, optimizer)
-        save_sharded(local, specs, self.mesh, path, osd, extra)
+        return save_sharded(local, specs, self.mesh, path, osd, extra, background)
 
     def load_checkpoint(self, path: str | os.PathLike, optimizer: torch.optim.Optimizer | None = None,
                         extra: dict[str, Any] | None = None) -> None:

@@ -30,9 +30,11 @@ from __future__ import annotations
 
 import logging
 import os
+from concurrent.futures import Future
 from typing import Any, Mapping, Sequence
 
 import torch
+import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import HuggingFaceStorageReader
 from torch.distributed.checkpoint.api import CheckpointException
@@ -229,13 +231,32 @@ def _checkpoint(local: Mapping[str, torch.Tensor], specs: Mapping[str, Spec], me
 
 
 def save_sharded(local: Mapping[str, torch.Tensor], specs: Mapping[str, Spec], mesh: ProcessMesh, path: str | os.PathLike,
-                 osd: Mapping[str, Any] | None = None, extra: dict[str, Any] | None = None) -> None:
+                 osd: Mapping[str, Any] | None = None, extra: dict[str, Any] | None = None,
+                 background: bool = False) -> Future | None:
     """Write a sharded checkpoint of the shards and, if given, this rank's optimizer state `osd` and other
     state `extra` that every rank holds alike (a step count, a scheduler's state dict). Each rank writes
-    its shards; replicated tensors are deduplicated by DCP."""
-    dcp.save(_checkpoint(local, specs, mesh, osd, extra), checkpoint_id=os.fspath(path))
+    its shards; replicated tensors are deduplicated by DCP.
+    background: return once the state is copied aside (DCP's `async_save`), writing it in a thread: the
+    returned future completes when the files are written. Its collectives run on a group of their own,
+    so training's collectives meanwhile cannot interleave with them."""
+    state = _checkpoint(local, specs, mesh, osd, extra)
+    if background:
+        return dcp.async_save(state, checkpoint_id=os.fspath(path), process_group=_checkpoint_group())
+    dcp.save(state, checkpoint_id=os.fspath(path))
     if mesh.coordinate == (0,) * mesh.ndim:
         logger.info("runtime: saved %d tensors%s to %s", len(local), " and the optimizer state" if osd else "", path)
+    return None
+
+
+_CHECKPOINT_GROUPS: dict[int, dist.ProcessGroup] = {}
+
+
+def _checkpoint_group() -> dist.ProcessGroup:
+    """A gloo group over the world for background saves (made once: making a group is a collective)."""
+    world = dist.get_world_size()
+    if world not in _CHECKPOINT_GROUPS:
+        _CHECKPOINT_GROUPS[world] = dist.new_group(backend="gloo")
+    return _CHECKPOINT_GROUPS[world]
 
 
 @torch.no_grad()

@@ -231,3 +231,28 @@ def test_a_deep_copy_trains_apart_from_its_original():
     plans = [("data parallel", greedy_plan(traced, mesh, {n: "S(0)S(0)" for n in traced.input_names})),
              ("random", random_plan(traced, mesh, random.Random(21)))]
     run_ranks(_copies_train_apart, 4, model, sample, traced, plans, ref, timeout_s=220)
+
+
+def _save_in_background(rank, world, model, sample, traced, plan, path, ref):
+    pm = parallel_module(model, sample, traced, plan, ProcessMesh((world,)))
+    opt = torch.optim.AdamW(pm.parameters(), lr=LR, eps=EPS)
+    check_steps(pm, opt, ref, range(1), "before the save", [sample])
+    saved = pm.save_checkpoint(path, opt, background=True)
+    check_steps(pm, opt, ref, range(1, 3), "while it writes", [sample] * 2)  # training goes on, collectives and all
+    saved.result()
+    resumed = parallel_module(model, sample, traced, plan, ProcessMesh((world,)))
+    opt = torch.optim.AdamW(resumed.parameters(), lr=LR, eps=EPS)
+    resumed.load_checkpoint(path, opt)
+    check_steps(resumed, opt, ref, range(1, 3), "from the background save", [sample] * 2)
+
+
+@pytest.mark.timeout(120)
+def test_a_background_save_holds_the_state_of_its_call(tmp_path):
+    """`save_checkpoint(background=True)` after one step, two more steps while it writes: the checkpoint holds the
+    state after the first step (a module loading it takes the same two steps again, like one device), not
+    parameters the later steps changed under the writer."""
+    model, sample = _gpt2()
+    traced = trace_model(model, sample)
+    ref = reference(model, sample, 3)
+    plan = random_plan(traced, cpu_mesh((2,)), random.Random(8))
+    run_ranks(_save_in_background, 2, model, sample, traced, plan, str(tmp_path / "ckpt"), ref, timeout_s=100)
