@@ -155,9 +155,7 @@ class ParallelModule(nn.Module):
         new = type(self).__new__(type(self))
         memo[id(self)] = new
         new.__dict__.update({k: copy.deepcopy(v, memo) for k, v in self.__dict__.items()})
-        new._sync = _make_grad_sync(new, new._graph.gm.meta["autopar"], new.mesh)
-        new._sync.enabled = new._syncing
-        new._synced_params = new._params_read()
+        new._own_sync(new._graph)  # not `_sync_to`: that would take the original's hooks off
         return new
 
     def _meta_read(self) -> bool:
@@ -372,8 +370,12 @@ class ParallelModule(nn.Module):
         accumulation)."""
         old = self._sync
         old.remove()
-        self._sync = _make_grad_sync(self, graph.gm.meta["autopar"], self.mesh)
+        self._own_sync(graph)
         self._sync.keep_marks(old)
+
+    def _own_sync(self, graph: _Graph) -> None:
+        """A gradient sync of this module's parameters for `graph`, off inside `no_sync()`."""
+        self._sync = _make_grad_sync(self, graph.gm.meta["autopar"], self.mesh)
         self._sync.enabled = self._syncing
         self._sync_key = graph.sync_key
         self._synced_params = self._params_read()
