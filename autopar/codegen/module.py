@@ -474,7 +474,7 @@ class ParallelModule(nn.Module):
         extra: other state every rank holds alike, saved under "extra" (the loop's step, a scheduler's
         `state_dict()`, a data generator's state).
         background: return once the state is copied aside and write it while training goes on; the returned
-        future completes when the files are written (wait for it before the next save)."""
+        future completes when the files are written (the next save or load waits for it first)."""
         local, specs = self._shard_specs()
         osd = None if optimizer is None else get_optimizer_state_dict(self, optimizer)
         return save_sharded(local, specs, self.mesh, path, osd, extra, background)

@@ -238,10 +238,14 @@ def save_sharded(local: Mapping[str, torch.Tensor], specs: Mapping[str, Spec], m
     its shards; replicated tensors are deduplicated by DCP.
     background: return once the state is copied aside (DCP's `async_save`), writing it in a thread: the
     returned future completes when the files are written. Its collectives run on a group of their own,
-    so training's collectives meanwhile cannot interleave with them."""
+    so training's collectives meanwhile cannot interleave with them. A save or load first waits for the
+    background save before it, so two writes never overlap."""
+    global _writing
+    _wait_for_background_save()
     state = _checkpoint(local, specs, mesh, osd, extra)
     if background:
-        return dcp.async_save(state, checkpoint_id=os.fspath(path), process_group=_checkpoint_group())
+        _writing = dcp.async_save(state, checkpoint_id=os.fspath(path), process_group=_checkpoint_group())
+        return _writing
     dcp.save(state, checkpoint_id=os.fspath(path))
     if mesh.coordinate == (0,) * mesh.ndim:
         logger.info("runtime: saved %d tensors%s to %s", len(local), " and the optimizer state" if osd else "", path)
@@ -249,6 +253,14 @@ def save_sharded(local: Mapping[str, torch.Tensor], specs: Mapping[str, Spec], m
 
 
 _CHECKPOINT_GROUPS: dict[int, dist.ProcessGroup] = {}
+_writing: Future | None = None  # the last background save, until it is waited for
+
+
+def _wait_for_background_save() -> None:
+    global _writing
+    if _writing is not None:
+        _writing.result()
+        _writing = None
 
 
 def _checkpoint_group() -> dist.ProcessGroup:
@@ -268,6 +280,7 @@ def load_sharded(local: Mapping[str, torch.Tensor], specs: Mapping[str, Spec], m
     over these shards); returns it filled from the checkpoint, to load into the optimizer.
     extra: the keys of the saved `extra` to read, each value replaced in place by the saved one."""
     path = os.fspath(path)
+    _wait_for_background_save()  # it may be writing the very files this reads
     if _is_hf_directory(path):
         if osd is not None or extra is not None:
             raise StateDictError(f"{path!r} is a Hugging Face model directory: it holds weights only, no optimizer "
