@@ -46,14 +46,13 @@ def eval_difference(train: TracedGraph, evaluated: TracedGraph) -> str | None:
     `native_dropout`'s output in training, the `clone` export writes for it in eval) and every
     contiguous copy is read as its input. Else the first op that differs, and where."""
     ours, theirs = _ops_without_dropout(train.graph), _ops_without_dropout(evaluated.graph)
-    position = next((i for i, (a, b) in enumerate(zip(ours, theirs)) if a != b), min(len(ours), len(theirs)))
+    position = next((i for i, ((_, a), (_, b)) in enumerate(zip(ours, theirs)) if a != b), min(len(ours), len(theirs)))
     if position == len(ours) == len(theirs):
         return None
-    nodes = [n for n in evaluated.graph.nodes if n.op != "placeholder" and not _reads_as_input(n)
-             and n.target is not aten.native_dropout.default]
-    if position >= len(nodes):
+    if position >= len(theirs):
         return "fewer ops"
-    return f"{nodes[position].target} in {module_path(nodes[position]) or 'the top-level forward'}"
+    node = theirs[position][0]
+    return f"{node.target} in {module_path(node) or 'the top-level forward'}"
 
 
 def _dropout_off(node: fx.Node) -> tuple[tuple, dict]:
@@ -87,9 +86,9 @@ def _without_defaults(target: Any, args: tuple, kwargs: dict) -> tuple[tuple, di
     return tuple(args), kwargs
 
 
-def _ops_without_dropout(graph: fx.Graph) -> list[tuple[str, Any, tuple, tuple]]:
-    """Each computing node as (op, target, args, kwargs), with dropout switched off and every node
-    an argument names replaced by its position in this list (a dropout's output by its input's)."""
+def _ops_without_dropout(graph: fx.Graph) -> list[tuple[fx.Node, tuple[str, Any, tuple, tuple]]]:
+    """Each computing node with what it computes, (op, target, args, kwargs): dropout switched off and every
+    node an argument names replaced by its position in this list (a dropout's output by its input's)."""
     index: dict[fx.Node, Any] = {}
     out = []
     for node in graph.nodes:
@@ -106,7 +105,7 @@ def _ops_without_dropout(graph: fx.Graph) -> list[tuple[str, Any, tuple, tuple]]
             args = (args[0], tuple(node.meta["val"].shape), *args[2:])  # `view(x, [4, -1])` is `view(x, [4, 8])`
         mapped = fx.node.map_arg((args, kwargs), lambda n: index[n])
         index[node] = ("op", len(out))
-        out.append((node.op, node.target, mapped[0], tuple(sorted(mapped[1].items()))))
+        out.append((node, (node.op, node.target, mapped[0], tuple(sorted(mapped[1].items())))))
     return out
 
 

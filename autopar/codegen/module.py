@@ -82,6 +82,17 @@ class Retracer:
     replan: Callable[[TracedGraph, Plan, Mapping[str, Spec]], Plan] | None = None
 
 
+class _Signature(NamedTuple):
+    """What a graph is lowered for: a forward whose signature differs gets another graph."""
+
+    training: bool
+    trainable: tuple[bool, ...] | None  # each parameter's requires_grad (None: a trace and plan do not depend on them)
+    autocast: torch.dtype | None  # None: off
+    state_dtypes: tuple[torch.dtype, ...]  # the parameters' and buffers' dtypes
+    structure: pytree.TreeSpec  # which arguments are given
+    inputs: tuple  # each tensor input's (shape, dtype), each other input's value
+
+
 class _Graph(NamedTuple):
     """One lowered graph of the module, for one input signature (shapes, dtypes, non-tensor values, mode)."""
 
@@ -120,7 +131,7 @@ class ParallelModule(nn.Module):
         self._graphs = {self._key: first}
         # per signature but for the requires_grad flags: the graph traced for it, its plan, and what it is (a
         # parameter frozen or unfrozen lowers these again, without another trace or solve)
-        self._planned: dict[tuple, tuple[TracedGraph, Plan, str]] = {_without_flags(self._key): (traced, plan, "the plan's graph")}
+        self._planned: dict[_Signature, tuple[TracedGraph, Plan, str]] = {_without_flags(self._key): (traced, plan, "the plan's graph")}
         self._use(first)
         self._sync = _make_grad_sync(self, info, mesh)
         self._syncing = True  # False inside `no_sync()`
@@ -269,27 +280,26 @@ class ParallelModule(nn.Module):
                 self._sync.watch(outs[i])  # where a backward enters the module: the sync starts there
         return pytree.tree_unflatten(outs, graph.out_spec)
 
-    def _use_graph_for(self, key: tuple, flat: list[Any], spec: Any) -> None:
+    def _use_graph_for(self, key: _Signature, flat: list[Any], spec: Any) -> None:
         """Switch to the graph of inputs with signature `key`, lowering it first if there is none yet."""
         if key not in self._graphs:
             self._graphs[key] = self._lower_for(key, flat, spec)
         self._key = key
         self._use(self._graphs[key])
 
-    def _lower_for(self, key: tuple, flat: list[Any], spec: Any) -> _Graph:
+    def _lower_for(self, key: _Signature, flat: list[Any], spec: Any) -> _Graph:
         """A graph for inputs of other shapes or values, for eval mode, for autocast, or for parameters frozen or
         unfrozen since: the graph `_plan_for` traced and planned for these inputs, lowered over this module's own
         parameters and buffers (the new graph trains the same tensors) with the parameters frozen that are."""
-        training, trainable, autocast, state_dtypes = key[:4]
         shapes = [tuple(x.shape) if isinstance(x, torch.Tensor) else x for x in flat]
-        mode = ("training" if training else "eval") + (f" mode, autocast to {autocast}" if autocast else " mode")
-        mode += ", parameters and buffers in " + ", ".join(sorted({str(d).removeprefix("torch.") for d in state_dtypes}))
+        mode = ("training" if key.training else "eval") + (f" mode, autocast to {key.autocast}" if key.autocast else " mode")
+        mode += ", parameters and buffers in " + ", ".join(sorted({str(d).removeprefix("torch.") for d in key.state_dtypes}))
         start = time.perf_counter()
         inputs = _without_flags(key)
         if inputs not in self._planned:
             self._planned[inputs] = self._plan_for(inputs, flat, spec, shapes, mode)
         traced, plan, how = self._planned[inputs]
-        frozen = frozenset(_param_fqns(self._first)[i] for i, t in enumerate(trainable) if not t)
+        frozen = frozenset(_param_fqns(self._first)[i] for i, t in enumerate(key.trainable) if not t)
         try:
             gm = lower(traced, plan, self.mesh, params=dict(self.named_parameters(remove_duplicate=False)),
                        buffers=dict(self.named_buffers(remove_duplicate=False)), input_layout=self.info.input_layout,
@@ -298,7 +308,7 @@ class ParallelModule(nn.Module):
             raise LoweringError(f"inputs {shapes} cannot run under this module's plan: {err}; feed sizes its sharded dims "
                                 "divide into, or parallelize again with a sample of these sizes") from err
         info: LoweringInfo = gm.meta["autopar"]
-        graph = self._graph_of(gm, traced, casts=autocast is not None)
+        graph = self._graph_of(gm, traced, casts=key.autocast is not None)
         if _param_fqns(graph) != _param_fqns(self._first) or info.param_storage != self.info.param_storage:
             raise LoweringError(f"at inputs {shapes} ({mode}) the model reads its parameters otherwise than the planned "
                                 "graph does; parallelize again with a sample of these sizes")
@@ -309,7 +319,7 @@ class ParallelModule(nn.Module):
                     time.perf_counter() - start, len(self._graphs) + 1)
         return graph
 
-    def _plan_for(self, inputs: tuple, flat: list[Any], spec: Any, shapes: list[Any], mode: str) -> tuple[TracedGraph, Plan, str]:
+    def _plan_for(self, inputs: _Signature, flat: list[Any], spec: Any, shapes: list[Any], mode: str) -> tuple[TracedGraph, Plan, str]:
         """The model traced on the global batch these local inputs are a slice of (`_graph_to_run`), the plan it
         runs under and what it is: the module's plan when it has the planned graph's ops, else a plan of its own
         that keeps every parameter where the module's plan stores it."""
@@ -346,17 +356,16 @@ class ParallelModule(nn.Module):
         args, kwargs = pytree.tree_unflatten(batch_flat, spec)
         return kwargs if kwargs else args
 
-    def _graph_to_run(self, inputs: tuple, batch: Any) -> tuple[TracedGraph, str]:
+    def _graph_to_run(self, inputs: _Signature, batch: Any) -> tuple[TracedGraph, str]:
         """The model traced on `batch` for `inputs` (`_without_flags` of a signature; under autocast, whose casts
         the graph then holds, if it names a dtype), and what it is. In eval mode, the training graph with dropout
         off when that is all eval mode changes (the training trace of these inputs is reused when there is one)."""
-        training, autocast, state_dtypes = inputs[:3]
-        dtypes = dict(zip(self.info.state_inputs, state_dtypes))
-        known = self._planned.get((True, *inputs[1:]))
-        traced = known[0] if known else self._retracer.trace(batch, True, autocast, dtypes)
-        if training:
+        dtypes = dict(zip(self.info.state_inputs, inputs.state_dtypes))
+        known = self._planned.get(inputs._replace(training=True))
+        traced = known[0] if known else self._retracer.trace(batch, True, inputs.autocast, dtypes)
+        if inputs.training:
             return traced, "the model's graph"
-        evaluated = self._retracer.trace(batch, False, autocast, dtypes)
+        evaluated = self._retracer.trace(batch, False, inputs.autocast, dtypes)
         if eval_difference(traced, evaluated) is None:
             return without_dropout(traced), "the training graph with dropout off"
         return evaluated, "the eval graph"
@@ -492,12 +501,10 @@ class ParallelModule(nn.Module):
 
 
 def _signature(flat: list[Any], spec: pytree.TreeSpec, training: bool, trainable: tuple[bool, ...],
-               autocast: torch.dtype | None, state_dtypes: tuple[torch.dtype, ...]) -> tuple:
-    """What a graph is lowered for: the mode, which parameters take a gradient, the autocast dtype (None: off),
-    the parameters' and buffers' dtypes, the inputs' structure (which arguments are given), each tensor
-    input's shape and dtype, each other input's value."""
-    return (training, trainable, autocast, state_dtypes, spec,
-            *((x.shape, x.dtype) if isinstance(x, torch.Tensor) else _leaf_key(x) for x in flat))
+               autocast: torch.dtype | None, state_dtypes: tuple[torch.dtype, ...]) -> _Signature:
+    """The signature of a forward on the flattened inputs `flat`, structured as `spec`."""
+    return _Signature(training, trainable, autocast, state_dtypes, spec,
+                      tuple((x.shape, x.dtype) if isinstance(x, torch.Tensor) else _leaf_key(x) for x in flat))
 
 
 def _arguments(spec: pytree.TreeSpec) -> str:
@@ -506,9 +513,9 @@ def _arguments(spec: pytree.TreeSpec) -> str:
     return f"({args.num_children} positional; {', '.join(kwargs.context) or 'no keywords'})"
 
 
-def _without_flags(key: tuple) -> tuple:
+def _without_flags(key: _Signature) -> _Signature:
     """A graph's signature without the parameters' requires_grad flags: what its trace and plan depend on."""
-    return (key[0], *key[2:])
+    return key._replace(trainable=None)
 
 
 def _leaf_key(x: Any) -> Any:
