@@ -99,7 +99,7 @@ def lower(
         raise LoweringError(f"plan is for mesh {plan.mesh.shape} but the process mesh is {mesh.shape}; solve again for this mesh")
     if input_layout not in ("shard", "replicate"):
         raise LoweringError(f"input_layout={input_layout!r}; use 'shard' (each rank feeds its slice of the batch) or 'replicate'")
-    return _Lowerer(traced, plan, mesh, params, buffers, input_layout, device, local, frozen).run()
+    return _Lowerer(traced, plan.on_mesh(), mesh, params, buffers, input_layout, device, local, frozen).run()
 
 
 def _device_of(mesh: ProcessMesh) -> torch.device:

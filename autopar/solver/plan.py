@@ -6,7 +6,7 @@ into JSON and back (never pickle) and computes/compares the fingerprint.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from autopar.solver.mesh import Mesh
 from autopar.solver.spec import Spec, Strategy
@@ -136,3 +136,15 @@ class Plan:
 
     def recomputed(self) -> tuple[str, ...]:
         return tuple(d.node for d in self.nodes if d.recompute)
+
+    def on_mesh(self) -> Plan:
+        """This plan with Replicate on every mesh axis of one device (`Spec.on_mesh`): what codegen lowers.
+        The solver prices a Shard or Partial there as a Replicate (no collective, the whole tensor), so a
+        tie may pick either: a one-device plan could otherwise run vocabulary-parallel cross-entropy."""
+        shape = tuple(self.mesh.shape)
+        if all(n > 1 for n in shape):
+            return self
+        return replace(self,
+                       nodes=tuple(replace(d, strategy=d.strategy.on_mesh(shape)) for d in self.nodes),
+                       params=tuple(replace(p, use=p.use.on_mesh(shape), storage=p.storage.on_mesh(shape))
+                                    for p in self.params))

@@ -84,6 +84,13 @@ class Spec:
     def has_partial(self) -> bool:
         return any(isinstance(p, Partial) for p in self.placements)
 
+    def on_mesh(self, mesh_shape: Sequence[int]) -> "Spec":
+        """The same layout with Replicate on each mesh axis of one device, where a Shard is the whole tensor
+        and a Partial sums one term: no collective or sharded kernel is needed to run it."""
+        if all(n > 1 for n in mesh_shape):
+            return self
+        return Spec(tuple(p if n > 1 else Replicate() for p, n in zip(self.placements, mesh_shape)))
+
     def shard_factor(self, mesh_shape: Sequence[int]) -> int:
         """How many pieces the tensor is cut into (Partial does not cut)."""
         return math.prod(n for p, n in zip(self.placements, mesh_shape) if isinstance(p, Shard))
@@ -111,6 +118,11 @@ class Strategy:
 
     input_specs: tuple[Spec, ...]
     output_specs: tuple[Spec, ...]
+
+    def on_mesh(self, mesh_shape: Sequence[int]) -> "Strategy":
+        """`Spec.on_mesh` of every input and output spec."""
+        return Strategy(tuple(s if s is None else s.on_mesh(mesh_shape) for s in self.input_specs),
+                        tuple(s.on_mesh(mesh_shape) for s in self.output_specs))
 
     def __str__(self) -> str:
         ins = ", ".join(str(s) for s in self.input_specs)

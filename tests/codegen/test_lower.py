@@ -2,20 +2,21 @@
 from __future__ import annotations
 
 import copy
-
+import random
 import re
 
 import pytest
 import torch
 
 from tests.codegen.harness import reference, run_plans, trace_model
-from tests.codegen.plans import cpu_mesh, greedy_plan, load_zoo
+from tests.codegen.plans import build_plan, cpu_mesh, greedy_plan, load_zoo, random_plan
 
 from autopar.codegen import lower
 from autopar.codegen.shapes import LoweringError, local_block
 from autopar.runtime import collectives as C
 from autopar.runtime.launch import run_ranks
 from autopar.runtime.mesh import ProcessMesh
+from autopar.solver.strategies import enumerate_strategies
 
 MEGATRON = {"fc1.weight": "S(0)", "fc1.bias": "S(0)", "fc2.weight": "S(1)", "fc2.bias": "R"}
 
@@ -230,3 +231,32 @@ def test_the_graph_reads_parameters_assigned_after_it_was_built(plan_of):
         assert loss == pytest.approx(ref.losses[0], rel=1e-5)
         for fqn, grad in grads.items():
             torch.testing.assert_close(grad, local_block(ref.grads[0][fqn], *blocks[fqn]), rtol=1e-4, atol=1e-6, msg=lambda m: f"{fqn}: {m}")
+
+
+def _graph_targets(rank, world, traced, plans):
+    return [[str(n.target) for n in lower(traced, plan, ProcessMesh((1,))).graph.nodes] for plan in plans]
+
+
+@pytest.mark.timeout(120)
+def test_a_one_device_plan_lowers_to_the_replicated_code_whatever_its_specs():
+    """On a mesh axis of one device a Shard is the whole tensor and a Partial sums one term. The solver prices
+    them as Replicate and may pick them (GPT-2's cross-entropy vocabulary-parallel on one device ran 27%
+    slower): they lower as Replicate, with no collective or sharded kernel, and train exactly."""
+    model, sample = load_zoo("gpt2").build(batch_size=2, seq_len=8, size="tiny", device="cpu")
+    traced = trace_model(model, sample)
+    mesh = cpu_mesh((1,))
+    strategies = enumerate_strategies(traced, mesh)
+    replicated = build_plan(traced, mesh, {name: next(s for s in options if all(
+        x is None or x.is_replicate() for x in s.input_specs + s.output_specs)) for name, options in strategies.items()})
+    rng = random.Random(0)
+    plans = [random_plan(traced, mesh, rng, strategies, recompute_spans=0, zero_p=1.0) for _ in range(3)]
+    for plan in plans:  # each splits something, and stores some parameter as ZeRO would
+        assert any(not s.is_replicate() for d in plan.nodes for s in d.strategy.output_specs)
+        assert any(p.zero for p in plan.params)
+    replicated_targets, *others = run_ranks(_graph_targets, 1, traced, [replicated, *plans], timeout_s=60)[0]
+    assert any("_log_softmax" in t for t in replicated_targets)  # cross-entropy's own, not vocabulary-parallel
+    for targets in others:
+        assert targets == replicated_targets
+    ref = reference(model, sample, 2)
+    run_ranks(run_plans, 1, (1,), [(f"random plan {i} on one device", model, sample, traced, plan, ref, 2)
+                                   for i, plan in enumerate(plans)], timeout_s=60)
