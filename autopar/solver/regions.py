@@ -10,6 +10,7 @@ codegen, so that both read the same rule.
 from __future__ import annotations
 
 import operator
+from dataclasses import dataclass
 from typing import Iterable, Mapping, Sequence
 
 import torch
@@ -67,8 +68,22 @@ def _deferrable(node: fx.Node) -> bool:
     return not (isinstance(node.target, torch._ops.OpOverload) and node.target._schema.is_mutable)
 
 
-def region_runs(nodes: Iterable[fx.Node], recompute: set[str], origin: Mapping[str, str], layer: Mapping[str, str]
-          ) -> list[tuple[list[fx.Node], list[fx.Node]]]:
+@dataclass(frozen=True)
+class _Facts:
+    """What `region_runs` asks of a node, found once (a layer's cuts scan its nodes once per pair of units)."""
+
+    call: bool
+    deferrable: bool
+    cheap: bool
+    inputs: tuple[fx.Node, ...]
+
+
+def _facts(node: fx.Node) -> _Facts:
+    return _Facts(node.op == "call_function", _deferrable(node), is_cheap(node), tuple(node.all_input_nodes))
+
+
+def region_runs(nodes: Iterable[fx.Node], recompute: set[str], origin: Mapping[str, str], layer: Mapping[str, str],
+                facts: Mapping[fx.Node, _Facts] | None = None) -> list[tuple[list[fx.Node], list[fx.Node]]]:
     """Maximal runs (graph order) of recomputed nodes of one layer, bridging cheap work between them
     and stepping over kept nodes; each with the kept nodes to move after the region's call.
 
@@ -88,43 +103,49 @@ def region_runs(nodes: Iterable[fx.Node], recompute: set[str], origin: Mapping[s
     op that saves nothing (it would free nothing), yet such ops sit inside recomputed work: LLaMA's
     rotary embedding (`q * cos`, `cat(-x2, x1)`) cut a recomputed attention into four regions
     (measured on llama-tiny's tightest plan: 10 regions made 4, 144 -> 138 ms a step); the reduce-scatters
-    of its row-parallel projections cut it into 11 regions for 2 layers and the head."""
+    of its row-parallel projections cut it into 11 regions for 2 layers and the head.
+
+    `facts`: each node's `_Facts`, found once by a caller that scans the nodes many times (`region_cuts`)."""
     runs: list[tuple[list[fx.Node], list[fx.Node]]] = []
     current: list[fx.Node] = []
     bridge: list[fx.Node] = []  # cheap work after the run's last recomputed node, kept only if the run goes on
     deferred: dict[fx.Node, None] = {}  # kept work that reads the run (or deferred work), in graph order
+    members: set[fx.Node] = set()  # current and bridge
     moved = 0  # how many of `deferred` precede the run's last recomputed node: those move after the region's call
 
     def end_run() -> None:
         runs.append((current, list(deferred)[:moved]))
 
     for node in nodes:
+        fact = facts[node] if facts is not None else _facts(node)
         traced = origin.get(node.name)
-        reads_deferred = not deferred.keys().isdisjoint(node.all_input_nodes)
-        if node.op == "call_function" and traced in recompute:
+        reads_deferred = not deferred.keys().isdisjoint(fact.inputs)
+        if fact.call and traced in recompute:
             if current and (reads_deferred or layer.get(traced) != layer.get(origin[current[-1].name])):
                 # one region per layer: backward rebuilds one layer's activations at a time
                 end_run()
-                current, deferred = [], {}
+                current, deferred, members = [], {}, set()
             elif current:
                 current.extend(bridge)
             bridge = []
             current.append(node)
+            members.add(node)
             moved = len(deferred)
             continue
-        members = {*current, *bridge}
-        kept_work = _deferrable(node)
-        if current and kept_work and not reads_deferred and not any(a in members for a in node.all_input_nodes):
+        if not current:
+            continue  # no run to extend, end or defer work after
+        kept_work = fact.deferrable
+        if kept_work and not reads_deferred and members.isdisjoint(fact.inputs):
             continue  # independent kept work: stays before the region's call
-        if current and not reads_deferred and is_cheap(node) and layer.get(traced) == layer.get(origin[current[-1].name]):
+        if not reads_deferred and fact.cheap and layer.get(traced) == layer.get(origin[current[-1].name]):
             bridge.append(node)  # cheap work on the run's values: taken in if the run goes on
+            members.add(node)
             continue
-        if current and kept_work:
+        if kept_work:
             deferred[node] = None  # reads the run (or deferred work): runs after the region's call
             continue
-        if current:
-            end_run()
-            current, bridge, deferred = [], [], {}
+        end_run()
+        current, bridge, deferred, members = [], [], {}, set()
     if current:
         end_run()
     return runs
@@ -138,10 +159,20 @@ def region_cuts(nodes: Sequence[fx.Node], units: Sequence[Iterable[str]], layer:
     second, so `region_runs` ends the first there. A rule on the traced graph: the collectives codegen
     adds between them (a tensor-parallel plan's) may cut a run this does not see."""
     origin = {n.name: n.name for n in nodes}
-    alone = [len(region_runs(nodes, set(unit), origin, layer)) for unit in units]
+    facts = {n: _facts(n) for n in nodes}
+    position = {n.name: k for k, n in enumerate(nodes)}
+    spans = [(min(position[name] for name in unit), max(position[name] for name in unit)) for unit in units]
+
+    def count(recompute: set[str], first: int, last: int) -> int:
+        # Before a run's first recomputed node and after its last, a node neither starts nor splits a run:
+        # scanning only between them counts the same runs (an RNN unrolled in one layer has hundreds of units).
+        return len(region_runs(nodes[first:last + 1], recompute, origin, layer, facts))
+
+    alone = [count(set(unit), *span) for unit, span in zip(units, spans)]
     cuts = []
     for i, first in enumerate(units):
         for j in range(i + 1, len(units)):
-            if len(region_runs(nodes, {*first, *units[j]}, origin, layer)) > max(alone[i], alone[j]):
+            span = (min(spans[i][0], spans[j][0]), max(spans[i][1], spans[j][1]))
+            if count({*first, *units[j]}, *span) > max(alone[i], alone[j]):
                 cuts.append((i, j))
     return cuts

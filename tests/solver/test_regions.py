@@ -9,7 +9,7 @@ from torch import fx
 
 from autopar.solver.ilp import checkpoint_regions, evaluate, solve_problem
 from autopar.solver.problem import Assignment, Node, Option, Problem, RegionCut
-from autopar.solver.regions import region_cuts
+from autopar.solver.regions import region_cuts, region_runs
 from tests.solver.test_ilp import brute_force
 
 aten = torch.ops.aten
@@ -40,6 +40,42 @@ def test_two_recomputed_ops_with_kept_real_work_between_them_make_two_regions():
     cuts = region_cuts(ops, units, layer)
     assert (0, 2) in cuts and (1, 2) in cuts  # gelu reads fc, which reads proj: kept work between
     assert (0, 1) not in cuts  # proj reads attn directly: taken into its region
+
+
+def _random_ops(rng: random.Random, size: int) -> list[fx.Node]:
+    """`size` ops of one layer, each reading one or two earlier values: real work, copies, elementwise ops,
+    random draws (never deferred) and in-place writes (never deferred), in graph order."""
+    g = fx.Graph()
+    values = [g.placeholder("x"), g.placeholder("w")]
+    kinds = [(aten.mm.default, 2), (aten.relu.default, 1), (aten.t.default, 1), (aten.add.Tensor, 2),
+             (aten.rand_like.default, 1), (aten.relu_.default, 1), (aten.cat.default, None)]
+    for k in range(size):
+        target, arity = rng.choice(kinds)
+        picked = [rng.choice(values) for _ in range(arity or 2)]
+        node = g.call_function(target, (picked,) if arity is None else tuple(picked))
+        node.name = f"op{k}"
+        values.append(node)
+    g.output(values[-1])
+    return [n for n in g.nodes if n.op == "call_function"]
+
+
+def test_cuts_match_the_runs_over_the_whole_layer():
+    """`region_cuts` scans only the span between a pair's first and last recomputed node: on random layers
+    it finds the pairs whose runs over the whole layer outnumber either unit's alone."""
+    rng = random.Random(0)
+    for _ in range(20):
+        ops = _random_ops(rng, 40)
+        layer = {n.name: "h.0" for n in ops}
+        origin = {n.name: n.name for n in ops}
+        names = [n.name for n in ops]
+        units = [rng.sample(names, rng.randint(1, 3)) for _ in range(8)]
+
+        def count(recompute: set[str]) -> int:
+            return len(region_runs(ops, recompute, origin, layer))  # noqa: B023 (called in this iteration)
+        want = [(i, j) for i in range(len(units)) for j in range(i + 1, len(units))
+                if count({*units[i], *units[j]}) > max(count(set(units[i])), count(set(units[j])))]
+        assert region_cuts(ops, units, layer) == want
+        assert want  # the random layers do split somewhere
 
 
 def _chain(region_s: float, budget_mb: float) -> Problem:
