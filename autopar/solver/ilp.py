@@ -663,8 +663,10 @@ def solve_problem(
     backend: Backend = "highs",
     restrictions: Restrictions = Restrictions(),
     mip_rel_gap: float = DEFAULT_GAP,
+    or_leanest: bool = False,
 ) -> Solution:
-    """The fastest assignment that fits the budget; InfeasibleError (with the minimum) when none does.
+    """The fastest assignment that fits the budget; InfeasibleError (with the minimum) when none does, or with
+    `or_leanest` the leanest assignment, over the budget (how a textbook plan that does not fit is priced).
 
     Two solves, as a rule: first without the memory row (fast: the edge polytope is nearly
     integral); that optimum is the answer whenever it fits. Otherwise the memory row goes in
@@ -686,10 +688,13 @@ def solve_problem(
         try:
             out = _run(model, backend, max(time_limit_s - spent_s, 1.0), True, mip_rel_gap)
         except AutoparError as no_plan:  # none in time
-            return _leanest_instead(model, time_limit_s, backend, no_plan, began, mip_rel_gap)
+            return _leanest_instead(model, time_limit_s, backend, no_plan, began, mip_rel_gap, or_leanest)
         spent_s += out.solve_s
-        if out.status == "infeasible":
-            raise _infeasible(problem, time_limit_s, backend, restrictions)
+        if out.status == "infeasible":  # proven: no plan needs as little
+            leanest = min_memory(problem, time_limit_s, backend, restrictions)
+            if or_leanest:
+                return leanest
+            raise infeasible_error(leanest.memory, problem.budget_bytes or 0.0, leanest.report.gap, time_limit_s, proven=True)
         a = model.assignment()
         memory, step = evaluate(problem, a)
     report = SolverReport(out.backend, out.status, spent_s, len(model.prob.variables()), len(model.prob.constraints), out.gap)
@@ -702,15 +707,17 @@ def solve_problem(
 
 
 def _leanest_instead(model: _Model, time_limit_s: float, backend: Backend, no_plan: AutoparError, began: float,
-                     mip_rel_gap: float) -> Solution:
+                     mip_rel_gap: float, or_leanest: bool) -> Solution:
     """`model` (with its memory row) found no plan within the budget in time. If the leanest plan fits, the
     same model is searched once more from it (a MIP start) and answers with what it finds: Mixtral-tiny on 2x2 at 1.5
     MB, where the first search found nothing in 29 s, the leanest plan is priced 20.8 ms a step and the
     search from it finds one at 6.0-6.4 ms. Else "no plan fits" where the least need is proven above the budget,
-    or the time-limit error with the leanest plan's need."""
+    or the time-limit error with the leanest plan's need (`or_leanest`: the leanest plan instead of either)."""
     problem = model.problem
     leanest = min_memory(problem, time_limit_s, backend, model.restrictions)
     budget = problem.budget_bytes or 0.0
+    if leanest.memory.total_bytes > budget and or_leanest:
+        return leanest
     if leanest.memory.total_bytes > budget:
         infeasible = infeasible_error(leanest.memory, budget, leanest.report.gap, time_limit_s)
         if infeasible.lower_bound_bytes > budget:
@@ -779,12 +786,6 @@ def _need_and_budget(need_bytes: float, budget_bytes: float) -> tuple[str, str]:
         if need != budget:
             break
     return need, budget
-
-
-def _infeasible(problem: Problem, time_limit_s: float, backend: Backend, restrictions: Restrictions) -> InfeasibleError:
-    """The error for a budget the solver proved infeasible (no plan needs as little)."""
-    leanest = min_memory(problem, time_limit_s, backend, restrictions)
-    return infeasible_error(leanest.memory, problem.budget_bytes or 0.0, leanest.report.gap, time_limit_s, proven=True)
 
 
 def infeasible_error(best: MemoryBreakdown, budget_bytes: float, gap: float | None, time_limit_s: float,

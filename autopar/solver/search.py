@@ -18,7 +18,7 @@ from typing import Callable, Literal, Mapping
 from autopar.errors import AutoparError, InfeasibleError
 from autopar.profiler.types import ConcreteProfile, GraphProfile
 from autopar.solver.comm_volume import comm_bytes_by_kind
-from autopar.solver.ilp import Restrictions, Solution, evaluate, min_memory, solve_problem
+from autopar.solver.ilp import Restrictions, Solution, evaluate, solve_problem
 from autopar.solver.mesh import Mesh, candidate_shapes, make_mesh
 from autopar.solver.plan import BaselineResult, NodeDecision, ParamDecision, Plan, SolverReport
 from autopar.solver.problem import Assignment, BuiltProblem, build_problem
@@ -191,10 +191,7 @@ def solve_keeping_params(
         stored = pins[restrictions].storage if restrictions in pins else held[restrictions]
         raise AutoparError(f"no strategy of this graph reads {restrictions!r} as it is stored "
                            f"({stored}); parallelize again with a sample of these inputs")
-    try:
-        sol = solve_problem(built.problem, time_limit_s, restrictions=restrictions)
-    except InfeasibleError:
-        sol = min_memory(built.problem, time_limit_s, restrictions=restrictions)  # the leanest such plan, over budget
+    sol = solve_problem(built.problem, time_limit_s, restrictions=restrictions, or_leanest=True)  # over budget: the leanest
     return to_plan(traced, mesh, built, sol)
 
 
@@ -268,11 +265,14 @@ def baseline_plan(
     memory_budget_bytes: float | None = None,
     time_limit_s: float = 30.0,
     sizes: Mapping[str, int] | None = None,
+    built: BuiltProblem | None = None,
 ) -> Plan:
-    """A textbook plan: the ILP restricted to the baseline's parameter specs and ZeRO rule (recompute allowed)."""
+    """A textbook plan: the ILP restricted to the baseline's parameter specs and ZeRO rule (recompute allowed);
+    where none fits the budget, its leanest form. `built`: the problem for this mesh and budget, when the
+    caller prices several baselines (building it took 2.5-3 s of LLaMA-7B's)."""
     if name not in BASELINES:
         raise ValueError(f"unknown baseline {name!r}; choose one of {BASELINES}")
-    built = _build(traced, profile, mesh, _budget(mesh, memory_budget_bytes), sizes)
+    built = built or _build(traced, profile, mesh, _budget(mesh, memory_budget_bytes), sizes)
     rule = _param_rule(name, mesh)
     # data parallel and ZeRO-3 split the batch: every tensor carrying it is split over the first (data) axis,
     # or the cheapest "data parallel" plan may gather the batch and compute it whole on every rank
@@ -288,10 +288,7 @@ def baseline_plan(
             if split:  # an op with no batch-split strategy stays free (and is priced as what it can do)
                 allowed[v] = split
     restrictions = Restrictions(allowed, zero="always" if name == "zero3" else "never")
-    try:
-        sol = solve_problem(built.problem, time_limit_s, restrictions=restrictions)
-    except InfeasibleError:
-        sol = min_memory(built.problem, time_limit_s, restrictions=restrictions)  # priced anyway; `fits` says no
+    sol = solve_problem(built.problem, time_limit_s, restrictions=restrictions, or_leanest=True)  # `fits` tells
     return to_plan(traced, mesh, built, sol)
 
 
@@ -305,8 +302,9 @@ def baseline_plans(
 ) -> tuple[BaselineResult, ...]:
     """Pure data parallel, ZeRO-3/FSDP and Megatron TP+DP priced by the same model."""
     budget = _budget(mesh, memory_budget_bytes)
+    built = _build(traced, profile, mesh, budget, sizes)
     out = []
     for name in BASELINES:
-        plan = baseline_plan(traced, profile, mesh, name, budget, time_limit_s, sizes)
+        plan = baseline_plan(traced, profile, mesh, name, budget, time_limit_s, sizes, built)
         out.append(BaselineResult(name, plan.time, plan.memory, plan.memory.total_bytes <= budget * (1 + 1e-9)))
     return tuple(out)
