@@ -329,6 +329,7 @@ class _Pricer:
         self.storage: dict[tuple[str, int], Spec] = {}
         self._cache: dict[tuple, Option] = {}
         self._nodes: dict[str, tuple] = {}
+        self._producers: dict[str, tuple[tuple[fx.Node, int], ...]] = {}  # `strategy_inputs`, asked per option
 
     def option(self, name: str, k: int) -> Option:
         role, cost, outs, ins, param, base = self._node(name)
@@ -377,7 +378,9 @@ class _Pricer:
         if role != "call_function":
             return {}
         in_bytes, bucketed, _ = ins
-        producers = strategy_inputs(self.nodes[name])
+        producers = self._producers.get(name)
+        if producers is None:
+            producers = self._producers[name] = strategy_inputs(self.nodes[name])
         out: dict[str, float] = {}
         for index, seconds in bucketed_sync_s(cost, self.strategies[name][k], self.mesh, in_bytes, bucketed).items():
             root = _param_root(producers[index][0], self.params, self.costs)
