@@ -46,7 +46,7 @@ from autopar.codegen.shapes import LoweringError
 from autopar.errors import TraceError
 from autopar.runtime.batch import batch_slice, global_like
 from autopar.runtime.deferred_loss import grads_scaled_by, other_output
-from autopar.runtime.grad_norm import clip_grad_norm_
+from autopar.runtime.grad_norm import clip_grad_norm_, track
 from autopar.runtime.grad_sync import GradSync
 from autopar.runtime.mesh import ProcessMesh
 from autopar.runtime.state_dict import (
@@ -137,6 +137,7 @@ class ParallelModule(nn.Module):
         self._syncing = True  # False inside `no_sync()`
         self._sync_key = first.sync_key
         self._synced_params = self._params_read()  # the sync's
+        track(self)  # torch's clip_grad_norm_ on these shards: the full gradients' norm
 
     def _graph_of(self, gm: fx.GraphModule, traced: TracedGraph, casts: bool) -> _Graph:
         # the graph takes its parameters and buffers as arguments (`lower`'s docstring says why): each is
@@ -167,6 +168,7 @@ class ParallelModule(nn.Module):
         memo[id(self)] = new
         new.__dict__.update({k: copy.deepcopy(v, memo) for k, v in self.__dict__.items()})
         new._own_sync(new._graph)  # not `_sync_to`: that would take the original's hooks off
+        track(new)
         return new
 
     def _meta_read(self) -> bool:
@@ -405,9 +407,14 @@ class ParallelModule(nn.Module):
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """`torch.nn.utils.clip_grad_norm_` for this module: the norm of the full gradients across all
-        ranks' shards (a collective: call it on every rank, after backward), the same on every rank."""
+        ranks' shards (a collective: call it on every rank, after backward), the same on every rank.
+        torch's own function computes the same for this module's gradients (`runtime.grad_norm.track`)."""
         grads = {fqn: p.grad for fqn, p in self.named_parameters() if p.grad is not None}
         return clip_grad_norm_(grads, self.info.param_storage, self.mesh, max_norm, norm_type)
+
+    def param_storage(self) -> Mapping[str, Spec]:
+        """How each parameter (by FQN) is stored across the mesh: what this rank's tensor is a block of."""
+        return self.info.param_storage
 
     # ------------------------------------------------------------ full state dicts
     def _specs(self) -> dict[str, Spec]:
