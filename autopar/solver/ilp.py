@@ -716,9 +716,9 @@ def _leanest_instead(model: _Model, time_limit_s: float, backend: Backend, no_pl
     problem = model.problem
     leanest = min_memory(problem, time_limit_s, backend, model.restrictions)
     budget = problem.budget_bytes or 0.0
-    if leanest.memory.total_bytes > budget and or_leanest:
-        return leanest
     if leanest.memory.total_bytes > budget:
+        if or_leanest:
+            return leanest
         infeasible = infeasible_error(leanest.memory, budget, leanest.report.gap, time_limit_s)
         if infeasible.lower_bound_bytes > budget:
             raise infeasible from None

@@ -11,6 +11,7 @@ from tests.zoo import load_zoo
 from autopar.errors import InfeasibleError
 from autopar.profiler import profile
 from autopar.solver import baseline_plans, fixed_plan, solve, solve_for_devices, solve_keeping_params
+from autopar.solver.ilp import budget_that_fits
 from autopar.solver.mesh import MeshAxis, make_mesh
 from autopar.solver.spec import Shard, Spec
 from autopar.tracer import trace
@@ -69,6 +70,21 @@ def test_tighter_budgets_trade_time_for_memory_then_fail_with_the_minimum():
     assert minimum > 1e6 and "per device" in str(info.value) and "budget" in str(info.value)
     # the reported minimum is achievable: a budget 1% above it plans
     assert solve(traced, prof, mesh, memory_budget_bytes=minimum * 1.01).memory.total_bytes <= minimum * 1.01
+
+
+def test_a_baseline_over_the_budget_is_priced_as_its_leanest_form():
+    """Data parallel at a budget below its least need: reported as not fitting, with the least memory any data
+    parallel plan needs (recompute allowed), which fits at that budget."""
+    traced, prof = mlp(2, 1024, 4096, 32768)
+    mesh = slow_mesh(4, 50e9)
+    ample = {b.name: b for b in baseline_plans(traced, prof, mesh)}
+    budget = 0.5 * ample["data_parallel"].memory.total_bytes
+    tight = {b.name: b for b in baseline_plans(traced, prof, mesh, memory_budget_bytes=budget)}
+    dp = tight["data_parallel"]
+    assert not dp.fits and budget < dp.memory.total_bytes < ample["data_parallel"].memory.total_bytes
+    again = {b.name: b for b in baseline_plans(traced, prof, mesh, memory_budget_bytes=budget_that_fits(dp.memory.total_bytes))}
+    assert again["data_parallel"].fits
+    assert again["data_parallel"].memory.total_bytes == pytest.approx(dp.memory.total_bytes, rel=1e-6)
 
 
 def test_two_level_mesh_puts_tensor_parallelism_on_the_fast_axis():
