@@ -688,7 +688,7 @@ def solve_problem(
         try:
             out = _run(model, backend, max(time_limit_s - spent_s, 1.0), True, mip_rel_gap)
         except AutoparError as no_plan:  # none in time
-            return _leanest_instead(model, time_limit_s, backend, no_plan, began, mip_rel_gap, or_leanest)
+            return _leanest_instead(model, time_limit_s, backend, no_plan, began, mip_rel_gap, or_leanest, memory)
         spent_s += out.solve_s
         if out.status == "infeasible":  # proven: no plan needs as little
             leanest = min_memory(problem, time_limit_s, backend, restrictions)
@@ -707,15 +707,22 @@ def solve_problem(
 
 
 def _leanest_instead(model: _Model, time_limit_s: float, backend: Backend, no_plan: AutoparError, began: float,
-                     mip_rel_gap: float, or_leanest: bool) -> Solution:
+                     mip_rel_gap: float, or_leanest: bool, fastest: MemoryBreakdown) -> Solution:
     """`model` (with its memory row) found no plan within the budget in time. If the leanest plan fits, the
     same model is searched once more from it (a MIP start) and answers with what it finds: Mixtral-tiny on 2x2 at 1.5
     MB, where the first search found nothing in 29 s, the leanest plan is priced 20.8 ms a step and the
     search from it finds one at 6.0-6.4 ms. Else "no plan fits" where the least need is proven above the budget,
-    or the time-limit error with the leanest plan's need (`or_leanest`: the leanest plan instead of either)."""
+    or the time-limit error with the leanest plan's need (`or_leanest`: the leanest plan instead of either); with
+    the need of `fastest` (the plan found without the budget) where the leanest plan was not found in time either
+    (a 2-layer GRU unrolled over 12 steps on 2x2: "raise time_limit_s", and no budget, before)."""
     problem = model.problem
-    leanest = min_memory(problem, time_limit_s, backend, model.restrictions)
     budget = problem.budget_bytes or 0.0
+    try:
+        leanest = min_memory(problem, time_limit_s, backend, model.restrictions)
+    except AutoparError:
+        need, asked = _need_and_budget(fastest.total_bytes, budget)
+        raise AutoparError(f"{no_plan} or a budget of {need} (the fastest plan needs that; in time the solver "
+                           f"found no plan within {asked}, nor the leanest plan)") from None
     if leanest.memory.total_bytes > budget:
         if or_leanest:
             return leanest

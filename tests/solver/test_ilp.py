@@ -189,6 +189,31 @@ def test_when_the_time_search_finds_nothing_in_time_it_searches_again_from_the_l
     assert info.value.min_memory_bytes == pytest.approx(least_memory(p))
 
 
+def test_when_neither_search_finds_a_plan_in_time_the_error_names_the_fastest_plans_need(monkeypatch):
+    """The memory-bound search and the leanest plan's both stop at the time limit with nothing (a GRU unrolled
+    over its steps on 2x2): the error still names a budget that plans, the need of the plan found without one."""
+    from autopar.solver import ilp
+
+    real_run = ilp._run
+
+    def only_the_unbounded_search_finds(model, backend, time_limit_s, presolve=False, mip_rel_gap=ilp.DEFAULT_GAP,
+                                        warm_start=False):
+        if model.prob.constraints.get("memory") is not None or model.prob.name == "autopar_memory":
+            raise AutoparError("the ILP found no plan within time_limit_s=1 (highs, status Not Solved); raise time_limit_s")
+        return real_run(model, backend, time_limit_s, presolve, mip_rel_gap, warm_start)
+
+    monkeypatch.setattr(ilp, "_run", only_the_unbounded_search_finds)
+    base = dp_vs_tp(bandwidth_bytes_per_s=10e9, budget_bytes=None)
+    # resharding x for TP costs 10 s: the unconstrained plan is data parallel (4.25 GiB)
+    p = Problem(base.nodes, (base.edges[0], Edge.dense(1, 2, [[0.0, 10.0], [0.0, 10.0]])), 3 * GIB)
+    fastest = solve_problem(dataclasses.replace(p, budget_bytes=None))
+    assert fastest.memory.total_bytes == pytest.approx(4.25 * GIB)  # data parallel, over the budget
+    with pytest.raises(AutoparError) as info:
+        solve_problem(p)
+    assert "raise time_limit_s or a budget of 4.3 GiB (the fastest plan needs that" in str(info.value)
+    assert "no plan within 3.0 GiB, nor the leanest plan" in str(info.value)
+
+
 def test_resharding_edges_pick_the_globally_cheapest_chain():
     # a -> b -> c, each with options S / R. Locally S is cheaper everywhere, but c only has a cheap R option,
     # and resharding S->R costs 4 s on each edge: the optimum switches the whole chain to R.
