@@ -5,6 +5,7 @@ import json
 import platform
 import subprocess
 from pathlib import Path
+from typing import Callable, Sequence
 
 import torch
 
@@ -30,3 +31,18 @@ def provenance_line(benchmark: str, **extra) -> str:
     """One JSON line: what ran, where, on which torch and commit."""
     return json.dumps({"benchmark": benchmark, "torch": torch.__version__, "device": platform.processor() or "cpu",
                        "python": platform.python_version(), "git": git_sha(), **extra})
+
+
+def sweep(kind: str, names: Sequence[str], check: Callable[[str], tuple[float, ...]], columns: Sequence[str]) -> int:
+    """One row per name: `check(name)`'s numbers under `columns` (the first as a loss, the rest as errors), or
+    the last line of the error it raised (a sweep reports every name). Returns how many failed."""
+    print(f"{kind:20} " + " ".join(f"{c:>9}" for c in columns))
+    failed = 0
+    for name in names:
+        try:
+            loss, *errors = check(name)
+            print(f"{name:20} {loss:9.5f} " + " ".join(f"{e:9.1e}" for e in errors), flush=True)
+        except Exception as err:
+            failed += 1
+            print(f"{name:20} failed: {str(err).strip().splitlines()[-1][:240]}", flush=True)
+    return failed

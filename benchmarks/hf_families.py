@@ -25,7 +25,7 @@ import transformers as hf
 import autopar
 from autopar.runtime.launch import run_ranks
 from autopar.tracer import split_sample_input
-from _common import provenance_line
+from _common import provenance_line, sweep
 
 _LM = dict(vocab_size=256, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=128)
 _KV = dict(_LM, num_key_value_heads=2)
@@ -135,15 +135,8 @@ def main() -> None:
     opts = parser.parse_args()
     mesh = tuple(int(n) for n in opts.mesh.split("x"))
     names = opts.only.split(",") if opts.only else list(FAMILIES)
-    print(f"{'family':16} {'loss':>9} {'loss err':>9} {'grad err':>9} {'eval err':>9}")
-    failed = 0
-    for name in names:
-        try:
-            loss, loss_error, grad_error, eval_error = check(name, mesh, opts.memory)
-            print(f"{name:16} {loss:9.5f} {loss_error:9.1e} {grad_error:9.1e} {eval_error:9.1e}", flush=True)
-        except Exception as err:  # a sweep: report every family
-            failed += 1
-            print(f"{name:16} failed: {str(err).strip().splitlines()[-1][:200]}", flush=True)
+    failed = sweep("family", names, lambda name: check(name, mesh, opts.memory),
+                   ("loss", "loss err", "grad err", "eval err"))
     print(provenance_line("hf_families", mesh=opts.mesh, memory=opts.memory, failed=failed))
 
 
