@@ -1,6 +1,7 @@
 """Shared bits of the benchmark scripts: loading zoo files and the provenance JSON line."""
 from __future__ import annotations
 
+import argparse
 import json
 import platform
 import subprocess
@@ -31,6 +32,18 @@ def provenance_line(benchmark: str, **extra) -> str:
     """One JSON line: what ran, where, on which torch and commit."""
     return json.dumps({"benchmark": benchmark, "torch": torch.__version__, "device": platform.processor() or "cpu",
                        "python": platform.python_version(), "git": git_sha(), **extra})
+
+
+def sweep_options(description: str, kind: str, names: Sequence[str], add_options: Callable[[argparse.ArgumentParser], None]
+                  ) -> tuple[argparse.Namespace, tuple[int, ...], list[str]]:
+    """A sweep's command line: `--only` (comma-separated `kind`s, default all of `names`), `--mesh` and what
+    `add_options` adds. Returns the options, the mesh shape and the names to run."""
+    parser = argparse.ArgumentParser(description=description)
+    parser.add_argument("--only", help=f"comma-separated {kind} names (default: all)")
+    parser.add_argument("--mesh", default="2", help="mesh shape, e.g. 2 or 2x2")
+    add_options(parser)
+    opts = parser.parse_args()
+    return opts, tuple(int(n) for n in opts.mesh.split("x")), opts.only.split(",") if opts.only else list(names)
 
 
 def sweep(kind: str, names: Sequence[str], check: Callable[[str], tuple[float, ...]], columns: Sequence[str]) -> int:

@@ -15,7 +15,6 @@ family that fails prints the error's last line.
 """
 from __future__ import annotations
 
-import argparse
 import copy
 import math
 
@@ -25,7 +24,7 @@ import transformers as hf
 import autopar
 from autopar.runtime.launch import run_ranks
 from autopar.tracer import split_sample_input
-from _common import provenance_line, sweep
+from _common import provenance_line, sweep, sweep_options
 
 _LM = dict(vocab_size=256, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=128)
 _KV = dict(_LM, num_key_value_heads=2)
@@ -128,13 +127,8 @@ def check(name: str, mesh: tuple[int, ...], budget: float | None) -> tuple[float
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--only", help="comma-separated families (default: all)")
-    parser.add_argument("--mesh", default="2", help="mesh shape, e.g. 2 or 2x2")
-    parser.add_argument("--memory", type=float, help="bytes per device (default: ample)")
-    opts = parser.parse_args()
-    mesh = tuple(int(n) for n in opts.mesh.split("x"))
-    names = opts.only.split(",") if opts.only else list(FAMILIES)
+    opts, mesh, names = sweep_options(__doc__.splitlines()[0], "family", FAMILIES, lambda parser: parser.add_argument(
+        "--memory", type=float, help="bytes per device (default: ample)"))
     failed = sweep("family", names, lambda name: check(name, mesh, opts.memory),
                    ("loss", "loss err", "grad err", "eval err"))
     print(provenance_line("hf_families", mesh=opts.mesh, memory=opts.memory, failed=failed))

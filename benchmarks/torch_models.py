@@ -14,7 +14,6 @@ so, with the need).
 """
 from __future__ import annotations
 
-import argparse
 import copy
 import math
 from typing import Any, Callable
@@ -26,7 +25,7 @@ from torch import nn
 import autopar
 from autopar.runtime.launch import run_ranks
 from autopar.tracer import split_sample_input
-from _common import provenance_line, sweep
+from _common import provenance_line, sweep, sweep_options
 
 VOCAB, HIDDEN, BATCH, STEPS = 64, 32, 8, 12
 
@@ -190,13 +189,8 @@ def check(name: str, mesh: tuple[int, ...], fraction: float | None) -> tuple[flo
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--only", help="comma-separated models (default: all)")
-    parser.add_argument("--mesh", default="2", help="mesh shape, e.g. 2 or 2x2")
-    parser.add_argument("--fraction", type=float, help="plan at this fraction of the ample-memory plan's need")
-    opts = parser.parse_args()
-    mesh = tuple(int(n) for n in opts.mesh.split("x"))
-    names = opts.only.split(",") if opts.only else list(MODELS)
+    opts, mesh, names = sweep_options(__doc__.splitlines()[0], "model", MODELS, lambda parser: parser.add_argument(
+        "--fraction", type=float, help="plan at this fraction of the ample-memory plan's need"))
     failed = sweep("model", names, lambda name: check(name, mesh, opts.fraction), ("loss", "loss err", "grad err"))
     print(provenance_line("torch_models", mesh=opts.mesh, fraction=opts.fraction, failed=failed))
 

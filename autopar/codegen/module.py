@@ -46,7 +46,7 @@ from autopar.codegen.shapes import LoweringError
 from autopar.errors import TraceError
 from autopar.runtime.batch import batch_slice, global_like
 from autopar.runtime.deferred_loss import grads_scaled_by, other_output
-from autopar.runtime.grad_norm import clip_grad_norm_, track
+from autopar.runtime.grad_norm import track
 from autopar.runtime.grad_sync import GradSync
 from autopar.runtime.mesh import ProcessMesh
 from autopar.runtime.state_dict import (
@@ -406,11 +406,10 @@ class ParallelModule(nn.Module):
             "single-device gradient: divide it by %d, or compute the loss inside the model. (Logged once.)", ranks, ranks)
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
-        """`torch.nn.utils.clip_grad_norm_` for this module: the norm of the full gradients across all
-        ranks' shards (a collective: call it on every rank, after backward), the same on every rank.
-        torch's own function computes the same for this module's gradients (`runtime.grad_norm.track`)."""
-        grads = {fqn: p.grad for fqn, p in self.named_parameters() if p.grad is not None}
-        return clip_grad_norm_(grads, self.info.param_storage, self.mesh, max_norm, norm_type)
+        """`torch.nn.utils.clip_grad_norm_(self.parameters(), ...)`: by the norm of the full gradients across all
+        ranks' shards (`runtime.grad_norm.track`; a collective: call it on every rank, after backward), the
+        same on every rank."""
+        return torch.nn.utils.clip_grad_norm_(self.parameters(), max_norm, norm_type)
 
     def param_storage(self) -> Mapping[str, Spec]:
         """How each parameter (by FQN) is stored across the mesh: what this rank's tensor is a block of."""

@@ -1,6 +1,7 @@
-"""Gradient-norm clipping over sharded parameters: the single-device `clip_grad_norm_`, exactly.
+"""The norm of gradients over sharded parameters: what torch's `clip_grad_norm_` computes on one device.
 
-    total = clip_grad_norm_(named_grads, storage_specs, mesh, max_norm=1.0)
+    pm = ParallelModule(...)                                   # calls track(pm)
+    torch.nn.utils.clip_grad_norm_(pm.parameters(), 1.0)       # the full gradients' norm, then torch's clipping
 
 `torch.nn.utils.clip_grad_norm_` on a rank's local shards would compute a
 different norm on every rank (each sees only its blocks) and scale the
@@ -11,8 +12,7 @@ stored `Replicate` holds the same values on every rank (counted once). So the
 local sums of squares are grouped by the set of axes that shard the
 parameter, each group is all-reduced over the group spanning those axes, and
 the groups are added: every rank gets the same total. The infinity norm takes
-maxima instead. Gradients are then scaled in place by
-min(1, max_norm / (total + 1e-6)), torch's formula.
+maxima instead. The clipping itself is torch's (`clip_grads_with_norm_`).
 
 torch's own `clip_grad_norm_` is what training loops call (nanoGPT, Hugging Face
 Accelerate, Lightning), and on shards it clipped each rank by its own norm: the
@@ -39,8 +39,6 @@ from autopar.runtime import comm
 from autopar.runtime.mesh import ProcessMesh
 from autopar.solver.spec import Shard, Spec
 
-_EPS = 1e-6  # torch.nn.utils.clip_grad_norm_'s
-
 
 def total_grad_norm(grads: Mapping[str, torch.Tensor], storage: Mapping[str, Spec], mesh: ProcessMesh,
                     norm_type: float = 2.0) -> torch.Tensor:
@@ -64,17 +62,6 @@ def total_grad_norm(grads: Mapping[str, torch.Tensor], storage: Mapping[str, Spe
         part = part.cpu().reshape(())
         total = torch.maximum(total, part) if is_inf else total + part
     return (total if is_inf else total.pow(1.0 / norm_type)).float()
-
-
-def clip_grad_norm_(grads: Mapping[str, torch.Tensor], storage: Mapping[str, Spec], mesh: ProcessMesh,
-                    max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
-    """Scale `grads` in place so their full norm is at most `max_norm`; return the norm before clipping."""
-    total = total_grad_norm(grads, storage, mesh, norm_type)
-    scale = min(1.0, max_norm / (float(total) + _EPS))
-    if scale < 1.0:
-        for g in grads.values():
-            g.mul_(scale)
-    return total
 
 
 class ShardedModule(Protocol):
