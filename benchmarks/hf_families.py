@@ -3,11 +3,12 @@
     python benchmarks/hf_families.py                        # every family, 2 ranks, ample memory
     python benchmarks/hf_families.py --only qwen2,t5 --mesh 2x2 --memory 1.2e6
 
-A diagnostic sweep, wider than `tests/test_hf_families.py` (seven of these families):
+A diagnostic sweep, wider than `tests/test_hf_families.py` (eight of these families):
 each family is a tiny random model from its transformers config, dropout off, with
 the config's defaults otherwise (KV cache on). It is parallelized with the solver's
 plan on gloo ranks and takes one step; the table gives the loss and the largest
-gradient error against the same step on one device. Gradients are read back
+gradient error against the same step on one device: absolute, or relative to the
+tensor's largest gradient where that is above 1 (DeiT's class token has gradients near 3e3). Gradients are read back
 whatever the plan's layout: one SGD step with learning rate 1 on both sides, then
 the full state dicts' differences. The last column is eval mode (`pm.eval()`) with the
 config's own dropout: the loss error against the model's eval loss on one device. A
@@ -61,6 +62,41 @@ FAMILIES = {  # name -> (model builder, input kind)
                                                               num_labels=5)), "image"),
     "swin": (lambda: hf.SwinForImageClassification(hf.SwinConfig(image_size=32, patch_size=4, embed_dim=16, depths=[2, 2],
                                                                   num_heads=[2, 4], window_size=4, num_labels=5)), "image"),
+    "llama": (lambda: hf.LlamaForCausalLM(hf.LlamaConfig(**_KV)), "lm"),
+    "qwen3": (lambda: hf.Qwen3ForCausalLM(hf.Qwen3Config(**_KV, head_dim=16)), "lm"),
+    "gemma3": (lambda: hf.Gemma3ForCausalLM(hf.Gemma3TextConfig(**_KV, head_dim=16)), "lm"),
+    "olmo2": (lambda: hf.Olmo2ForCausalLM(hf.Olmo2Config(**_KV)), "lm"),
+    "starcoder2": (lambda: hf.Starcoder2ForCausalLM(hf.Starcoder2Config(**_KV)), "lm"),
+    "granite": (lambda: hf.GraniteForCausalLM(hf.GraniteConfig(**_KV)), "lm"),
+    "cohere": (lambda: hf.CohereForCausalLM(hf.CohereConfig(**_KV)), "lm"),
+    "phi": (lambda: hf.PhiForCausalLM(hf.PhiConfig(**_LM)), "lm"),
+    "stablelm": (lambda: hf.StableLmForCausalLM(hf.StableLmConfig(**_KV)), "lm"),
+    "gpt_bigcode": (lambda: hf.GPTBigCodeForCausalLM(hf.GPTBigCodeConfig(vocab_size=256, n_embd=64, n_layer=2, n_head=4)),
+                    "lm"),
+    "qwen3_moe": (lambda: hf.Qwen3MoeForCausalLM(hf.Qwen3MoeConfig(**_KV, head_dim=16, num_experts=4, num_experts_per_tok=2,
+                                                                   moe_intermediate_size=32)), "lm"),
+    "deepseek_v3": (lambda: hf.DeepseekV3ForCausalLM(hf.DeepseekV3Config(  # multi-head latent attention, MoE
+        **_LM, n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, first_k_dense_replace=1,
+        kv_lora_rank=16, q_lora_rank=32, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16, n_group=1, topk_group=1)),
+        "lm"),
+    "mt5": (lambda: hf.MT5ForConditionalGeneration(hf.MT5Config(vocab_size=256, d_model=64, d_kv=16, d_ff=128, num_layers=2,
+                                                               num_heads=4, decoder_start_token_id=0)), "seq2seq"),
+    "modernbert": (lambda: hf.ModernBertForMaskedLM(hf.ModernBertConfig(
+        vocab_size=256, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=128, pad_token_id=0)),
+        "lm"),
+    "electra": (lambda: hf.ElectraForMaskedLM(hf.ElectraConfig(**_BERT, embedding_size=32)), "lm"),
+    "albert": (lambda: hf.AlbertForMaskedLM(hf.AlbertConfig(**_BERT, embedding_size=32)), "lm"),
+    "distilbert": (lambda: hf.DistilBertForMaskedLM(hf.DistilBertConfig(vocab_size=256, dim=64, n_layers=2, n_heads=4,
+                                                                        hidden_dim=128)), "lm"),
+    "deit": (lambda: hf.DeiTForImageClassification(hf.DeiTConfig(hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                                                                 intermediate_size=128, image_size=32, patch_size=8,
+                                                                 num_labels=5)), "image"),
+    "convnext": (lambda: hf.ConvNextForImageClassification(hf.ConvNextConfig(num_stages=2, hidden_sizes=[16, 32], depths=[1, 1],
+                                                                              num_labels=5, image_size=32)), "image"),
+    "resnet": (lambda: hf.ResNetForImageClassification(hf.ResNetConfig(embedding_size=16, hidden_sizes=[16, 32], depths=[1, 1],
+                                                                       num_labels=5)), "image"),
+    "mobilevit": (lambda: hf.MobileViTForImageClassification(hf.MobileViTConfig(
+        image_size=32, hidden_sizes=[16, 24, 32], neck_hidden_sizes=[8, 8, 16, 16, 24, 24, 48], num_labels=5)), "image"),
 }
 
 
@@ -109,7 +145,7 @@ def _eval_loss(rank, world, model, sample, mesh, budget):
 
 
 def check(name: str, mesh: tuple[int, ...], budget: float | None) -> tuple[float, float, float, float]:
-    """(single-device loss, loss error, largest gradient error, eval-mode loss error) of one family."""
+    """(single-device loss, loss error, largest relative gradient error, eval-mode loss error) of one family."""
     torch.manual_seed(0)
     build, kind = FAMILIES[name]
     with_dropout = build()
@@ -119,7 +155,8 @@ def check(name: str, mesh: tuple[int, ...], budget: float | None) -> tuple[float
     ref_loss = ref(**sample).loss
     ref_loss.backward()
     loss, step = run_ranks(_step, math.prod(mesh), model, sample, mesh, budget, timeout_s=600)[0]
-    grad_error = max((step[k] - p.grad).abs().max().item() for k, p in ref.named_parameters() if p.grad is not None)
+    grad_error = max((step[k] - p.grad).abs().max().item() / max(p.grad.abs().max().item(), 1.0)
+                     for k, p in ref.named_parameters() if p.grad is not None)
     with torch.no_grad():
         eval_ref = copy.deepcopy(with_dropout).eval()(**sample).loss.item()
     eval_loss = run_ranks(_eval_loss, math.prod(mesh), with_dropout, sample, mesh, budget, timeout_s=600)[0]

@@ -15,6 +15,9 @@ the parallel module and the model (`load_state_dict`, strict: the same keys).
 - Swin: its pooler (`nn.AdaptiveAvgPool1d`) exports an `as_strided` that restates its
   input's layout, which no rule splits; the tracer drops it (`tracer/restride.py`).
   Stochastic depth (`drop_path_rate`) is off: it draws per-sample masks, as dropout does.
+- DeepSeek-V3: its attention assembles the keys by slice assignment (`copy_` into a new
+  tensor), which exports as a functional `copy` torch cannot differentiate; the tracer
+  rewrites it (`tracer/copies.py`).
 """
 from __future__ import annotations
 
@@ -52,6 +55,9 @@ FAMILIES = {
     "swin": lambda: hf.SwinForImageClassification(hf.SwinConfig(image_size=32, patch_size=4, embed_dim=16, depths=[2, 2],
                                                                 num_heads=[2, 4], window_size=4, num_labels=5,
                                                                 drop_path_rate=0.0)),
+    "deepseek_v3": lambda: hf.DeepseekV3ForCausalLM(hf.DeepseekV3Config(
+        **_LM, n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, first_k_dense_replace=1,
+        kv_lora_rank=16, q_lora_rank=32, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16, n_group=1, topk_group=1)),
 }
 NO_CACHE = ("deberta", "swin")  # encoders: no KV cache to switch off
 

@@ -32,6 +32,7 @@ from torch.utils import _pytree as pytree
 from autopar.errors import TraceError
 from autopar.gc_pause import gc_paused
 from autopar.tracer.attention import canonicalize_attention
+from autopar.tracer.copies import differentiable_copies
 from autopar.tracer.cse import eliminate_common_subexpressions
 from autopar.tracer.restride import drop_identity_as_strided
 
@@ -125,6 +126,7 @@ def trace(
     _drop_runtime_asserts(ep.graph_module)
     canonicalize_attention(ep.graph_module)
     drop_identity_as_strided(ep.graph_module)
+    differentiable_copies(ep.graph_module)
     eliminate_common_subexpressions(ep.graph_module)
     traced = _from_exported(ep, args, kwargs, dynamic_dims or {}, _canonical_param_names(model))
     log.info("tracer: %d ops in %.2f s", traced.num_ops(), time.perf_counter() - start)

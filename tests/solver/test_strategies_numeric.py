@@ -245,11 +245,12 @@ def _check_every_strategy(node: fx.Node, values: dict, offered: set[str]) -> Non
             check_node(node, strategy, values, mesh_shape)
 
 
-@pytest.mark.parametrize("src_shape", [(4, 8), (1, 8), (8,)])
-def test_every_strategy_of_a_functional_copy_is_numerically_right(src_shape):
-    """`copy(self, src)` (a slice assignment, as T5 shifts its labels): the output is src broadcast."""
-    node, values = _one_op(torch.ops.aten.copy.default, [torch.randn(4, 8), torch.randn(src_shape)])
-    _check_every_strategy(node, values, {"S(0)"})  # not replicated only
+def test_a_channel_dropout_mask_splits_by_batch_or_channel():
+    """`bernoulli(x, p)` (`nn.Dropout2d`'s mask, one per sample and channel) splits as its input: without a rule
+    of its own it ran replicated, its input gathered. (Random ops are checked by shape; p=1 draws all ones, so the
+    simulated replicas agree.)"""
+    node, values = _one_op(torch.ops.aten.bernoulli.p, [torch.empty(4, 8, 1, 1)], 1.0)
+    _check_every_strategy(node, values, {"S(0)", "S(1)"})
 
 
 @pytest.mark.parametrize("op, args", [

@@ -190,3 +190,39 @@ def test_an_as_strided_that_restates_its_input_is_dropped_and_a_real_one_kept():
     assert len(restrided) == 1 and list(restrided[0].args[2]) == [1, 8], restrided  # the transpose stays
     got = traced.gm(*placeholder_values(traced, model, x))
     torch.testing.assert_close(pytree.tree_leaves(got)[0], model(x).detach(), rtol=1e-5, atol=1e-5)
+
+
+class SliceAssigned(torch.nn.Module):
+    """Keys assembled from two parts by slice assignment, as DeepSeek-V3's attention does: one part
+    shared by every head (a broadcast), one cast from float64 (a dtype change)."""
+
+    def __init__(self):
+        super().__init__()
+        self.proj = torch.nn.Linear(8, 6)
+        self.scale = torch.nn.Parameter(torch.randn(2, 1, 6))
+
+    def forward(self, x):  # x: (batch, tokens, 8)
+        a = self.proj(x)
+        keys = a.new_empty(x.shape[0], 2, x.shape[1], 6)  # (batch, heads, tokens, 6)
+        keys[..., :4].copy_(a[:, None, :, :4])
+        keys[..., 4:] = a[:, None, :, 4:].double() * 2
+        return (keys * self.scale).square().sum()
+
+
+def test_a_slice_assignment_that_carries_gradients_traces_without_functional_copies():
+    """Export writes `copy(self, src)` for `keys[..., :4].copy_(a)`, which has no derivative: the tracer
+    writes it as cast/expand/clone, and the graph's loss and gradients are eager's."""
+    model, x = SliceAssigned(), torch.randn(3, 5, 8)
+    traced = trace(model, x)
+    assert not [n for n in traced.graph.nodes if n.target is torch.ops.aten.copy.default]
+    exported = torch.export.export(model, (x,)).run_decompositions().graph_module.graph
+    assert sum(n.target is torch.ops.aten.copy.default for n in exported.nodes) == 2  # what the pass replaced
+    values = placeholder_values(traced, model, x)
+    params = [v for v in values if isinstance(v, torch.nn.Parameter)]
+    got = pytree.tree_leaves(traced.gm(*values))[0]
+    got_grads = torch.autograd.grad(got, params)
+    want = model(x)
+    want_grads = torch.autograd.grad(want, params)
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+    for g, w in zip(got_grads, want_grads, strict=True):
+        torch.testing.assert_close(g, w, rtol=1e-6, atol=1e-6)
