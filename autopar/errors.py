@@ -42,3 +42,8 @@ class ModelFileError(AutoparError):
 
 class UsageError(AutoparError):
     """Bad command-line arguments: the CLI exits with code 2."""
+
+
+class InputsDifferError(AutoparError):
+    """Ranks fed inputs of different shapes (or structure, or mode) in one step to a plan that exchanges
+    activations between ranks (`runtime.same_inputs`)."""

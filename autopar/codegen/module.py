@@ -41,6 +41,7 @@ from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, se
 from torch.utils import _pytree as pytree
 
 from autopar.codegen.eval_mode import eval_difference, without_dropout
+from autopar.codegen.exchanges import exchanges_activations
 from autopar.codegen.lower import LoweringInfo, lower, share_tree
 from autopar.codegen.shapes import LoweringError
 from autopar.errors import TraceError
@@ -49,6 +50,7 @@ from autopar.runtime.deferred_loss import grads_scaled_by, other_output
 from autopar.runtime.grad_norm import track
 from autopar.runtime.grad_sync import GradSync
 from autopar.runtime.mesh import ProcessMesh
+from autopar.runtime.same_inputs import agree
 from autopar.runtime.state_dict import (
     full_state_dict,
     gather_optimizer_state,
@@ -120,6 +122,9 @@ class ParallelModule(nn.Module):
         self._outside_loss_logged = False
         self._traced, self._retracer = traced, retracer
         self._first = first = self._graph_of(gm, traced, casts=False)
+        # a plan that moves activations between ranks needs every rank's inputs of one shape: checked each
+        # forward, an error rather than mismatched collectives (a data-parallel plan takes any shapes per rank)
+        self._inputs_must_agree = math.prod(mesh.shape) > 1 and exchanges_activations(gm, len(info.state_inputs))
         # each parameter's requires_grad is part of a graph's signature: freezing or unfreezing one after
         # `parallelize` lowers a graph whose backward follows the new flags (and rebuilds the sync)
         self._param_slots = [first.state_slots[i] for i in first.param_positions]
@@ -255,6 +260,8 @@ class ParallelModule(nn.Module):
         flat, spec = pytree.tree_flatten((args, kwargs))
         autocast = torch.get_autocast_dtype(self._device_type) if torch.is_autocast_enabled(self._device_type) else None
         key = _signature(flat, spec, self.training, self._trainable(), autocast, self._state_dtypes)
+        if self._inputs_must_agree:
+            agree(_described(key), self.mesh.cpu_group)
         if key != self._key:
             self._use_graph_for(key, flat, spec)
         graph = self._graph
@@ -511,6 +518,14 @@ def _signature(flat: list[Any], spec: pytree.TreeSpec, training: bool, trainable
     """The signature of a forward on the flattened inputs `flat`, structured as `spec`."""
     return _Signature(training, trainable, autocast, state_dtypes, spec,
                       tuple((x.shape, x.dtype) if isinstance(x, torch.Tensor) else _leaf_key(x) for x in flat))
+
+
+def _described(key: _Signature) -> str:
+    """What ranks must agree on, in words: 'training, (0 positional; input_ids, labels): (8, 16) int64, ...'."""
+    inputs = ", ".join(f"{tuple(x[0])} {str(x[1]).removeprefix('torch.')}" if isinstance(x, tuple) and isinstance(x[0], torch.Size)
+                       else repr(x) for x in key.inputs)
+    autocast = f", autocast to {key.autocast}" if key.autocast else ""
+    return f"{'training' if key.training else 'eval'}{autocast}, {_arguments(key.structure)}: {inputs}"
 
 
 def _arguments(spec: pytree.TreeSpec) -> str:

@@ -651,7 +651,7 @@ def _run(
     if sol == pulp.LpSolutionInfeasible:
         return _Outcome("infeasible", used, solve_s, None)
     raise AutoparError(
-        f"the ILP found no plan within time_limit_s={time_limit_s:g} ({used}, status {pulp.LpStatus[model.prob.status]}); "
+        f"the ILP found no plan in {time_limit_s:.1f} s ({used}, status {pulp.LpStatus[model.prob.status]}); "
         "raise time_limit_s"
     )
 

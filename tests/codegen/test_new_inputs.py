@@ -22,6 +22,7 @@ from tests.codegen.plans import cpu_mesh, greedy_plan, load_zoo, random_plan
 import autopar
 from autopar.codegen import ParallelModule, lower
 from autopar.codegen.shapes import LoweringError, local_block
+from autopar.errors import InputsDifferError
 from autopar.runtime.launch import run_ranks
 from autopar.runtime.mesh import ProcessMesh
 from autopar.solver.spec import Shard
@@ -57,6 +58,60 @@ def test_other_shapes_train_like_one_device():
     plans = [("data parallel", greedy_plan(traced, mesh, {n: "S(0)S(0)" for n in traced.input_names}))]
     plans += [(f"random {i}", random_plan(traced, mesh, rng)) for i in range(2)]
     run_ranks(_train_steps, 4, (2, 2), model, sample, traced, plans, ref, samples, timeout_s=220)
+
+
+def _own_lengths(rank, world, model, sample, traced, plans, batches):
+    """Each plan fed this rank's own batch (`batches[rank]`, of its own length) for one SGD step: ('trained', loss,
+    full parameters after) or ('refused', the error), then the traced sample's slice: its loss."""
+    mesh = ProcessMesh((world,))
+    out = []
+    for plan in plans:
+        pm = parallel_module(model, sample, traced, plan, mesh, retrace=True)
+        try:
+            loss = pm(**batches[rank])
+            loss.backward()
+            torch.optim.SGD(pm.parameters(), lr=1.0).step()
+            outcome = ("trained", loss.item(), pm.state_dict())
+        except InputsDifferError as err:
+            outcome = ("refused", str(err))
+        pm.zero_grad()
+        with torch.no_grad():
+            out.append((outcome, pm(**local_sample(sample, pm)[1]).item()))
+    return out
+
+
+@pytest.mark.timeout(240)
+def test_ranks_feeding_their_own_lengths():
+    """Ranks padding each batch to their own longest sequence (a collator's `padding='longest'`) feed different
+    shapes in one step. A data-parallel plan moves only gradients and the loss's scalars: it trains like one
+    device on all the ranks' rows (the mean over every rank's tokens). A plan that moves activations refuses on
+    every rank, naming each rank's shapes, instead of collectives of mismatched sizes (gloo aborted the process),
+    and the module still runs the shapes every rank shares."""
+    model, sample = _gpt2(4, 16)
+    traced = trace_model(model, sample)
+    mesh = cpu_mesh((2,))
+    plans = [greedy_plan(traced, mesh, {n: "S(0)" for n in traced.input_names}), random_plan(traced, mesh, random.Random(3))]
+    batches = [_same_weights_batch(2, 12, 1), _same_weights_batch(2, 16, 2)]
+    single = copy.deepcopy(model)
+    # the model's loss is a mean over its tokens: over both ranks' rows, the sum of each batch's token losses
+    # over all their tokens
+    counts = [b["labels"].numel() for b in batches]
+    want = sum(single(**b) * n for b, n in zip(batches, counts)) / sum(counts)
+    want.backward()
+    torch.optim.SGD(single.parameters(), lr=1.0).step()
+    with torch.no_grad():
+        want_sample, want_sample_after = model(**sample).item(), single(**sample).item()
+    for data_parallel, exchanging in run_ranks(_own_lengths, 2, model, sample, traced, plans, batches, timeout_s=220):
+        (outcome, sample_loss) = data_parallel
+        assert outcome[0] == "trained" and outcome[1] == pytest.approx(want.item(), rel=1e-6)
+        for fqn, value in single.state_dict().items():
+            torch.testing.assert_close(outcome[2][fqn], value, rtol=0, atol=2e-6)
+        assert sample_loss == pytest.approx(want_sample_after, rel=1e-5)
+        (outcome, sample_loss) = exchanging
+        assert outcome[0] == "refused", outcome
+        assert "rank 0: training, (0 positional; input_ids, labels): (2, 12) int64" in outcome[1]
+        assert "rank 1: training, (0 positional; input_ids, labels): (2, 16) int64" in outcome[1]
+        assert sample_loss == pytest.approx(want_sample, rel=1e-5)  # nothing moved: the refusal came before
 
 
 def _freeze_schedule(module: nn.Module, step: int) -> None:

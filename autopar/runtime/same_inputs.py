@@ -1,0 +1,41 @@
+"""Ranks agreeing that they feed inputs of one signature, for plans that exchange activations.
+
+Under a plan that moves activations between ranks (tensor or sequence parallel, a batch
+gathered, a vocabulary-parallel loss), every rank's collectives have the sizes of its own
+inputs. Ranks that feed different shapes in one step (per-rank padding to the longest
+sequence, an uneven last batch) send and expect different byte counts: gloo aborts the
+process ("Received data size doesn't match expected size"), and NCCL, which checks no
+sizes, would hang or read the wrong bytes. Data-parallel plans only move gradients and
+scalars, whose sizes do not depend on the inputs, and need no agreement.
+
+`agree` is one all-reduce of two integers (a checksum of the signature and its negation,
+maxed: equal on every rank only when every rank's checksum is the same) on a CPU (gloo)
+group, so a GPU step does not wait for the device. Only when they differ does a second
+collective gather each rank's signature, for an error that names them all; every rank
+raises it.
+"""
+from __future__ import annotations
+
+import zlib
+
+import torch
+import torch.distributed as dist
+
+from autopar.errors import InputsDifferError
+
+
+def agree(signature: str, group: dist.ProcessGroup | None) -> None:
+    """Return when every rank of `group` passed the same `signature`; else raise on every rank, naming each one's."""
+    checksum = zlib.crc32(signature.encode())
+    extremes = torch.tensor([checksum, -checksum], dtype=torch.int64)
+    dist.all_reduce(extremes, op=dist.ReduceOp.MAX, group=group)
+    if extremes[0].item() == checksum and -extremes[1].item() == checksum:
+        return
+    signatures: list[str | None] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(signatures, signature, group=group)
+    rows = "\n".join(f"  rank {rank}: {text}" for rank, text in enumerate(signatures))
+    raise InputsDifferError(
+        f"ranks fed inputs of different shapes in one step:\n{rows}\nthis module's plan exchanges activations between "
+        "ranks, so every rank must feed the same shapes: pad every rank's batch to one length (padding='max_length' "
+        "in a tokenizer or collator) and drop an uneven last batch (drop_last=True); a data-parallel plan, which "
+        "only moves gradients, takes different shapes per rank")
