@@ -522,10 +522,17 @@ def _signature(flat: list[Any], spec: pytree.TreeSpec, training: bool, trainable
 
 def _described(key: _Signature) -> str:
     """What ranks must agree on, in words: 'training, (0 positional; input_ids, labels): (8, 16) int64, ...'."""
-    inputs = ", ".join(f"{tuple(x[0])} {str(x[1]).removeprefix('torch.')}" if isinstance(x, tuple) and isinstance(x[0], torch.Size)
-                       else repr(x) for x in key.inputs)
+    inputs = ", ".join(_input_text(x) for x in key.inputs)
     autocast = f", autocast to {key.autocast}" if key.autocast else ""
     return f"{'training' if key.training else 'eval'}{autocast}, {_arguments(key.structure)}: {inputs}"
+
+
+def _input_text(x: Any) -> str:
+    """One input of a signature: a tensor's '(8, 16) int64', another input's value."""
+    if isinstance(x, tuple) and len(x) == 2 and isinstance(x[0], torch.Size):
+        shape, dtype = x
+        return f"{tuple(shape)} {str(dtype).removeprefix('torch.')}"
+    return repr(x)
 
 
 def _arguments(spec: pytree.TreeSpec) -> str:

@@ -65,9 +65,12 @@ class ProcessMesh:
             raise MeshError(f"rank {dist.get_rank()} is not part of the mesh {self.shape}")
         self.coordinate: tuple[int, ...] = tuple(coord)
         self._groups = tuple(self.device_mesh.get_group(i) for i in range(len(self.shape)))
-        # host-side agreement between ranks (`runtime.same_inputs`) on CPU tensors: the default group when it
-        # has gloo, else a gloo group of the world (made here, where every rank builds its mesh)
-        self.cpu_group: dist.ProcessGroup | None = None if "gloo" in str(dist.get_backend()) else dist.new_group(backend="gloo")
+        # host-side agreement between ranks (`runtime.same_inputs`) on CPU tensors: beside NCCL, which takes
+        # device tensors only, a gloo group of the world (made here, where every rank builds its mesh); else
+        # the default group (gloo, or torch's fake group that simulates a rank)
+        backend = str(dist.get_backend())
+        self.cpu_group: dist.ProcessGroup | None = (
+            dist.new_group(backend="gloo") if "nccl" in backend and "gloo" not in backend else None)
         self._flat: dict[tuple[int, ...], str] = {}
         if dist.get_rank() == 0:
             logger.info("runtime: mesh %s over %d ranks, groups %s", dict(zip(self.axis_names, self.shape)), dist.get_world_size(), self.group_names)
