@@ -15,30 +15,18 @@ returns (where the cast has not already made one).
 """
 from __future__ import annotations
 
-import logging
-
 import torch
 from torch import fx
 
-log = logging.getLogger(__name__)
+from autopar.tracer.nodes import replace_calls
 
 aten = torch.ops.aten
 
 
 def differentiable_copies(gm: fx.GraphModule) -> int:
     """Rewrite every `aten.copy` of `gm` as `_to_copy`/`expand`/`clone`; returns how many."""
-    rewritten = 0
-    for node in list(gm.graph.nodes):
-        if node.op == "call_function" and node.target is aten.copy.default:
-            with gm.graph.inserting_before(node):
-                value = _copy_as_ops(gm.graph, node)
-            node.replace_all_uses_with(value)
-            gm.graph.erase_node(node)
-            rewritten += 1
-    if rewritten:
-        gm.recompile()
-        log.info("tracer: %d functional copies written as cast/expand/clone", rewritten)
-    return rewritten
+    return replace_calls(gm, aten.copy.default, lambda node: _copy_as_ops(gm.graph, node),
+                         "functional copies written as cast/expand/clone")
 
 
 def _copy_as_ops(graph: fx.Graph, node: fx.Node) -> fx.Node:
