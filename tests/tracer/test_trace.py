@@ -226,3 +226,8 @@ def test_a_slice_assignment_that_carries_gradients_traces_without_functional_cop
     torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
     for g, w in zip(got_grads, want_grads, strict=True):
         torch.testing.assert_close(g, w, rtol=1e-6, atol=1e-6)
+    # with the batch symbolic, the broadcast reads its size from the graph (`sym_size`): right at another batch
+    dynamic, other = trace(model, x, dynamic_dims={"batch": 0}), torch.randn(4, 5, 8)
+    assert any(n.target is torch.ops.aten.expand.default and isinstance(n.args[1][0], torch.fx.Node) for n in dynamic.graph.nodes)
+    got = pytree.tree_leaves(dynamic.gm(*placeholder_values(dynamic, model, other)))[0]
+    torch.testing.assert_close(got, model(other), rtol=1e-6, atol=1e-6)
