@@ -17,8 +17,10 @@ from __future__ import annotations
 
 from torch import fx
 
-_EXCHANGING_MODULES = frozenset({
-    "autopar.runtime.collectives", "autopar.runtime.vocab_parallel", "autopar.runtime.sync_batch_norm"})
+from autopar.runtime import collectives, sync_batch_norm, vocab_parallel
+
+# the runtime's modules whose functions move data between ranks (the loss's scalars live in `deferred_loss`)
+_EXCHANGING_MODULES = frozenset(m.__name__ for m in (collectives, vocab_parallel, sync_batch_norm))
 
 
 def exchanges_activations(gm: fx.GraphModule, num_state_inputs: int) -> bool:

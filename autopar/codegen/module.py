@@ -25,6 +25,7 @@ plan of its own that keeps the parameters and buffers where they are.
 from __future__ import annotations
 
 import copy
+import functools
 import logging
 import math
 import operator
@@ -520,6 +521,7 @@ def _signature(flat: list[Any], spec: pytree.TreeSpec, training: bool, trainable
                       tuple((x.shape, x.dtype) if isinstance(x, torch.Tensor) else _leaf_key(x) for x in flat))
 
 
+@functools.lru_cache(maxsize=_MANY_GRAPHS)  # asked every forward, with the few signatures a loop feeds
 def _described(key: _Signature) -> str:
     """What ranks must agree on, in words: 'training, (0 positional; input_ids, labels): (8, 16) int64, ...'."""
     inputs = ", ".join(_input_text(x) for x in key.inputs)

@@ -695,9 +695,9 @@ def solve_problem(
             return _leanest_instead(model, time_limit_s, backend, no_plan, began, mip_rel_gap, or_leanest, memory)
         spent_s += out.solve_s
         if out.status == "infeasible":  # proven: no plan needs as little
+            leanest = min_memory(problem, time_limit_s, backend, restrictions, _leanest_gap(or_leanest))
             if or_leanest:
-                return min_memory(problem, time_limit_s, backend, restrictions, PRICING_GAP)
-            leanest = min_memory(problem, time_limit_s, backend, restrictions)
+                return leanest
             raise infeasible_error(leanest.memory, problem.budget_bytes or 0.0, leanest.report.gap, time_limit_s, proven=True)
         a = model.assignment()
         memory, step = evaluate(problem, a)
@@ -722,7 +722,7 @@ def _leanest_instead(model: _Model, time_limit_s: float, backend: Backend, no_pl
     problem = model.problem
     budget = problem.budget_bytes or 0.0
     try:
-        leanest = min_memory(problem, time_limit_s, backend, model.restrictions, PRICING_GAP if or_leanest else DEFAULT_GAP)
+        leanest = min_memory(problem, time_limit_s, backend, model.restrictions, _leanest_gap(or_leanest))
     except AutoparError:
         need, asked = _need_and_budget(fastest.total_bytes, budget)
         raise AutoparError(f"{no_plan} or a budget of {need} (the fastest plan needs that; in time the solver "
@@ -755,6 +755,12 @@ def _leanest_instead(model: _Model, time_limit_s: float, backend: Backend, no_pl
     report = SolverReport(r.backend, status, time.perf_counter() - began, len(model.prob.variables()),
                           len(model.prob.constraints), gap)
     return Solution(a, memory, step, report)
+
+
+def _leanest_gap(or_leanest: bool) -> float:
+    """How close the leanest search goes: to 1% for a plan that is priced over its budget (`or_leanest`), to
+    HiGHS' default for the need an error states."""
+    return PRICING_GAP if or_leanest else DEFAULT_GAP
 
 
 @gc_paused

@@ -32,7 +32,7 @@ from torch.utils import _pytree as pytree
 from autopar.errors import TraceError
 from autopar.gc_pause import gc_paused
 from autopar.tracer.attention import canonicalize_attention
-from autopar.tracer.copies import differentiable_copies
+from autopar.tracer.copies import copy_decomposition
 from autopar.tracer.cse import eliminate_common_subexpressions
 from autopar.tracer.restride import drop_identity_as_strided
 
@@ -126,7 +126,6 @@ def trace(
     _drop_runtime_asserts(ep.graph_module)
     canonicalize_attention(ep.graph_module)
     drop_identity_as_strided(ep.graph_module)
-    differentiable_copies(ep.graph_module)
     eliminate_common_subexpressions(ep.graph_module)
     traced = _from_exported(ep, args, kwargs, dynamic_dims or {}, _canonical_param_names(model))
     log.info("tracer: %d ops in %.2f s", traced.num_ops(), time.perf_counter() - start)
@@ -142,6 +141,7 @@ def _export(model: nn.Module, args: tuple, kwargs: dict, dynamic_dims: Mapping[s
         warnings.filterwarnings("ignore", message=r".*isinstance\(treespec, LeafSpec\)", category=FutureWarning)
         ep = torch.export.export(model, args, kwargs, strict=False, dynamic_shapes=dynamic_shapes)
         decomps = {op: fn for op, fn in core_aten_decompositions().items() if op not in _KEEP_WHOLE}
+        decomps[torch.ops.aten.copy.default] = copy_decomposition  # torch has neither a derivative nor a decomposition
         return ep.run_decompositions(decomps)
 
 

@@ -7,15 +7,12 @@ the stages consistent (a strategy's `input_specs[i]` is about
 """
 from __future__ import annotations
 
-import logging
 import operator
 from typing import Callable
 
 import torch
 from torch import fx
 from torch.utils import _pytree as pytree
-
-log = logging.getLogger(__name__)
 
 
 def is_tensor_node(arg: object) -> bool:
@@ -79,23 +76,3 @@ def grad_carrying(graph: fx.Graph, no_grad: set[str], targs: Callable[[fx.Node],
             if floating and any(a.name in out for a in ins):
                 out.add(node.name)
     return out
-
-
-def replace_calls(gm: fx.GraphModule, target: object, replacement: Callable[[fx.Node], fx.Node | None], done: str) -> int:
-    """Hand the users of each call of `target` in `gm` what `replacement(call)` returns (nodes it makes go before
-    the call; None leaves the call), drop the replaced calls, and log "tracer: N `done`"; returns N."""
-    replaced = 0
-    for node in list(gm.graph.nodes):
-        if node.op != "call_function" or node.target is not target:
-            continue
-        with gm.graph.inserting_before(node):
-            value = replacement(node)
-        if value is None:
-            continue
-        node.replace_all_uses_with(value)
-        gm.graph.erase_node(node)
-        replaced += 1
-    if replaced:
-        gm.recompile()
-        log.info("tracer: %d %s", replaced, done)
-    return replaced

@@ -15,16 +15,26 @@ and stays replicated.
 """
 from __future__ import annotations
 
+import logging
+
 import torch
 from torch import fx
 
-from autopar.tracer.nodes import replace_calls
+log = logging.getLogger(__name__)
 
 
 def drop_identity_as_strided(gm: fx.GraphModule) -> int:
     """Replace every `as_strided` of `gm` that reads its input in place by that input; returns how many."""
-    return replace_calls(gm, torch.ops.aten.as_strided.default, lambda node: node.args[0] if _reads_in_place(node) else None,
-                         "as_strided calls that restate their input's layout dropped")
+    dropped = 0
+    for node in list(gm.graph.nodes):
+        if node.op == "call_function" and node.target is torch.ops.aten.as_strided.default and _reads_in_place(node):
+            node.replace_all_uses_with(node.args[0])
+            gm.graph.erase_node(node)
+            dropped += 1
+    if dropped:
+        gm.recompile()
+        log.info("tracer: %d as_strided calls that restate their input's layout dropped", dropped)
+    return dropped
 
 
 def _reads_in_place(node: fx.Node) -> bool:

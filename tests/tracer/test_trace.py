@@ -211,7 +211,7 @@ class SliceAssigned(torch.nn.Module):
 
 def test_a_slice_assignment_that_carries_gradients_traces_without_functional_copies():
     """Export writes `copy(self, src)` for `keys[..., :4].copy_(a)`, which has no derivative: the tracer
-    writes it as cast/expand/clone, and the graph's loss and gradients are eager's."""
+    decomposes it into expand and a casting copy, and the graph's loss and gradients are eager's."""
     model, x = SliceAssigned(), torch.randn(3, 5, 8)
     traced = trace(model, x)
     assert not [n for n in traced.graph.nodes if n.target is torch.ops.aten.copy.default]
