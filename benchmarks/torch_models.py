@@ -5,8 +5,8 @@
 
 A diagnostic sweep beside `hf_families.py`, over what is not a transformers model: recurrent layers
 (unrolled by the trace), torch's own attention and encoder modules, 1-D and 2-D convolutions with batch
-and group norm, a weight-norm parametrization, einsum, and a diffusion-style MLP. Each model is
-parallelized with the solver's plan (at `--fraction` of the memory its ample-memory plan needs, when
+and group norm, a weight-norm parametrization, einsum, a diffusion-style MLP, and a recommendation
+model's embedding bags. Each model is parallelized with the solver's plan (at `--fraction` of the memory its ample-memory plan needs, when
 given) and takes one step; the table gives the loss and the largest gradient error against the same
 step on one device, read back as in `hf_families.py`: one SGD step with learning rate 1, then the full
 state dicts' differences. A model that fails prints the error's last line (a budget no plan fits says
@@ -139,6 +139,21 @@ class MaskedAttentionLM(nn.Module):
         return F.cross_entropy(logits.flatten(0, 1), labels.flatten())
 
 
+class Recommender(nn.Module):
+    """DLRM's shape: dense features through an MLP, sparse ones through embedding bags, an MLP on both."""
+
+    def __init__(self):
+        super().__init__()
+        self.dense = nn.Sequential(nn.Linear(8, HIDDEN), nn.ReLU())
+        self.items = nn.EmbeddingBag(1024, HIDDEN, mode="sum")
+        self.words = nn.EmbeddingBag(VOCAB, HIDDEN, mode="mean", padding_idx=0)
+        self.top = nn.Sequential(nn.Linear(3 * HIDDEN, HIDDEN), nn.ReLU(), nn.Linear(HIDDEN, 1))
+
+    def forward(self, dense, items, item_weights, words, clicked):
+        h = torch.cat([self.dense(dense), self.items(items, per_sample_weights=item_weights), self.words(words)], 1)
+        return F.binary_cross_entropy_with_logits(self.top(h).squeeze(1), clicked)
+
+
 def _ids() -> torch.Tensor:
     return torch.randint(1, VOCAB, (BATCH, STEPS))
 
@@ -154,6 +169,8 @@ MODELS: dict[str, tuple[Callable[[], nn.Module], Callable[[], tuple]]] = {  # na
     "einsum_rmsnorm": (EinsumMixer, lambda: (_ids(), _ids())),
     "diffusion_mlp": (DiffusionMLP, lambda: (torch.randn(BATCH, 6, 8), torch.rand(BATCH) * 100, torch.randn(BATCH, 6, 8))),
     "sdpa_mask": (MaskedAttentionLM, lambda: (_ids(), torch.rand(BATCH, STEPS) > 0.2, _ids())),
+    "embedding_bag": (Recommender, lambda: (torch.randn(BATCH, 8), torch.randint(0, 1024, (BATCH, 6)), torch.rand(BATCH, 6),
+                                            torch.randint(0, VOCAB, (BATCH, 4)), torch.randint(0, 2, (BATCH,)).float())),
 }
 
 

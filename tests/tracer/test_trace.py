@@ -231,3 +231,56 @@ def test_a_slice_assignment_that_carries_gradients_traces_without_functional_cop
     assert any(n.target is torch.ops.aten.expand.default and isinstance(n.args[1][0], torch.fx.Node) for n in dynamic.graph.nodes)
     got = pytree.tree_leaves(dynamic.gm(*placeholder_values(dynamic, model, other)))[0]
     torch.testing.assert_close(got, model(other), rtol=1e-6, atol=1e-6)
+
+
+class Bags(torch.nn.Module):
+    """Embedding bags of equal length in every mode the tracer splits: a mean with padding, a weighted sum,
+    a max, a sum with padding; and one fed explicit offsets, which stays fused."""
+
+    def __init__(self):
+        super().__init__()
+        self.mean = torch.nn.EmbeddingBag(100, 16, mode="mean", padding_idx=0)
+        self.weighted = torch.nn.EmbeddingBag(50, 16, mode="sum")
+        self.max = torch.nn.EmbeddingBag(30, 16, mode="max")
+        self.padded = torch.nn.EmbeddingBag(20, 16, mode="sum", padding_idx=3)
+        self.ragged = torch.nn.EmbeddingBag(10, 16, mode="sum")
+
+    def forward(self, words, items, item_weights, tags, slots, offsets):
+        h = self.mean(words) * 1.5 + self.weighted(items, per_sample_weights=item_weights)
+        h = h + self.max(tags).sin() + self.padded(slots)
+        ragged = self.ragged(words.remainder(10)[:2].reshape(-1), offsets)  # bags of 3 and 7 entries
+        return h.pow(2).sum() + ragged.sum()
+
+
+def _bag_inputs(batch: int) -> tuple[torch.Tensor, ...]:
+    words = torch.randint(0, 100, (batch, 5))
+    words[0], words[1, :3] = 0, 0  # a bag of padding only (zeros), and one with two real entries
+    tags = torch.randint(0, 30, (batch, 6))
+    tags[0, :2] = 7  # one row twice in a bag: the max's gradient must reach it once
+    slots = torch.randint(0, 20, (batch, 4))
+    slots[2] = 3
+    return words, torch.randint(0, 50, (batch, 3)), torch.rand(batch, 3), tags, slots, torch.tensor([0, 3])
+
+
+def test_embedding_bags_of_equal_length_become_lookup_and_reduction():
+    """The fused `_embedding_bag` has no sharding rule; bags of one length are an embedding and a reduction,
+    which split by bags or by table rows. The rewritten graph's loss and gradients are eager's, also with a
+    symbolic batch; bags cut by explicit offsets keep the fused op."""
+    torch.manual_seed(0)
+    model = Bags()
+    for batch, dynamic in ((8, None), (8, {"batch": 0})):
+        x = _bag_inputs(batch)
+        traced = trace(model, x, dynamic_dims=dynamic)
+        fused = [n for n in traced.graph.nodes if n.target is torch.ops.aten._embedding_bag.default]
+        lookups = [n for n in traced.graph.nodes if n.target is torch.ops.aten.embedding.default]
+        assert len(fused) == 1 and len(lookups) == 4, (fused, lookups)  # only the ragged bags stay fused
+        other = _bag_inputs(6) if dynamic else x
+        values = placeholder_values(traced, model, other)
+        params = [v for v in values if isinstance(v, torch.nn.Parameter)]
+        got = pytree.tree_leaves(traced.gm(*values))[0]
+        got_grads = torch.autograd.grad(got, params)
+        want = model(*other)
+        want_grads = torch.autograd.grad(want, params)
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+        for g, w in zip(got_grads, want_grads, strict=True):
+            torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5)

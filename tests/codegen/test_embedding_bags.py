@@ -1,0 +1,97 @@
+"""A recommendation model's embedding bags, split by bags, by table rows or by table columns.
+
+`nn.EmbeddingBag` over equal-length bags reaches the solver as an embedding lookup
+and a reduction (`autopar.tracer.bags`), so its table can be sharded like any
+embedding's. Every plan, random or the solver's, must train like one device.
+"""
+from __future__ import annotations
+
+import math
+import random
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from tests.codegen.harness import check_plan, reference, run_plans, trace_model
+from tests.codegen.plans import cpu_mesh, random_plan
+
+import autopar
+from autopar.runtime.launch import run_ranks
+from autopar.runtime.mesh import ProcessMesh
+from autopar.solver.spec import Shard
+from autopar.solver.strategies import enumerate_strategies
+
+ROWS = 4096  # the item table: 256 KiB, the model's largest tensor
+
+
+class Recommender(nn.Module):
+    """DLRM's shape: dense features through a bottom MLP, sparse ones through embedding bags (a weighted
+    sum, a mean skipping padding), and a top MLP on both, trained for click-through."""
+
+    def __init__(self, dim: int = 16):
+        super().__init__()
+        self.bottom = nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, dim))
+        self.items = nn.EmbeddingBag(ROWS, dim, mode="sum")
+        self.words = nn.EmbeddingBag(ROWS // 4, dim, mode="mean", padding_idx=0)
+        self.top = nn.Sequential(nn.Linear(3 * dim, 32), nn.ReLU(), nn.Linear(32, 1))
+
+    def forward(self, dense, items, item_weights, words, clicked):
+        bags = [self.items(items, per_sample_weights=item_weights), self.words(words)]
+        h = torch.cat([self.bottom(dense), *bags], dim=1)
+        return F.binary_cross_entropy_with_logits(self.top(h).squeeze(1), clicked)
+
+
+def _sample(batch: int = 8) -> tuple[torch.Tensor, ...]:
+    g = torch.Generator().manual_seed(1)
+    words = torch.randint(0, ROWS // 4, (batch, 4), generator=g)
+    words[0, :2] = 0  # padding
+    return (torch.randn(batch, 8, generator=g), torch.randint(0, ROWS, (batch, 6), generator=g),
+            torch.rand(batch, 6, generator=g), words, torch.randint(0, 2, (batch,), generator=g).float())
+
+
+def _model() -> Recommender:
+    torch.manual_seed(0)
+    return Recommender()
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("mesh_shape, plans", [((2,), 8), ((2, 2), 4)], ids=["2", "2x2"])
+def test_random_plans_over_embedding_bags_match_one_device(mesh_shape, plans):
+    model, sample = _model(), _sample()
+    traced, mesh, rng = trace_model(model, sample), cpu_mesh(mesh_shape), random.Random(7)
+    strategies = enumerate_strategies(traced, mesh)
+    lookups = [n.name for n in traced.graph.nodes if n.target is torch.ops.aten.embedding.default]
+    assert len(lookups) == 2  # both bags split into lookup and reduction
+    cases = []
+    for i in range(plans):
+        plan = random_plan(traced, mesh, rng, strategies)
+        cases.append((f"plan {i} on {mesh_shape}", model, sample, traced, plan, reference(model, sample, 1), 1))
+    # among the plans, some split a table by rows (each rank looks up the rows it holds)
+    assert any(isinstance(p, Shard) and p.dim == 0 for _, _, _, _, plan, _, _ in cases for d in plan.nodes
+               if d.node in lookups for p in d.strategy.input_specs[0].placements)
+    for rank_results in run_ranks(run_plans, math.prod(mesh_shape), mesh_shape, cases, timeout_s=220):
+        assert [label for label, _ in rank_results] == [c[0] for c in cases]
+
+
+def _solver_plans(rank: int, world: int, budgets: list[float | None]) -> list[str]:
+    """The solver's plan at each budget, trained one step against one device; the item table's lookup spec."""
+    model, sample = _model(), _sample()
+    traced, ref, mesh = trace_model(model, sample), reference(model, sample, 1), ProcessMesh((world,))
+    specs = []
+    for budget in budgets:
+        pm = autopar.parallelize(model, sample, (world,), memory_budget=budget)
+        check_plan(model, sample, traced, pm.plan, ref, 1, mesh, f"solver plan at {budget}")
+        lookup = next(d for d in pm.plan.nodes if d.op == "aten.embedding.default" and d.module == "items")
+        specs.append(str(lookup.strategy.input_specs[0]))
+    return specs
+
+
+@pytest.mark.timeout(240)
+def test_a_tight_budget_shards_the_tables_by_rows():
+    """With memory to spare the solver splits the item table by columns (the lookup's output is
+    gathered, no table-sized gradient is all-reduced); at 700 KB, where a whole table's gradient and
+    Adam state no longer fit, by rows. Both train like one device."""
+    ample, tight = run_ranks(_solver_plans, 2, [None, 7e5])[0]
+    assert ample == "S(1)" and tight == "S(0)", (ample, tight)
