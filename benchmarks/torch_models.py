@@ -6,11 +6,11 @@
 A diagnostic sweep beside `hf_families.py`, over what is not a transformers model: recurrent layers
 (unrolled by the trace), torch's own attention and encoder modules, 1-D and 2-D convolutions with batch
 and group norm, a weight-norm parametrization, einsum, a diffusion-style MLP, and a recommendation
-model's embedding bags. Each model is parallelized with the solver's plan (at `--fraction` of the memory its ample-memory plan needs, when
-given) and takes one step; the table gives the loss and the largest gradient error against the same
-step on one device, read back as in `hf_families.py`: one SGD step with learning rate 1, then the full
-state dicts' differences. A model that fails prints the error's last line (a budget no plan fits says
-so, with the need).
+model's embedding bags. Each model is parallelized with the solver's plan (at `--fraction` of the memory
+its ample-memory plan needs, when given) and takes one step; the table gives the loss and the largest
+gradient error against the same step on one device, read back as in `hf_families.py`: one SGD step with
+learning rate 1, then the full state dicts' differences. A model that fails prints the error's last line
+(a budget no plan fits says so, with the need).
 """
 from __future__ import annotations
 

@@ -34,6 +34,7 @@ from autopar.gc_pause import gc_paused
 from autopar.tracer.attention import canonicalize_attention
 from autopar.tracer.copies import copy_decomposition
 from autopar.tracer.bags import split_equal_bags
+from autopar.tracer.checks import localize_checks
 from autopar.tracer.cse import eliminate_common_subexpressions
 from autopar.tracer.restride import drop_identity_as_strided
 
@@ -128,6 +129,7 @@ def trace(
     canonicalize_attention(ep.graph_module)
     drop_identity_as_strided(ep.graph_module)
     split_equal_bags(ep.graph_module)
+    localize_checks(ep.graph_module)
     eliminate_common_subexpressions(ep.graph_module)
     traced = _from_exported(ep, args, kwargs, dynamic_dims or {}, _canonical_param_names(model))
     log.info("tracer: %d ops in %.2f s", traced.num_ops(), time.perf_counter() - start)

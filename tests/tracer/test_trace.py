@@ -284,3 +284,35 @@ def test_embedding_bags_of_equal_length_become_lookup_and_reduction():
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
         for g, w in zip(got_grads, want_grads, strict=True):
             torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5)
+
+
+class OneHotClassifier(torch.nn.Module):
+    """Label smoothing by hand: `F.one_hot` of the labels, whose export checks them (two `_assert_async`)."""
+
+    def __init__(self):
+        super().__init__()
+        self.head = torch.nn.Linear(8, 5)
+
+    def forward(self, x, labels):
+        target = torch.nn.functional.one_hot(labels, 5).float() * 0.9 + 0.02
+        return -(target * self.head(x).log_softmax(-1)).sum(-1).mean()
+
+
+def test_one_hot_checks_become_rank_local_checks_that_still_raise():
+    """Export checks `F.one_hot`'s labels as not(any(not(labels >= 0))): a reduction of the whole tensor.
+    The tracer writes each check as `autopar::check_all(labels >= 0, message)`, which a rank can run on
+    its own part; the graph computes eager's loss and still raises eager's message on a bad label."""
+    model, x, labels = OneHotClassifier(), torch.randn(6, 8), torch.tensor([0, 4, 2, 1, 3, 4])
+    traced = trace(model, (x, labels))
+    targets = [n.target for n in traced.graph.nodes if n.op == "call_function"]
+    assert torch.ops.aten._assert_async.msg not in targets and torch.ops.aten.any.dims not in targets, targets
+    assert targets.count(torch.ops.autopar.check_all.default) == 2
+    exported = torch.export.export(model, (x, labels)).run_decompositions().graph_module.graph
+    assert sum(n.target is torch.ops.aten._assert_async.msg for n in exported.nodes) == 2  # what the pass replaced
+    got = pytree.tree_leaves(traced.gm(*placeholder_values(traced, model, (x, labels))))[0]
+    torch.testing.assert_close(got, model(x, labels), rtol=1e-6, atol=1e-6)
+    for bad, message in ((5, "smaller than num_classes"), (-1, "non-negative")):
+        wrong = labels.clone()
+        wrong[3] = bad
+        with pytest.raises(RuntimeError, match=message):
+            traced.gm(*placeholder_values(traced, model, (x, wrong)))

@@ -32,8 +32,8 @@ from autopar.gc_pause import gc_paused
 from autopar.solver.mesh import Mesh
 from autopar.solver.spec import Spec, Strategy
 from autopar.solver.strategies import (
-    rules_attention, rules_batch_norm, rules_conv, rules_cross_entropy, rules_embedding, rules_moe, rules_random,
-    rules_reduction)
+    rules_attention, rules_batch_norm, rules_checks, rules_conv, rules_cross_entropy, rules_embedding, rules_moe,
+    rules_random, rules_reduction)
 from autopar.solver.strategies.dtensor_adapter import candidate_specs, dtensor_rules, is_even
 from autopar.solver.strategies.expand import Rule
 from autopar.solver.strategies.rules_factory import FACTORIES, factory_rules
@@ -44,8 +44,8 @@ log = logging.getLogger(__name__)
 __all__ = ["enumerate_strategies", "node_strategies", "strategy_inputs", "candidate_specs"]
 
 _OUR_RULES: dict[Any, Callable[..., list[Rule] | None]] = {
-    **rules_attention.RULES, **rules_batch_norm.RULES, **rules_conv.RULES, **rules_cross_entropy.RULES,
-    **rules_embedding.RULES, **rules_random.RULES, **rules_reduction.RULES}
+    **rules_attention.RULES, **rules_batch_norm.RULES, **rules_checks.RULES, **rules_conv.RULES,
+    **rules_cross_entropy.RULES, **rules_embedding.RULES, **rules_random.RULES, **rules_reduction.RULES}
 _CACHE: dict[tuple, tuple[Strategy, ...]] = {}
 _WARNED: set[str] = set()
 
