@@ -25,16 +25,18 @@ import sympy
 import torch
 from torch import fx, nn
 from torch._decomp import core_aten_decompositions
+from torch._subclasses.fake_tensor import DynamicOutputShapeException
 from torch.export import Dim
 from torch.export.graph_signature import InputKind, OutputKind
 from torch.utils import _pytree as pytree
 
 from autopar.errors import TraceError
 from autopar.gc_pause import gc_paused
+from autopar.tracer import data_sizes
 from autopar.tracer.attention import canonicalize_attention
-from autopar.tracer.copies import copy_decomposition
 from autopar.tracer.bags import split_equal_bags
 from autopar.tracer.checks import localize_checks
+from autopar.tracer.copies import copy_decomposition
 from autopar.tracer.cse import eliminate_common_subexpressions
 from autopar.tracer.restride import drop_identity_as_strided
 
@@ -130,6 +132,7 @@ def trace(
     drop_identity_as_strided(ep.graph_module)
     split_equal_bags(ep.graph_module)
     localize_checks(ep.graph_module)
+    data_sizes.refuse_data_dependent_sizes(ep.graph_module, type(model).__name__)
     eliminate_common_subexpressions(ep.graph_module)
     traced = _from_exported(ep, args, kwargs, dynamic_dims or {}, _canonical_param_names(model))
     log.info("tracer: %d ops in %.2f s", traced.num_ops(), time.perf_counter() - start)
@@ -305,6 +308,17 @@ _AUTOPAR_DIR = os.path.dirname(os.path.dirname(__file__))
 _STDLIB_DIR = os.path.dirname(os.__file__)
 
 
+def _caused_by(err: BaseException, kind: type) -> bool:
+    seen: set[int] = set()
+    e: BaseException | None = err
+    while e is not None and id(e) not in seen:
+        if isinstance(e, kind):
+            return True
+        seen.add(id(e))
+        e = e.__cause__ or e.__context__
+    return False
+
+
 def _user_frame(err: BaseException) -> traceback.FrameSummary | None:
     """Deepest frame of the failure that lies in the user's code (not torch, autopar or the stdlib)."""
     best = None
@@ -342,6 +356,8 @@ def _trace_error(model: nn.Module, err: BaseException) -> TraceError:
         if needle in str(err):
             construct, fix = what, how
             break
+    if _caused_by(err, DynamicOutputShapeException):  # export cannot even size the op's output (F.ctc_loss)
+        construct, fix = f"{data_sizes.WHAT} (`{message}`)", data_sizes.UNSIZED_FIX
     frame = _user_frame(err)
     where = f"{frame.filename}:{frame.lineno} (`{(frame.line or '').strip()}`)" if frame else "an unknown line"
     return TraceError(

@@ -316,3 +316,35 @@ def test_one_hot_checks_become_rank_local_checks_that_still_raise():
         wrong[3] = bad
         with pytest.raises(RuntimeError, match=message):
             traced.gm(*placeholder_values(traced, model, (x, wrong)))
+
+
+class MaskSelected(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.proj = torch.nn.Linear(8, 8)
+
+    def forward(self, x, keep):
+        return self.proj(x)[keep].square().mean()  # as many rows as `keep` has True values
+
+
+class CTCLoss(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.proj = torch.nn.Linear(8, 8)
+
+    def forward(self, x, targets):
+        return F.ctc_loss(self.proj(x).log_softmax(-1).transpose(0, 1), targets, [6] * 4, [3] * 4)
+
+
+@pytest.mark.parametrize("model, sample, op, fix", [
+    (MaskSelected(), (torch.randn(4, 6, 8), torch.rand(4, 6) > 0.5), "aten.index.Tensor", "torch.where(mask, x, 0)"),
+    (CTCLoss(), (torch.randn(4, 6, 8), torch.randint(1, 8, (4, 3))), "aten._ctc_loss.default", "outside the model"),
+], ids=["boolean-mask", "ctc"])
+def test_a_size_that_depends_on_values_is_refused_with_the_line_and_a_fix(model, sample, op, fix):
+    """`x[mask]` exports with an unbacked size (the solver failed on it: "Cannot convert symbols to int");
+    `F.ctc_loss` does not export at all. Both name the op, the user's line and a way around."""
+    with pytest.raises(TraceError) as info:
+        trace(model, sample)
+    message = str(info.value)
+    assert "output size depends on tensor values" in message and op in message, message
+    assert "test_trace.py:" in message and fix in message, message
