@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import os
 import time
 import traceback
 import warnings
@@ -303,37 +302,28 @@ def _symbols(gm: fx.GraphModule, dynamic_dims: Mapping[str, int]) -> dict[str, s
 
 
 # ---------------------------------------------------------------- errors
-_TORCH_DIR = os.path.dirname(torch.__file__)
-_AUTOPAR_DIR = os.path.dirname(os.path.dirname(__file__))
-_STDLIB_DIR = os.path.dirname(os.__file__)
 
 
-def _caused_by(err: BaseException, kind: type) -> bool:
+def _chain(err: BaseException) -> Iterator[BaseException]:
+    """`err` and the errors it was raised from or during (torch wraps errors), each once."""
     seen: set[int] = set()
     e: BaseException | None = err
     while e is not None and id(e) not in seen:
-        if isinstance(e, kind):
-            return True
         seen.add(id(e))
+        yield e
         e = e.__cause__ or e.__context__
-    return False
 
 
 def _user_frame(err: BaseException) -> traceback.FrameSummary | None:
     """Deepest frame of the failure that lies in the user's code (not torch, autopar or the stdlib)."""
     best = None
-    seen: set[int] = set()
-    e: BaseException | None = err
-    while e is not None and id(e) not in seen:  # follow the cause chain: torch wraps errors
-        seen.add(id(e))
+    for e in _chain(err):
         for fs in traceback.extract_tb(e.__traceback__):
             if fs.filename.startswith("<"):
                 continue  # generated code (`<string>`, fx's `<eval_with_key>`): no line of the user's
-            f = os.path.abspath(fs.filename)
-            if f.startswith((_TORCH_DIR, _AUTOPAR_DIR, _STDLIB_DIR)) or "site-packages/torch" in f:
+            if data_sizes.in_library(fs.filename):
                 continue
             best = fs
-        e = e.__cause__ or e.__context__
     return best
 
 
@@ -356,7 +346,7 @@ def _trace_error(model: nn.Module, err: BaseException) -> TraceError:
         if needle in str(err):
             construct, fix = what, how
             break
-    if _caused_by(err, DynamicOutputShapeException):  # export cannot even size the op's output (F.ctc_loss)
+    if any(isinstance(e, DynamicOutputShapeException) for e in _chain(err)):  # export cannot even size the op's output (F.ctc_loss)
         construct, fix = f"{data_sizes.WHAT} (`{message}`)", data_sizes.UNSIZED_FIX
     frame = _user_frame(err)
     where = f"{frame.filename}:{frame.lineno} (`{(frame.line or '').strip()}`)" if frame else "an unknown line"

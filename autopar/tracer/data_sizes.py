@@ -48,12 +48,17 @@ def user_line(node: fx.Node) -> str:
         if not text.startswith('File "'):
             continue
         filename, _, rest = text[len('File "'):].partition('", line ')
-        if os.path.abspath(filename).startswith(_LIBRARIES):
+        if in_library(filename):
             continue
         code = lines[i + 1].strip() if i + 1 < len(lines) else ""
         return f"{filename}:{rest.split(',')[0]} (`{code}`)"
     return "an unknown line"
 
 
-_LIBRARIES = (os.path.dirname(os.path.abspath(torch.__file__)) + os.sep,
-              os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep)  # torch's and autopar's
+def in_library(filename: str) -> bool:
+    """Whether `filename` is torch's, autopar's or the standard library's (not a line of the user's)."""
+    path = os.path.abspath(filename)
+    return path.startswith(_LIBRARIES) or "site-packages/torch" in path
+
+
+_LIBRARIES = tuple(os.path.dirname(os.path.abspath(f)) + os.sep for f in (torch.__file__, os.path.dirname(__file__), os.__file__))
