@@ -37,6 +37,7 @@ from autopar.tracer.bags import split_equal_bags
 from autopar.tracer.checks import localize_checks
 from autopar.tracer.copies import copy_decomposition
 from autopar.tracer.cse import eliminate_common_subexpressions
+from autopar.tracer.no_grad import detach_no_grad_inputs
 from autopar.tracer.restride import drop_identity_as_strided
 
 log = logging.getLogger(__name__)
@@ -45,6 +46,7 @@ log = logging.getLogger(__name__)
 # heads/batch). SiLU: decomposed it becomes x * sigmoid(x), whose autograd saves the sigmoid as
 # well as x; whole, it saves x only, as eager does (one activation less per MLP).
 _KEEP_WHOLE = (
+    torch.ops.aten.detach.default,  # a gradient stop: decomposed, it is an `alias` gradients flow through (no_grad.py)
     torch.ops.aten.silu.default,
     torch.ops.aten.scaled_dot_product_attention.default,
     torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default,
@@ -146,6 +148,7 @@ def _export(model: nn.Module, args: tuple, kwargs: dict, dynamic_dims: Mapping[s
         # nothing a user can act on, printed once per trace.
         warnings.filterwarnings("ignore", message=r".*isinstance\(treespec, LeafSpec\)", category=FutureWarning)
         ep = torch.export.export(model, args, kwargs, strict=False, dynamic_shapes=dynamic_shapes)
+        detach_no_grad_inputs(ep.graph_module)  # before the decompositions inline the blocks
         decomps = {op: fn for op, fn in core_aten_decompositions().items() if op not in _KEEP_WHOLE}
         decomps[torch.ops.aten.copy.default] = copy_decomposition  # torch has neither a derivative nor a decomposition
         return ep.run_decompositions(decomps)

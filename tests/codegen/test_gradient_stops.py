@@ -1,0 +1,80 @@
+"""Gradient stops in the forward (`.detach()`, `torch.no_grad()` blocks) stop gradients in the parallel module.
+
+Export writes `detach` as an `alias` once decomposed and inlines a no_grad block as ordinary ops
+(`autopar.tracer.no_grad`): the graph differentiated through both, and every plan, one device's
+included, trained with wrong gradients. The model here has one of each common use: a stop-gradient
+target computed under no_grad (BYOL), a vector quantiser's commitment terms and its straight-through
+estimator (VQ-VAE).
+"""
+from __future__ import annotations
+
+import math
+import random
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils import _pytree as pytree
+
+from tests.codegen.harness import reference, run_plans, trace_model
+from tests.codegen.plans import cpu_mesh, random_plan
+from tests.tracer.test_trace import placeholder_values
+
+from autopar.runtime.launch import run_ranks
+from autopar.solver.strategies import enumerate_strategies
+
+
+class StopGradients(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.encoder = nn.Linear(8, 16)
+        self.predictor = nn.Linear(16, 16)
+        self.codebook = nn.Parameter(torch.randn(4, 16))
+
+    def forward(self, x, y):
+        z = self.encoder(x)
+        with torch.no_grad():
+            target = F.normalize(z * 2 + 1, dim=-1)  # a target the encoder must not chase
+        byol = (2 - 2 * (F.normalize(self.predictor(z), dim=-1) * target).sum(-1)).mean()
+        distances = (z[:, None, :] - self.codebook[None]).square().sum(-1)
+        q = self.codebook[distances.argmin(-1)]
+        commitment = (z - q.detach()).square().mean() + 0.25 * (z.detach() - q).square().mean()
+        straight_through = z + (q - z).detach()
+        return byol + commitment + (straight_through - y).square().mean()
+
+
+def _sample(batch: int = 8) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(5)
+    return torch.randn(batch, 8, generator=g), torch.randn(batch, 16, generator=g)
+
+
+def _model() -> StopGradients:
+    torch.manual_seed(0)
+    return StopGradients()
+
+
+def test_the_traced_graph_stops_gradients_where_the_model_does():
+    model, sample = _model(), _sample()
+    traced = trace_model(model, sample)
+    # q.detach(), (q - z).detach(), and z's: z.detach() and the no_grad block's input, one op after CSE
+    assert sum(n.target is torch.ops.aten.detach.default for n in traced.graph.nodes) == 3
+    values = placeholder_values(traced, model, sample)
+    params = [v for v in values if isinstance(v, nn.Parameter)]
+    got = torch.autograd.grad(pytree.tree_leaves(traced.gm(*values))[0], params)
+    want = torch.autograd.grad(model(*sample), params)
+    for g, w in zip(got, want, strict=True):
+        torch.testing.assert_close(g, w, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("mesh_shape, plans", [((2,), 8), ((2, 2), 4)], ids=["2", "2x2"])
+def test_random_plans_with_gradient_stops_match_one_device(mesh_shape, plans):
+    model, sample = _model(), _sample()
+    traced, mesh, rng = trace_model(model, sample), cpu_mesh(mesh_shape), random.Random(11)
+    strategies = enumerate_strategies(traced, mesh)
+    ref = reference(model, sample, 1)
+    cases = [(f"plan {i} on {mesh_shape}", model, sample, traced, random_plan(traced, mesh, rng, strategies), ref, 1)
+             for i in range(plans)]
+    for rank_results in run_ranks(run_plans, math.prod(mesh_shape), mesh_shape, cases, timeout_s=220):
+        assert [label for label, _ in rank_results] == [c[0] for c in cases]
