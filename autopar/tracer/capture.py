@@ -31,7 +31,7 @@ from torch.utils import _pytree as pytree
 
 from autopar.errors import TraceError
 from autopar.gc_pause import gc_paused
-from autopar.tracer import data_sizes
+from autopar.tracer import custom_backward, data_sizes
 from autopar.tracer.attention import canonicalize_attention
 from autopar.tracer.bags import split_equal_bags
 from autopar.tracer.checks import localize_checks
@@ -122,12 +122,13 @@ def trace(
     model.train(training)
     start = time.perf_counter()
     try:
-        with _without_kv_cache(model):
+        with _without_kv_cache(model), custom_backward.recorded() as functions:
             ep = _export(model, args, kwargs, dynamic_dims)
     except Exception as err:  # re-raised with the user's line: any capture failure lands here
         raise _trace_error(model, err) from err
     finally:
         model.train(was_training)
+    custom_backward.check(functions, type(model).__name__)
     _drop_runtime_asserts(ep.graph_module)
     canonicalize_attention(ep.graph_module)
     drop_identity_as_strided(ep.graph_module)

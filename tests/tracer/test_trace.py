@@ -348,3 +348,63 @@ def test_a_size_that_depends_on_values_is_refused_with_the_line_and_a_fix(model,
     message = str(info.value)
     assert "output size depends on tensor values" in message and op in message, message
     assert "test_trace.py:" in message and fix in message, message
+
+
+class ReverseGradient(torch.autograd.Function):
+    """A gradient reversal layer (domain-adversarial training): identity forward, gradient times -0.5."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return -0.5 * grad
+
+
+class FusedTanhGelu(torch.autograd.Function):
+    """A hand-written GELU with its own backward that is the forward's derivative (Bloom's kind)."""
+
+    @staticmethod
+    def forward(x):
+        return 0.5 * x * (1 + torch.tanh(0.79788456 * (x + 0.044715 * x ** 3)))
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        ctx.save_for_backward(inputs[0])
+
+    @staticmethod
+    def backward(ctx, grad):
+        (x,) = ctx.saved_tensors
+        t = torch.tanh(0.79788456 * (x + 0.044715 * x ** 3))
+        return grad * (0.5 * (1 + t) + 0.5 * x * (1 - t * t) * 0.79788456 * (1 + 3 * 0.044715 * x * x))
+
+
+class WithFunction(torch.nn.Module):
+    def __init__(self, function):
+        super().__init__()
+        self.function, self.proj, self.head = function, torch.nn.Linear(8, 8), torch.nn.Linear(8, 1)
+
+    def forward(self, x):
+        return self.head(self.function.apply(self.proj(x))).square().mean()
+
+
+def test_a_function_whose_backward_is_not_its_forwards_derivative_is_refused():
+    """The traced graph differentiates a Function's forward, so a gradient reversal layer would train
+    the other way: the tracer measures the difference on random inputs and refuses it, naming the line."""
+    with pytest.raises(TraceError) as info:
+        trace(WithFunction(ReverseGradient), torch.randn(4, 8))
+    message = str(info.value)
+    assert "`ReverseGradient`" in message and "not the derivative of its forward" in message, message
+    assert "test_trace.py:" in message and "self.function.apply" in message and ".detach()" in message, message
+
+
+def test_a_function_whose_backward_is_its_forwards_derivative_traces_with_eagers_gradients():
+    model, x = WithFunction(FusedTanhGelu), torch.randn(4, 8)
+    traced = trace(model, x)
+    values = placeholder_values(traced, model, x)
+    params = [v for v in values if isinstance(v, torch.nn.Parameter)]
+    got = torch.autograd.grad(pytree.tree_leaves(traced.gm(*values))[0], params)
+    want = torch.autograd.grad(model(x), params)
+    for g, w in zip(got, want, strict=True):
+        torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-6)

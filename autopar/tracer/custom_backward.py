@@ -1,0 +1,169 @@
+"""`torch.autograd.Function`s with a backward of their own: checked at trace time, refused if it is not
+the derivative of their forward.
+
+torch.export records what a Function's forward computes, not its backward: the
+traced graph differentiates the forward's ops instead. For a Function whose
+backward is the forward's derivative (Bloom's fused GELU) that is the same
+gradient. For one whose backward is not (a gradient reversal layer, a
+straight-through estimator or a clipped gradient written as a Function) the
+parallel module would train with other gradients than the model, silently.
+
+So while the model is traced every Function defined outside torch that is
+applied to a tensor needing a gradient is recorded (`recorded`), and then
+checked (`check`): on random inputs of the recorded shapes (leading dims cut
+to 2 for a large tensor), its backward against autograd through its forward
+(called directly, so autograd records its ops). A Function whose backward
+differs is refused, naming it, the line, the difference and how to write the
+same gradient with `.detach()`, which the graph keeps (`tracer/no_grad.py`).
+One the check cannot run (its forward rejects the probe's inputs) is traced
+as its forward, with a warning. torch's own Functions (reentrant activation
+checkpointing's, whose backward recomputes the forward) are not checked.
+"""
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+import traceback
+from dataclasses import dataclass
+from typing import Any, Iterator
+
+import torch
+from torch.utils import _pytree as pytree
+
+from autopar.errors import TraceError
+from autopar.tracer.data_sizes import in_library
+
+log = logging.getLogger(__name__)
+
+FIX = ("write the gradient with `.detach()`, which the traced graph keeps: a straight-through estimator as "
+       "`x + (f(x) - x).detach()`, a gradient scaled by -k (gradient reversal) as `(1 + k) * x.detach() - k * x`")
+_PROBE_NUMEL = 1 << 20  # elements per probe input; a larger one keeps only its last dim whole
+
+
+@dataclass(frozen=True)
+class Applied:
+    """One application of a user's Function while tracing: what to probe it with, and where."""
+
+    function: type
+    args: tuple  # each tensor as a `_TensorMeta`; other values as they were
+    line: str
+
+
+@dataclass(frozen=True)
+class _TensorMeta:
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    requires_grad: bool
+
+
+@contextlib.contextmanager
+def recorded() -> Iterator[list[Applied]]:
+    """Inside, every user-defined Function applied to a tensor that needs a gradient is recorded."""
+    found: list[Applied] = []
+    original = torch.autograd.Function.__dict__["apply"]
+
+    def apply(cls, *args, **kwargs):
+        if not cls.__module__.startswith("torch.") and not kwargs and any(
+                isinstance(a, torch.Tensor) and a.requires_grad for a in args):
+            found.append(Applied(cls, tuple(_meta(a) for a in args), _user_line()))
+        return original.__func__(cls, *args, **kwargs)
+
+    torch.autograd.Function.apply = classmethod(apply)
+    try:
+        yield found
+    finally:
+        torch.autograd.Function.apply = original
+
+
+def check(found: list[Applied], model_name: str) -> None:
+    """Raise TraceError for the first Function whose backward is not its forward's derivative."""
+    checked: set[type] = set()
+    for applied in found:
+        if applied.function in checked:
+            continue
+        checked.add(applied.function)
+        name = applied.function.__qualname__
+        try:
+            difference = _backward_difference(applied)
+        except Exception as err:  # the probe's inputs did not suit the forward: nothing measured
+            log.warning("tracer: could not check the backward of `%s` (%s: %s) at %s; its gradients are those "
+                        "of its forward's ops", name, type(err).__name__, err, applied.line)
+            continue
+        if difference is not None:
+            raise TraceError(
+                f"cannot trace {model_name}: `{name}`, an autograd.Function, at {applied.line} has a backward that "
+                f"is not the derivative of its forward (they differ by up to {difference:.3g} on random inputs), "
+                f"and the traced graph keeps only the forward\n  fix: {FIX}")
+
+
+def _backward_difference(applied: Applied) -> float | None:
+    """Largest difference between the Function's gradients and its forward's, or None when they agree."""
+    generator = torch.Generator().manual_seed(0)
+    inputs = [_probe(a, generator) for a in applied.args]
+    wanted = [x for x in inputs if isinstance(x, torch.Tensor) and x.requires_grad]
+    custom_out = applied.function.apply(*inputs)
+    direct_out = _forward(applied.function, inputs)
+    outs, directs = _float_leaves(custom_out), _float_leaves(direct_out)
+    seeds = [torch.randn(o.shape, generator=generator, dtype=o.dtype) for o in outs]
+    custom = torch.autograd.grad(outs, wanted, seeds, allow_unused=True)
+    direct = torch.autograd.grad(directs, wanted, seeds, allow_unused=True)
+    worst = 0.0
+    for c, d, x in zip(custom, direct, wanted):
+        c = torch.zeros_like(x) if c is None else c
+        d = torch.zeros_like(x) if d is None else d
+        if not torch.allclose(c, d, rtol=1e-3, atol=1e-5):
+            worst = max(worst, (c - d).abs().max().item())
+    return worst or None
+
+
+def _forward(function: type, inputs: list[Any]) -> Any:
+    """The Function's forward called as plain Python, so autograd records the ops inside it."""
+    if function.setup_context is not torch.autograd.Function.setup_context:  # forward(*args), setup_context apart
+        return function.forward(*inputs)
+    return function.forward(_Context(inputs), *inputs)
+
+
+class _Context:
+    """What a forward may do with its `ctx` here: save tensors, mark outputs, set attributes."""
+
+    def __init__(self, inputs: list[Any]):
+        self.needs_input_grad = tuple(isinstance(x, torch.Tensor) and x.requires_grad for x in inputs)
+
+    def save_for_backward(self, *tensors: Any) -> None:
+        self.saved_tensors = tensors
+
+    def mark_dirty(self, *tensors: Any) -> None: ...
+
+    def mark_non_differentiable(self, *tensors: Any) -> None: ...
+
+    def set_materialize_grads(self, value: bool) -> None: ...
+
+
+def _float_leaves(out: Any) -> list[torch.Tensor]:
+    return [t for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor) and t.requires_grad]
+
+
+def _meta(a: Any) -> Any:
+    if not isinstance(a, torch.Tensor):
+        return a
+    shape = tuple(s if isinstance(s, int) else (s.node.hint or 2) for s in a.shape)  # a symbolic size: its hint
+    return _TensorMeta(shape, a.dtype, a.requires_grad)
+
+
+def _probe(a: Any, generator: torch.Generator) -> Any:
+    if not isinstance(a, _TensorMeta):
+        return a
+    shape = a.shape
+    if math.prod(shape) > _PROBE_NUMEL:
+        shape = tuple(min(n, 2) for n in shape[:-1]) + shape[-1:]
+    if not a.dtype.is_floating_point:
+        return torch.zeros(shape, dtype=a.dtype)
+    return torch.randn(shape, generator=generator, dtype=torch.float64).to(a.dtype).requires_grad_(a.requires_grad)
+
+
+def _user_line() -> str:
+    for frame in reversed(traceback.extract_stack()[:-2]):
+        if not (frame.filename.startswith("<") or in_library(frame.filename)):  # `<string>`: generated code
+            return f"{frame.filename}:{frame.lineno} (`{(frame.line or '').strip()}`)"
+    return "an unknown line"
