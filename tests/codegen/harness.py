@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import copy
 import logging
+import math
+import random
 import time
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
@@ -20,9 +22,12 @@ from autopar.codegen import ParallelModule, lower
 from autopar.codegen.module import Retracer
 from autopar.codegen.shapes import local_block
 from autopar.runtime.batch import batch_slice
+from autopar.runtime.launch import run_ranks
 from autopar.runtime.mesh import ProcessMesh
 from autopar.solver.plan import Plan
+from autopar.solver.strategies import enumerate_strategies
 from autopar.tracer import TracedGraph, split_sample_input, trace
+from tests.codegen.plans import cpu_mesh, random_plan
 
 LR = 1e-3
 # Some gradients are exactly zero in exact arithmetic (ViT's key bias: softmax ignores it) and fp noise
@@ -173,6 +178,21 @@ def run_plans(rank: int, world: int, mesh_shape: tuple[int, ...], cases: Sequenc
         worst["seconds"] = time.perf_counter() - start
         results.append((label, worst))
     return results
+
+
+def random_plan_cases(model: torch.nn.Module, sample: Any, traced: TracedGraph, mesh_shape: tuple[int, ...], count: int,
+                      seed: int) -> list[tuple]:
+    """`count` random plans of `traced` on `mesh_shape` as `run_plans` cases, one AdamW step each."""
+    mesh, rng = cpu_mesh(mesh_shape), random.Random(seed)
+    strategies, ref = enumerate_strategies(traced, mesh), reference(model, sample, 1)
+    return [(f"plan {i} on {mesh_shape}", model, sample, traced, random_plan(traced, mesh, rng, strategies), ref, 1)
+            for i in range(count)]
+
+
+def check_cases(mesh_shape: tuple[int, ...], cases: Sequence[tuple]) -> None:
+    """Train every case on its own world of `mesh_shape`'s ranks; each must match one device (see `check_plan`)."""
+    for rank_results in run_ranks(run_plans, math.prod(mesh_shape), mesh_shape, cases, timeout_s=220):
+        assert [label for label, _ in rank_results] == [c[0] for c in cases]
 
 
 class LogRecords(logging.Handler):

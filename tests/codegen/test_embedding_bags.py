@@ -6,22 +6,17 @@ embedding's. Every plan, random or the solver's, must train like one device.
 """
 from __future__ import annotations
 
-import math
-import random
-
 import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tests.codegen.harness import check_plan, reference, run_plans, trace_model
-from tests.codegen.plans import cpu_mesh, random_plan
+from tests.codegen.harness import check_cases, check_plan, random_plan_cases, reference, trace_model
 
 import autopar
 from autopar.runtime.launch import run_ranks
 from autopar.runtime.mesh import ProcessMesh
 from autopar.solver.spec import Shard
-from autopar.solver.strategies import enumerate_strategies
 
 ROWS = 4096  # the item table: 256 KiB, the model's largest tensor
 
@@ -60,19 +55,14 @@ def _model() -> Recommender:
 @pytest.mark.parametrize("mesh_shape, plans", [((2,), 8), ((2, 2), 4)], ids=["2", "2x2"])
 def test_random_plans_over_embedding_bags_match_one_device(mesh_shape, plans):
     model, sample = _model(), _sample()
-    traced, mesh, rng = trace_model(model, sample), cpu_mesh(mesh_shape), random.Random(7)
-    strategies = enumerate_strategies(traced, mesh)
+    traced = trace_model(model, sample)
     lookups = [n.name for n in traced.graph.nodes if n.target is torch.ops.aten.embedding.default]
     assert len(lookups) == 2  # both bags split into lookup and reduction
-    cases = []
-    for i in range(plans):
-        plan = random_plan(traced, mesh, rng, strategies)
-        cases.append((f"plan {i} on {mesh_shape}", model, sample, traced, plan, reference(model, sample, 1), 1))
+    cases = random_plan_cases(model, sample, traced, mesh_shape, plans, seed=7)
     # among the plans, some split a table by rows (each rank looks up the rows it holds)
     assert any(isinstance(p, Shard) and p.dim == 0 for _, _, _, _, plan, _, _ in cases for d in plan.nodes
                if d.node in lookups for p in d.strategy.input_specs[0].placements)
-    for rank_results in run_ranks(run_plans, math.prod(mesh_shape), mesh_shape, cases, timeout_s=220):
-        assert [label for label, _ in rank_results] == [c[0] for c in cases]
+    check_cases(mesh_shape, cases)
 
 
 def _solver_plans(rank: int, world: int, budgets: list[float | None]) -> list[str]:

@@ -8,21 +8,14 @@ estimator (VQ-VAE).
 """
 from __future__ import annotations
 
-import math
-import random
-
 import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.utils import _pytree as pytree
 
-from tests.codegen.harness import reference, run_plans, trace_model
-from tests.codegen.plans import cpu_mesh, random_plan
+from tests.codegen.harness import check_cases, random_plan_cases, trace_model
 from tests.tracer.test_trace import placeholder_values
-
-from autopar.runtime.launch import run_ranks
-from autopar.solver.strategies import enumerate_strategies
 
 
 class StopGradients(nn.Module):
@@ -71,10 +64,4 @@ def test_the_traced_graph_stops_gradients_where_the_model_does():
 @pytest.mark.parametrize("mesh_shape, plans", [((2,), 8), ((2, 2), 4)], ids=["2", "2x2"])
 def test_random_plans_with_gradient_stops_match_one_device(mesh_shape, plans):
     model, sample = _model(), _sample()
-    traced, mesh, rng = trace_model(model, sample), cpu_mesh(mesh_shape), random.Random(11)
-    strategies = enumerate_strategies(traced, mesh)
-    ref = reference(model, sample, 1)
-    cases = [(f"plan {i} on {mesh_shape}", model, sample, traced, random_plan(traced, mesh, rng, strategies), ref, 1)
-             for i in range(plans)]
-    for rank_results in run_ranks(run_plans, math.prod(mesh_shape), mesh_shape, cases, timeout_s=220):
-        assert [label for label, _ in rank_results] == [c[0] for c in cases]
+    check_cases(mesh_shape, random_plan_cases(model, sample, trace_model(model, sample), mesh_shape, plans, seed=11))

@@ -6,15 +6,13 @@ plan keeps the labels split, and bad labels still raise the model's own message.
 """
 from __future__ import annotations
 
-import random
-
 import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tests.codegen.harness import reference, run_plans, trace_model
-from tests.codegen.plans import cpu_mesh, random_plan
+from tests.codegen.harness import check_cases, random_plan_cases, trace_model
+from tests.codegen.plans import cpu_mesh
 
 import autopar
 from autopar.runtime.launch import RankError, run_ranks
@@ -51,15 +49,13 @@ def _model() -> SmoothedClassifier:
 @pytest.mark.timeout(240)
 def test_random_plans_with_rank_local_checks_match_one_device():
     model, sample = _model(), _sample()
-    traced, mesh, rng = trace_model(model, sample), cpu_mesh((2,)), random.Random(3)
-    strategies = enumerate_strategies(traced, mesh)
+    traced = trace_model(model, sample)
+    strategies = enumerate_strategies(traced, cpu_mesh((2,)))
     checks = [n.name for n in traced.graph.nodes if n.target is torch.ops.autopar.check_all.default]
     assert len(checks) == 2 and all(len(strategies[c]) == 2 for c in checks)  # the condition whole or split
-    ref = reference(model, sample, 1)
-    cases = [(f"plan {i}", model, sample, traced, random_plan(traced, mesh, rng, strategies), ref, 1) for i in range(8)]
+    cases = random_plan_cases(model, sample, traced, (2,), 8, seed=3)
     assert any(not c[4].node(name).strategy.input_specs[0].is_replicate() for c in cases for name in checks)
-    for rank_results in run_ranks(run_plans, 2, (2,), cases, timeout_s=220):
-        assert [label for label, _ in rank_results] == [c[0] for c in cases]
+    check_cases((2,), cases)
 
 
 def _solver_plan(rank: int, world: int, bad_label: int | None) -> tuple[list[str], float]:
