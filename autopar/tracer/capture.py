@@ -39,6 +39,7 @@ from autopar.tracer.copies import copy_decomposition
 from autopar.tracer.cse import eliminate_common_subexpressions
 from autopar.tracer.no_grad import detach_no_grad_inputs
 from autopar.tracer.restride import drop_identity_as_strided
+from autopar.tracer.source_lines import in_library, node_line
 
 log = logging.getLogger(__name__)
 
@@ -129,6 +130,7 @@ def trace(
     finally:
         model.train(was_training)
     custom_backward.check(functions, type(model).__name__)
+    _refuse_parameter_mutations(ep, type(model).__name__)
     _drop_runtime_asserts(ep.graph_module)
     canonicalize_attention(ep.graph_module)
     drop_identity_as_strided(ep.graph_module)
@@ -183,6 +185,19 @@ def _drop_runtime_asserts(gm: fx.GraphModule) -> None:
         if node.op == "call_function" and node.target in _RUNTIME_ASSERTS and not node.users:
             gm.graph.erase_node(node)
     gm.recompile()
+
+
+def _refuse_parameter_mutations(ep: torch.export.ExportedProgram, model_name: str) -> None:
+    """A forward that changes a parameter in place (`nn.Embedding(max_norm=...)` renormalises the rows it
+    looks up) cannot be parallelized: the parameters are shards only the optimizer updates, and the graph
+    would train on a copy that is never written back."""
+    outs = next(n for n in reversed(ep.graph_module.graph.nodes) if n.op == "output").args[0]
+    for spec, out in zip(ep.graph_signature.output_specs, outs):
+        if spec.kind == OutputKind.PARAMETER_MUTATION:
+            raise TraceError(
+                f"cannot trace {model_name}: the forward changes parameter `{spec.target}` in place at {node_line(out)}\n"
+                f"  fix: change it outside the forward (after optimizer.step(), under torch.no_grad()); for "
+                f"nn.Embedding(max_norm=...), renormalise the rows there instead of passing max_norm")
 
 
 def _dynamic_shapes(args: tuple, kwargs: dict, dynamic_dims: Mapping[str, int]):
@@ -323,9 +338,7 @@ def _user_frame(err: BaseException) -> traceback.FrameSummary | None:
     best = None
     for e in _chain(err):
         for fs in traceback.extract_tb(e.__traceback__):
-            if fs.filename.startswith("<"):
-                continue  # generated code (`<string>`, fx's `<eval_with_key>`): no line of the user's
-            if data_sizes.in_library(fs.filename):
+            if in_library(fs.filename):
                 continue
             best = fs
     return best

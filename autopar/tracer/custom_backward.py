@@ -1,5 +1,9 @@
-"""`torch.autograd.Function`s with a backward of their own: checked at trace time, refused if it is not
-the derivative of their forward.
+"""What the model's forward asks of backward beyond its ops: checked at trace time.
+
+The traced graph holds the forward's ops, and autograd differentiates them. Two things a forward can
+add are not ops. A gradient hook registered on a tensor inside the forward (`z.register_hook(...)`)
+has no place in the graph: it is refused, naming the line. And a `torch.autograd.Function` of the
+user's with a backward of its own is traced as its forward:
 
 torch.export records what a Function's forward computes, not its backward: the
 traced graph differentiates the forward's ops instead. For a Function whose
@@ -24,7 +28,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
-import traceback
+import sys
 from dataclasses import dataclass
 from typing import Any, Iterator
 
@@ -32,12 +36,14 @@ import torch
 from torch.utils import _pytree as pytree
 
 from autopar.errors import TraceError
-from autopar.tracer.data_sizes import in_library
+from autopar.tracer.source_lines import calling_line, in_library
 
 log = logging.getLogger(__name__)
 
 FIX = ("write the gradient with `.detach()`, which the traced graph keeps: a straight-through estimator as "
        "`x + (f(x) - x).detach()`, a gradient scaled by -k (gradient reversal) as `(1 + k) * x.detach() - k * x`")
+HOOK_FIX = ("scale a gradient with `.detach()`, which the traced graph keeps: `k * z + (1 - k) * z.detach()` has "
+            "z's value and k times its gradient; or register the hook on the parallel module's outputs")
 _PROBE_NUMEL = 1 << 20  # elements per probe input; a larger one keeps only its last dim whole
 
 
@@ -45,7 +51,7 @@ _PROBE_NUMEL = 1 << 20  # elements per probe input; a larger one keeps only its 
 class Applied:
     """One application of a user's Function while tracing: what to probe it with, and where."""
 
-    function: type
+    function: type | None  # None: a gradient hook registered on a tensor
     args: tuple  # each tensor as a `_TensorMeta`; other values as they were
     line: str
 
@@ -59,25 +65,39 @@ class _TensorMeta:
 
 @contextlib.contextmanager
 def recorded() -> Iterator[list[Applied]]:
-    """Inside, every user-defined Function applied to a tensor that needs a gradient is recorded."""
+    """Inside, every user-defined Function applied to a tensor that needs a gradient is recorded, and so is
+    every gradient hook registered on a tensor (as an `Applied` whose function is None)."""
     found: list[Applied] = []
-    original = torch.autograd.Function.__dict__["apply"]
+    original_apply = torch.autograd.Function.__dict__["apply"]
+    original_hook = torch.Tensor.register_hook
 
     def apply(cls, *args, **kwargs):
         if not cls.__module__.startswith("torch.") and not kwargs and any(
                 isinstance(a, torch.Tensor) and a.requires_grad for a in args):
-            found.append(Applied(cls, tuple(_meta(a) for a in args), _user_line()))
-        return original.__func__(cls, *args, **kwargs)
+            found.append(Applied(cls, tuple(_meta(a) for a in args), calling_line()))
+        return original_apply.__func__(cls, *args, **kwargs)
+
+    def register_hook(tensor, hook):
+        if not in_library(sys._getframe(1).f_code.co_filename):  # the model's own hook, not torch's
+            found.append(Applied(None, (), calling_line()))
+        return original_hook(tensor, hook)
 
     torch.autograd.Function.apply = classmethod(apply)
+    torch.Tensor.register_hook = register_hook
     try:
         yield found
     finally:
-        torch.autograd.Function.apply = original
+        torch.autograd.Function.apply = original_apply
+        torch.Tensor.register_hook = original_hook
 
 
 def check(found: list[Applied], model_name: str) -> None:
-    """Raise TraceError for the first Function whose backward is not its forward's derivative."""
+    """Raise TraceError for a gradient hook registered in the forward, or for the first Function whose
+    backward is not its forward's derivative."""
+    for applied in found:
+        if applied.function is None:
+            raise TraceError(f"cannot trace {model_name}: a gradient hook is registered in the forward at {applied.line}, "
+                             f"and the traced graph has no place for it\n  fix: {HOOK_FIX}")
     checked: set[type] = set()
     for applied in found:
         if applied.function in checked:
@@ -160,10 +180,3 @@ def _probe(a: Any, generator: torch.Generator) -> Any:
     if not a.dtype.is_floating_point:
         return torch.zeros(shape, dtype=a.dtype)
     return torch.randn(shape, generator=generator, dtype=torch.float64).to(a.dtype).requires_grad_(a.requires_grad)
-
-
-def _user_line() -> str:
-    for frame in reversed(traceback.extract_stack()[:-2]):
-        if not (frame.filename.startswith("<") or in_library(frame.filename)):  # `<string>`: generated code
-            return f"{frame.filename}:{frame.lineno} (`{(frame.line or '').strip()}`)"
-    return "an unknown line"

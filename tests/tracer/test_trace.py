@@ -408,3 +408,36 @@ def test_a_function_whose_backward_is_its_forwards_derivative_traces_with_eagers
     want = torch.autograd.grad(model(x), params)
     for g, w in zip(got, want, strict=True):
         torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-6)
+
+
+class GradientHooked(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.proj, self.head = torch.nn.Linear(8, 8), torch.nn.Linear(8, 1)
+
+    def forward(self, x):
+        z = self.proj(x)
+        z.register_hook(lambda grad: grad * 0.1)  # lost in the graph: the proj layer would learn 10x faster
+        return self.head(z).square().mean()
+
+
+class RenormedEmbedding(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.embed, self.head = torch.nn.Embedding(10, 8, max_norm=1.0), torch.nn.Linear(8, 1)
+
+    def forward(self, ids):
+        return self.head(self.embed(ids)).square().mean()  # max_norm renormalises the rows looked up, in place
+
+
+@pytest.mark.parametrize("model, sample, what, fix", [
+    (GradientHooked(), torch.randn(4, 8), "a gradient hook is registered in the forward", "k * z + (1 - k) * z.detach()"),
+    (RenormedEmbedding(), torch.randint(0, 10, (4, 3)), "changes parameter `embed.weight` in place", "max_norm"),
+], ids=["tensor-hook", "max-norm"])
+def test_backward_behaviour_the_graph_cannot_hold_is_refused_with_the_line(model, sample, what, fix):
+    """A hook on an activation is not an op, and a parameter changed in the forward would be changed on a
+    copy: the trace used to drop both silently (a 10x gradient error; an embedding with no gradient)."""
+    with pytest.raises(TraceError) as info:
+        trace(model, sample)
+    message = str(info.value)
+    assert what in message and "test_trace.py:" in message and fix in message, message
