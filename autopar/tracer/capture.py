@@ -195,7 +195,8 @@ def _refuse_parameter_mutations(ep: torch.export.ExportedProgram, model_name: st
     for spec, out in zip(ep.graph_signature.output_specs, outs):
         if spec.kind == OutputKind.PARAMETER_MUTATION:
             raise TraceError(
-                f"cannot trace {model_name}: the forward changes parameter `{spec.target}` in place at {node_line(out)}\n"
+                f"cannot trace {model_name}: the forward changes parameter `{spec.target}` in place at "
+                f"{node_line(out)}\n"
                 f"  fix: change it outside the forward (after optimizer.step(), under torch.no_grad()); for "
                 f"nn.Embedding(max_norm=...), renormalise the rows there instead of passing max_norm")
 
@@ -363,7 +364,7 @@ def _trace_error(model: nn.Module, err: BaseException) -> TraceError:
         if needle in str(err):
             construct, fix = what, how
             break
-    if any(isinstance(e, DynamicOutputShapeException) for e in _chain(err)):  # export cannot even size the op's output (F.ctc_loss)
+    if any(isinstance(e, DynamicOutputShapeException) for e in _chain(err)):  # export cannot size its output (ctc_loss)
         construct, fix = f"{data_sizes.WHAT} (`{message}`)", data_sizes.UNSIZED_FIX
     frame = _user_frame(err)
     where = f"{frame.filename}:{frame.lineno} (`{(frame.line or '').strip()}`)" if frame else "an unknown line"

@@ -96,8 +96,8 @@ def check(found: list[Applied], model_name: str) -> None:
     backward is not its forward's derivative."""
     for applied in found:
         if applied.function is None:
-            raise TraceError(f"cannot trace {model_name}: a gradient hook is registered in the forward at {applied.line}, "
-                             f"and the traced graph has no place for it\n  fix: {HOOK_FIX}")
+            raise TraceError(f"cannot trace {model_name}: a gradient hook is registered in the forward at "
+                             f"{applied.line}, and the traced graph has no place for it\n  fix: {HOOK_FIX}")
     checked: set[type] = set()
     for applied in found:
         if applied.function in checked:

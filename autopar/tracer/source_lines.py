@@ -21,7 +21,9 @@ def in_library(filename: str) -> bool:
     return path.startswith(_LIBRARIES) or "site-packages/torch" in path
 
 
-_LIBRARIES = tuple(os.path.dirname(os.path.abspath(f)) + os.sep for f in (torch.__file__, os.path.dirname(__file__), os.__file__))
+# the folders of torch, autopar (this file's parent package) and the standard library (os)
+_LIBRARIES = tuple(os.path.dirname(os.path.abspath(f)) + os.sep
+                   for f in (torch.__file__, os.path.dirname(__file__), os.__file__))
 
 
 def node_line(node: fx.Node) -> str:
