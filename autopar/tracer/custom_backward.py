@@ -20,8 +20,16 @@ to 2 for a large tensor), its backward against autograd through its forward
 differs is refused, naming it, the line, the difference and how to write the
 same gradient with `.detach()`, which the graph keeps (`tracer/no_grad.py`).
 One the check cannot run (its forward rejects the probe's inputs) is traced
-as its forward, with a warning. torch's own Functions (reentrant activation
-checkpointing's, whose backward recomputes the forward) are not checked.
+as its forward, with a warning. torch's own Functions are not checked, and
+reentrant activation checkpointing (a Function that runs its function under
+no_grad and again in backward) is traced as the function itself, inline, as
+the non-reentrant kind is: autopar's plan picks its own recompute.
+
+Autograd runs every Function's forward with grad off and turns it back on in
+C++, where export does not see it: a no_grad block inside a forward (reentrant
+checkpointing's) then seemed to last to the end of the model, and
+`tracer/no_grad.py` cut every later layer off from its gradient. The recording
+wrapper sets the grad mode back in Python, which export does see.
 """
 from __future__ import annotations
 
@@ -33,6 +41,7 @@ from dataclasses import dataclass
 from typing import Any, Iterator
 
 import torch
+import torch.utils.checkpoint
 from torch.utils import _pytree as pytree
 
 from autopar.errors import TraceError
@@ -72,10 +81,22 @@ def recorded() -> Iterator[list[Applied]]:
     original_hook = torch.Tensor.register_hook
 
     def apply(cls, *args, **kwargs):
+        if cls is torch.utils.checkpoint.CheckpointFunction:
+            # reentrant activation checkpointing: its forward runs the function under no_grad and its
+            # backward runs it again with grad, so the function's own ops are the derivative. Traced
+            # inline (autopar's plan picks its own recompute), it is one ordinary region of the graph.
+            run_function, _preserve_rng_state, *inputs = args
+            return run_function(*inputs)
         if not cls.__module__.startswith("torch.") and not kwargs and any(
                 isinstance(a, torch.Tensor) and a.requires_grad for a in args):
             found.append(Applied(cls, tuple(_meta(a) for a in args), calling_line()))
-        return original_apply.__func__(cls, *args, **kwargs)
+        enabled = torch.is_grad_enabled()
+        try:
+            return original_apply.__func__(cls, *args, **kwargs)
+        finally:
+            # autograd runs a Function's forward with grad off and turns it back on in C++, which export
+            # does not see: a no_grad block inside the forward then seemed to last to the end of the model
+            torch.set_grad_enabled(enabled)
 
     def register_hook(tensor, hook):
         if not in_library(sys._getframe(1).f_code.co_filename):  # the model's own hook, not torch's

@@ -362,6 +362,20 @@ class ReverseGradient(torch.autograd.Function):
         return -0.5 * grad
 
 
+class RoundStraightThrough(torch.autograd.Function):
+    """Rounding with the gradient passed straight through, its forward under no_grad (autograd runs a
+    Function's forward with grad off and turns it back on where export does not see it)."""
+
+    @staticmethod
+    def forward(ctx, x):
+        with torch.no_grad():
+            return x.round()
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad
+
+
 class FusedTanhGelu(torch.autograd.Function):
     """A hand-written GELU with its own backward that is the forward's derivative (Bloom's kind)."""
 
@@ -389,13 +403,14 @@ class WithFunction(torch.nn.Module):
         return self.head(self.function.apply(self.proj(x))).square().mean()
 
 
-def test_a_function_whose_backward_is_not_its_forwards_derivative_is_refused():
+@pytest.mark.parametrize("function", [ReverseGradient, RoundStraightThrough], ids=lambda f: f.__name__)
+def test_a_function_whose_backward_is_not_its_forwards_derivative_is_refused(function):
     """The traced graph differentiates a Function's forward, so a gradient reversal layer would train
     the other way: the tracer measures the difference on random inputs and refuses it, naming the line."""
     with pytest.raises(TraceError) as info:
-        trace(WithFunction(ReverseGradient), torch.randn(4, 8))
+        trace(WithFunction(function), torch.randn(4, 8))
     message = str(info.value)
-    assert "`ReverseGradient`" in message and "not the derivative of its forward" in message, message
+    assert f"`{function.__name__}`" in message and "not the derivative of its forward" in message, message
     assert "test_trace.py:" in message and "self.function.apply" in message and ".detach()" in message, message
 
 
@@ -441,3 +456,32 @@ def test_backward_behaviour_the_graph_cannot_hold_is_refused_with_the_line(model
         trace(model, sample)
     message = str(info.value)
     assert what in message and "test_trace.py:" in message and fix in message, message
+
+
+class Checkpointed(torch.nn.Module):
+    """Activation checkpointing both ways torch offers, on activations that need a gradient."""
+
+    def __init__(self):
+        super().__init__()
+        self.inp, self.mid, self.out, self.head = (torch.nn.Linear(8, 8) for _ in range(4))
+
+    def forward(self, x):
+        h = torch.tanh(self.inp(x))
+        h = torch.utils.checkpoint.checkpoint(lambda t: torch.tanh(self.mid(t)), h, use_reentrant=True)
+        h = torch.utils.checkpoint.checkpoint(lambda t: torch.tanh(self.out(t)), h, use_reentrant=False)
+        return self.head(h).square().mean()
+
+
+def test_activation_checkpointing_is_traced_inline_with_eagers_gradients():
+    """Reentrant checkpointing is an autograd.Function whose forward runs under no_grad: export then took
+    everything after it for a no_grad block (the later layers got no gradient). It is traced inline, as
+    the non-reentrant kind is, and autopar's plan picks its own recompute."""
+    model, x = Checkpointed(), torch.randn(4, 8)
+    traced = trace(model, x)
+    assert not [n for n in traced.graph.nodes if n.target is torch.ops.aten.detach.default]
+    values = placeholder_values(traced, model, x)
+    params = [v for v in values if isinstance(v, torch.nn.Parameter)]
+    got = torch.autograd.grad(pytree.tree_leaves(traced.gm(*values))[0], params)
+    model(x).backward()  # reentrant checkpointing supports backward() only, not autograd.grad
+    for g, p in zip(got, params, strict=True):
+        torch.testing.assert_close(g, p.grad, rtol=1e-6, atol=1e-6)
