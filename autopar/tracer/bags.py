@@ -33,6 +33,7 @@ from typing import Any
 import torch
 from torch import fx
 from torch._guards import detect_fake_mode
+from torch.fx.operator_schemas import normalize_function
 
 log = logging.getLogger(__name__)
 aten = torch.ops.aten
@@ -58,11 +59,10 @@ def split_equal_bags(gm: fx.GraphModule) -> int:
 def _equal_bags(node: fx.Node) -> tuple[fx.Node, fx.Node, int, fx.Node | None, int | None] | None:
     """(weight, 2-D indices, mode, 2-D per-sample weights, padding index) when `node` reduces equal-length
     bags of a 2-D index tensor and only its first output is read; None otherwise."""
-    names = ("weight", "indices", "offsets", "scale_grad_by_freq", "mode", "sparse",
-             "per_sample_weights", "include_last_offset", "padding_idx")
-    defaults = (None, None, None, False, _SUM, False, None, False, -1)
-    given = dict(zip(names, node.args))
-    a = {n: given.get(n, node.kwargs.get(n, d)) for n, d in zip(names, defaults)}
+    normalized = normalize_function(node.target, node.args, node.kwargs, normalize_to_only_use_kwargs=True)
+    if normalized is None:
+        return None
+    a = normalized.kwargs  # every argument by name, defaults included
     if a["scale_grad_by_freq"] or a["sparse"] or a["include_last_offset"]:
         return None
     if any(u.target is not operator.getitem or u.args[1] != 0 for u in node.users):

@@ -14,10 +14,10 @@ parallel module would train with other gradients than the model, silently.
 
 So while the model is traced every Function defined outside torch that is
 applied to a tensor needing a gradient is recorded (`recorded`), and then
-checked (`check`): on random inputs of the recorded shapes (leading dims cut
-to 2 for a large tensor), its backward against autograd through its forward
-(called directly, so autograd records its ops). A Function whose backward
-differs is refused, naming it, the line, the difference and how to write the
+checked (`check`) with torch's `gradcheck` on random float64 inputs of the
+recorded shapes (leading dims cut to 2 for a large tensor; its fast mode
+compares one random projection of the backward with finite differences of
+the forward). A Function whose backward differs is refused, naming it, the line, the difference and how to write the
 same gradient with `.detach()`, which the graph keeps (`tracer/no_grad.py`).
 One the check cannot run (its forward rejects the probe's inputs) is traced
 as its forward, with a warning. torch's own Functions are not checked, and
@@ -42,7 +42,7 @@ from typing import Any, Iterator
 
 import torch
 import torch.utils.checkpoint
-from torch.utils import _pytree as pytree
+from torch.autograd.gradcheck import GradcheckError
 
 from autopar.errors import TraceError
 from autopar.tracer.source_lines import calling_line, in_library
@@ -126,63 +126,29 @@ def check(found: list[Applied], model_name: str) -> None:
         checked.add(applied.function)
         name = applied.function.__qualname__
         try:
-            difference = _backward_difference(applied)
+            mismatch = _mismatch(applied)
         except Exception as err:  # the probe's inputs did not suit the forward: nothing measured
             log.warning("tracer: could not check the backward of `%s` (%s: %s) at %s; its gradients are those "
                         "of its forward's ops", name, type(err).__name__, err, applied.line)
             continue
-        if difference is not None:
+        if mismatch is not None:
             raise TraceError(
                 f"cannot trace {model_name}: `{name}`, an autograd.Function, at {applied.line} has a backward that "
-                f"is not the derivative of its forward (they differ by up to {difference:.3g} on random inputs), "
+                f"is not the derivative of its forward (torch.autograd.gradcheck on random inputs: {mismatch}), "
                 f"and the traced graph keeps only the forward\n  fix: {FIX}")
 
 
-def _backward_difference(applied: Applied) -> float | None:
-    """Largest difference between the Function's gradients and its forward's, or None when they agree."""
+def _mismatch(applied: Applied) -> str | None:
+    """What torch's `gradcheck` finds wrong with the Function's backward on random float64 inputs of the
+    recorded shapes (its fast mode: one random projection of the Jacobian, checked against finite
+    differences of the forward), or None when the backward is the forward's derivative."""
     generator = torch.Generator().manual_seed(0)
     inputs = [_probe(a, generator) for a in applied.args]
-    wanted = [x for x in inputs if isinstance(x, torch.Tensor) and x.requires_grad]
-    custom_out = applied.function.apply(*inputs)
-    direct_out = _forward(applied.function, inputs)
-    outs, directs = _float_leaves(custom_out), _float_leaves(direct_out)
-    seeds = [torch.randn(o.shape, generator=generator, dtype=o.dtype) for o in outs]
-    custom = torch.autograd.grad(outs, wanted, seeds, allow_unused=True)
-    direct = torch.autograd.grad(directs, wanted, seeds, allow_unused=True)
-    worst = 0.0
-    for c, d, x in zip(custom, direct, wanted):
-        c = torch.zeros_like(x) if c is None else c
-        d = torch.zeros_like(x) if d is None else d
-        if not torch.allclose(c, d, rtol=1e-3, atol=1e-5):
-            worst = max(worst, (c - d).abs().max().item())
-    return worst or None
-
-
-def _forward(function: type, inputs: list[Any]) -> Any:
-    """The Function's forward called as plain Python, so autograd records the ops inside it."""
-    if function.setup_context is not torch.autograd.Function.setup_context:  # forward(*args), setup_context apart
-        return function.forward(*inputs)
-    return function.forward(_Context(inputs), *inputs)
-
-
-class _Context:
-    """What a forward may do with its `ctx` here: save tensors, mark outputs, set attributes."""
-
-    def __init__(self, inputs: list[Any]):
-        self.needs_input_grad = tuple(isinstance(x, torch.Tensor) and x.requires_grad for x in inputs)
-
-    def save_for_backward(self, *tensors: Any) -> None:
-        self.saved_tensors = tensors
-
-    def mark_dirty(self, *tensors: Any) -> None: ...
-
-    def mark_non_differentiable(self, *tensors: Any) -> None: ...
-
-    def set_materialize_grads(self, value: bool) -> None: ...
-
-
-def _float_leaves(out: Any) -> list[torch.Tensor]:
-    return [t for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor) and t.requires_grad]
+    try:
+        torch.autograd.gradcheck(applied.function.apply, inputs, fast_mode=True, check_undefined_grad=False)
+    except GradcheckError as err:
+        return str(err).strip().splitlines()[0].rstrip(",")
+    return None
 
 
 def _meta(a: Any) -> Any:
@@ -200,4 +166,4 @@ def _probe(a: Any, generator: torch.Generator) -> Any:
         shape = tuple(min(n, 2) for n in shape[:-1]) + shape[-1:]
     if not a.dtype.is_floating_point:
         return torch.zeros(shape, dtype=a.dtype)
-    return torch.randn(shape, generator=generator, dtype=torch.float64).to(a.dtype).requires_grad_(a.requires_grad)
+    return torch.randn(shape, generator=generator, dtype=torch.float64).requires_grad_(a.requires_grad)

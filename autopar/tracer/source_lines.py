@@ -18,12 +18,14 @@ def in_library(filename: str) -> bool:
     if filename.startswith("<"):
         return True
     path = os.path.abspath(filename)
-    return path.startswith(_LIBRARIES) or "site-packages/torch" in path
+    if path.startswith(_STDLIB) and _INSTALLED not in path:  # installed packages live under the stdlib's folder
+        return True
+    return path.startswith(_TORCH_AND_AUTOPAR)
 
 
-# the folders of torch, autopar (this file's parent package) and the standard library (os)
-_LIBRARIES = tuple(os.path.dirname(os.path.abspath(f)) + os.sep
-                   for f in (torch.__file__, os.path.dirname(__file__), os.__file__))
+_STDLIB = os.path.dirname(os.path.abspath(os.__file__)) + os.sep
+_INSTALLED = os.sep + "site-packages" + os.sep
+_TORCH_AND_AUTOPAR = tuple(os.path.dirname(os.path.abspath(f)) + os.sep for f in (torch.__file__, os.path.dirname(__file__)))
 
 
 def node_line(node: fx.Node) -> str:
