@@ -37,7 +37,7 @@ from autopar.tracer.bags import split_equal_bags
 from autopar.tracer.checks import localize_checks
 from autopar.tracer.copies import copy_decomposition
 from autopar.tracer.cse import eliminate_common_subexpressions
-from autopar.tracer.no_grad import detach_no_grad_inputs
+from autopar.tracer.no_grad import detach_no_grad_inputs, inference_mode_as_no_grad
 from autopar.tracer.restride import drop_identity_as_strided
 from autopar.tracer.source_lines import in_library, node_line
 
@@ -150,7 +150,8 @@ def _export(model: nn.Module, args: tuple, kwargs: dict, dynamic_dims: Mapping[s
         # torch 2.13's own deep copies of pytree specs warn about its own deprecated LeafSpec:
         # nothing a user can act on, printed once per trace.
         warnings.filterwarnings("ignore", message=r".*isinstance\(treespec, LeafSpec\)", category=FutureWarning)
-        ep = torch.export.export(model, args, kwargs, strict=False, dynamic_shapes=dynamic_shapes)
+        with inference_mode_as_no_grad():
+            ep = torch.export.export(model, args, kwargs, strict=False, dynamic_shapes=dynamic_shapes)
         detach_no_grad_inputs(ep.graph_module)  # before the decompositions inline the blocks
         decomps = {op: fn for op, fn in core_aten_decompositions().items() if op not in _KEEP_WHOLE}
         decomps[torch.ops.aten.copy.default] = copy_decomposition  # torch has neither a derivative nor a decomposition

@@ -485,3 +485,44 @@ def test_activation_checkpointing_is_traced_inline_with_eagers_gradients():
     model(x).backward()  # reentrant checkpointing supports backward() only, not autograd.grad
     for g, p in zip(got, params, strict=True):
         torch.testing.assert_close(g, p.grad, rtol=1e-6, atol=1e-6)
+
+
+class InferenceModeBlocks(torch.nn.Module):
+    """A frozen teacher's targets under `torch.inference_mode()` (a block and a decorated method), used through
+    `.clone()` as eager requires, and one layer that trains again inside `inference_mode(False)`."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.student, self.teacher, self.head = (torch.nn.Linear(8, 8) for _ in range(3))
+
+    @torch.inference_mode()
+    def _targets(self, x):
+        return torch.tanh(self.teacher(x))
+
+    def forward(self, x):
+        with torch.inference_mode():
+            soft = torch.softmax(self.student(x), -1)
+            with torch.inference_mode(False):
+                trained = self.head(x)
+        out = self.student(x)
+        return (out - self._targets(x).clone()).square().mean() + (out * soft.clone()).sum() + trained.mean()
+
+
+def test_inference_mode_blocks_stop_gradients_as_in_eager():
+    """Export does not record inference mode: the blocks' ops were ordinary ops, and the student learnt
+    through its own soft targets and the teacher learnt at all."""
+    model, x = InferenceModeBlocks(), torch.randn(4, 8)
+    traced = trace(model, x)
+    assert torch.inference_mode.__enter__ is torch.autograd.grad_mode.inference_mode.__dict__["__enter__"]
+    assert torch.is_grad_enabled() and not torch.is_inference_mode_enabled()
+    values = placeholder_values(traced, model, x)
+    params = [v for v in values if isinstance(v, torch.nn.Parameter)]
+    got = torch.autograd.grad(pytree.tree_leaves(traced.gm(*values))[0], params, allow_unused=True)
+    model(x).backward()
+    for g, p in zip(got, params, strict=True):
+        if p.grad is None:  # the teacher's: eager gives it none
+            assert g is None or not g.any()
+        else:
+            torch.testing.assert_close(g, p.grad, rtol=1e-6, atol=1e-6)
+    assert model.teacher.weight.grad is None and model.head.weight.grad is not None
