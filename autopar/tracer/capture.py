@@ -37,7 +37,7 @@ from autopar.tracer.bags import split_equal_bags
 from autopar.tracer.checks import localize_checks
 from autopar.tracer.copies import copy_decomposition
 from autopar.tracer.cse import eliminate_common_subexpressions
-from autopar.tracer.no_grad import detach_no_grad_inputs, inference_mode_as_no_grad
+from autopar.tracer.no_grad import detach_no_grad_inputs, stops_visible_to_export
 from autopar.tracer.restride import drop_identity_as_strided
 from autopar.tracer.source_lines import in_library, node_line
 
@@ -123,8 +123,10 @@ def trace(
     model.train(training)
     start = time.perf_counter()
     try:
-        with _without_kv_cache(model), custom_backward.recorded() as functions:
+        with _without_kv_cache(model), custom_backward.recorded(type(model).__name__) as functions:
             ep = _export(model, args, kwargs, dynamic_dims)
+    except TraceError:  # refused by a check of ours while export ran: it names the line already
+        raise
     except Exception as err:  # re-raised with the user's line: any capture failure lands here
         raise _trace_error(model, err) from err
     finally:
@@ -150,7 +152,7 @@ def _export(model: nn.Module, args: tuple, kwargs: dict, dynamic_dims: Mapping[s
         # torch 2.13's own deep copies of pytree specs warn about its own deprecated LeafSpec:
         # nothing a user can act on, printed once per trace.
         warnings.filterwarnings("ignore", message=r".*isinstance\(treespec, LeafSpec\)", category=FutureWarning)
-        with inference_mode_as_no_grad():
+        with stops_visible_to_export():
             ep = torch.export.export(model, args, kwargs, strict=False, dynamic_shapes=dynamic_shapes)
         detach_no_grad_inputs(ep.graph_module)  # before the decompositions inline the blocks
         decomps = {op: fn for op, fn in core_aten_decompositions().items() if op not in _KEEP_WHOLE}

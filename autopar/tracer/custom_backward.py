@@ -51,6 +51,10 @@ log = logging.getLogger(__name__)
 
 FIX = ("write the gradient with `.detach()`, which the traced graph keeps: a straight-through estimator as "
        "`x + (f(x) - x).detach()`, a gradient scaled by -k (gradient reversal) as `(1 + k) * x.detach() - k * x`")
+FORWARD_GRADIENT_FIX = ("autopar plans a training step whose backward differentiates the forward's ops once; a gradient "
+                        "taken inside the forward (a gradient penalty, a physics-informed residual) needs a second "
+                        "backward through the plan's collectives, which it does not build. Train this model with "
+                        "torch's DDP or FSDP, or leave the term out")
 HOOK_FIX = ("scale a gradient with `.detach()`, which the traced graph keeps: `k * z + (1 - k) * z.detach()` has "
             "z's value and k times its gradient; or register the hook on the parallel module's outputs")
 _PROBE_NUMEL = 1 << 20  # elements per probe input; a larger one keeps only its last dim whole
@@ -73,12 +77,14 @@ class _TensorMeta:
 
 
 @contextlib.contextmanager
-def recorded() -> Iterator[list[Applied]]:
+def recorded(model_name: str) -> Iterator[list[Applied]]:
     """Inside, every user-defined Function applied to a tensor that needs a gradient is recorded, and so is
-    every gradient hook registered on a tensor (as an `Applied` whose function is None)."""
+    every gradient hook registered on a tensor (as an `Applied` whose function is None). A gradient the
+    model's code takes (`torch.autograd.grad`) raises TraceError at once: export cannot capture it."""
     found: list[Applied] = []
     original_apply = torch.autograd.Function.__dict__["apply"]
     original_hook = torch.Tensor.register_hook
+    original_grad = torch.autograd.grad
 
     def apply(cls, *args, **kwargs):
         if cls is torch.utils.checkpoint.CheckpointFunction:
@@ -103,13 +109,21 @@ def recorded() -> Iterator[list[Applied]]:
             found.append(Applied(None, (), calling_line()))
         return original_hook(tensor, hook)
 
+    def grad(*args, **kwargs):
+        if not in_library(sys._getframe(1).f_code.co_filename):
+            raise TraceError(f"cannot trace {model_name}: torch.autograd.grad is called in the forward at "
+                             f"{calling_line()}\n  fix: {FORWARD_GRADIENT_FIX}")
+        return original_grad(*args, **kwargs)
+
     torch.autograd.Function.apply = classmethod(apply)
     torch.Tensor.register_hook = register_hook
+    torch.autograd.grad = grad
     try:
         yield found
     finally:
         torch.autograd.Function.apply = original_apply
         torch.Tensor.register_hook = original_hook
+        torch.autograd.grad = original_grad
 
 
 def check(found: list[Applied], model_name: str) -> None:

@@ -22,6 +22,13 @@ it. Export loses both of the ways a forward writes one:
   records, so a forward that trains uses the block's results through a
   `.clone()`, a plain tensor with no gradient history: the same values and
   gradients as under no_grad.
+- `t.detach_()` is exported as `detach_`, which the decompositions drop: it
+  becomes `detach`, whose output every later use of `t` already reads.
+- `w.data` read in the forward (an older layer's way to use a weight without
+  its gradient) is a tensor export did not create, and the trace failed with
+  "a fake tensor in the exported program constant's list" at no line. While
+  export runs, a read from the model's code is `w.detach()`: the same values,
+  no gradient. Writes (`w.data = ...`) and torch's own reads are unchanged.
 
 Measured before the fix: each construct gave gradients off by up to 3.9 on a
 4-unit linear layer (the graph differentiated through the stop).
@@ -29,10 +36,13 @@ Measured before the fix: each construct gave gradients off by up to 3.9 on a
 from __future__ import annotations
 
 import contextlib
+import sys
 from typing import Any, Iterator
 
 import torch
 from torch import fx
+
+from autopar.tracer.source_lines import in_library
 
 aten = torch.ops.aten
 _GRAD_MODE_BLOCK = torch.ops.higher_order.wrap_with_set_grad_enabled
@@ -40,12 +50,14 @@ _GRAD_MODE_BLOCK = torch.ops.higher_order.wrap_with_set_grad_enabled
 
 def detach_no_grad_inputs(gm: fx.GraphModule) -> int:
     """Detach the tensor inputs of every `torch.no_grad()` block in `gm` (export's graph before its
-    decompositions, nested graph modules included); returns how many blocks."""
+    decompositions, nested graph modules included), and write `detach_` as `detach`; returns how many blocks."""
     blocks = 0
     for module in gm.modules():
         if not isinstance(module, fx.GraphModule):
             continue
         for node in list(module.graph.nodes):
+            if node.op == "call_function" and node.target is aten.detach_.default:
+                node.target = aten.detach.default
             if node.op == "call_function" and node.target is _GRAD_MODE_BLOCK and node.args[0] is False:
                 enabled, body, *inputs = node.args
                 with module.graph.inserting_before(node):
@@ -66,12 +78,13 @@ def _detached(graph: fx.Graph, x: object) -> object:
 
 
 @contextlib.contextmanager
-def inference_mode_as_no_grad() -> Iterator[None]:
+def stops_visible_to_export() -> Iterator[None]:
     """Inside, `torch.inference_mode(mode)` sets the grad mode to `not mode` for its block and restores it
-    after, which export records (the module docstring says why). Only while export runs: nothing else in
-    the process uses inference mode then, and the class is restored on the way out."""
-    cls = torch.autograd.grad_mode.inference_mode
-    original_enter, original_exit = cls.__enter__, cls.__exit__
+    after, and `t.data` read by the model's code is `t.detach()`: export records both (the module
+    docstring says why). Only while export runs; the classes are restored on the way out."""
+    inference_mode = torch.autograd.grad_mode.inference_mode
+    original_enter, original_exit = inference_mode.__enter__, inference_mode.__exit__
+    data = torch._C.TensorBase.__dict__["data"]  # the C getter and setter `torch.Tensor` inherits
 
     def enter(self: Any) -> None:
         self._autopar_grad_was = torch.is_grad_enabled()
@@ -80,8 +93,15 @@ def inference_mode_as_no_grad() -> Iterator[None]:
     def exit(self: Any, *exc_info: Any) -> None:
         torch.set_grad_enabled(self._autopar_grad_was)
 
-    cls.__enter__, cls.__exit__ = enter, exit
+    def read_data(self: torch.Tensor) -> torch.Tensor:
+        if in_library(sys._getframe(1).f_code.co_filename):
+            return data.__get__(self)
+        return self.detach()
+
+    inference_mode.__enter__, inference_mode.__exit__ = enter, exit
+    torch.Tensor.data = property(read_data, data.__set__)
     try:
         yield
     finally:
-        cls.__enter__, cls.__exit__ = original_enter, original_exit
+        inference_mode.__enter__, inference_mode.__exit__ = original_enter, original_exit
+        del torch.Tensor.data
