@@ -19,8 +19,9 @@ partial sums: torchrec's row-wise sharding, chosen by the ILP). Gradients are
 the same: a padded entry's row gets none, and a max's gradient goes to the
 entry holding it (ties between entries of one row land on that row either way).
 
-Left as they are: bags cut by explicit offsets (1-D input), sparse gradients,
-`scale_grad_by_freq`, `include_last_offset`, and `max` with a padding index.
+Left as they are: bags cut by explicit offsets (1-D input), `scale_grad_by_freq`,
+`include_last_offset`, and `max` with a padding index. (A table asking for sparse
+gradients gets dense ones first, `tracer/sparse_grads.py`, and is split as any.)
 The cost: the (bags, length, dim) lookup is materialised before its reduction,
 which the fused op avoids; the profiler and the ILP see and price it.
 """

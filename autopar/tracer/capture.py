@@ -34,6 +34,7 @@ from autopar.gc_pause import gc_paused
 from autopar.tracer import custom_backward, data_sizes
 from autopar.tracer.attention import canonicalize_attention
 from autopar.tracer.bags import split_equal_bags
+from autopar.tracer.sparse_grads import densify_sparse_gradients
 from autopar.tracer.checks import localize_checks
 from autopar.tracer.copies import copy_decomposition
 from autopar.tracer.cse import eliminate_common_subexpressions
@@ -136,6 +137,7 @@ def trace(
     _drop_runtime_asserts(ep.graph_module)
     canonicalize_attention(ep.graph_module)
     drop_identity_as_strided(ep.graph_module)
+    densify_sparse_gradients(ep.graph_module)  # before the bags: a dense bag can be split
     split_equal_bags(ep.graph_module)
     localize_checks(ep.graph_module)
     data_sizes.refuse_data_dependent_sizes(ep.graph_module, type(model).__name__)
