@@ -5,8 +5,8 @@
 
 A diagnostic sweep beside `hf_families.py`, over what is not a transformers model: recurrent layers
 (unrolled by the trace), torch's own attention and encoder modules, 1-D and 2-D convolutions with batch
-and group norm, a weight-norm parametrization, einsum, a diffusion-style MLP, and a recommendation
-model's embedding bags. Each model is parallelized with the solver's plan (at `--fraction` of the memory
+and group norm, a weight-norm parametrization, einsum, a diffusion-style MLP, FNet's Fourier mixing
+(complex values) and a recommendation model's embedding bags. Each model is parallelized with the solver's plan (at `--fraction` of the memory
 its ample-memory plan needs, when given) and takes one step; the table gives the loss and the largest
 gradient error against the same step on one device, read back as in `hf_families.py`: one SGD step with
 learning rate 1, then the full state dicts' differences. A model that fails prints the error's last line
@@ -154,6 +154,22 @@ class Recommender(nn.Module):
         return F.binary_cross_entropy_with_logits(self.top(h).squeeze(1), clicked)
 
 
+class FourierMixer(nn.Module):
+    """FNet: tokens mixed by a 2-D Fourier transform's real part (complex values between the two FFTs)."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb, self.head = nn.Embedding(VOCAB, HIDDEN), nn.Linear(HIDDEN, VOCAB)
+        self.norms = nn.ModuleList(nn.LayerNorm(HIDDEN) for _ in range(2))
+        self.ff = nn.Sequential(nn.Linear(HIDDEN, 2 * HIDDEN), nn.GELU(), nn.Linear(2 * HIDDEN, HIDDEN))
+
+    def forward(self, ids, labels):
+        h = self.emb(ids)
+        h = self.norms[0](h + torch.fft.fft(torch.fft.fft(h, dim=-1), dim=-2).real)
+        h = self.norms[1](h + self.ff(h))
+        return F.cross_entropy(self.head(h).flatten(0, 1), labels.flatten())
+
+
 def _ids() -> torch.Tensor:
     return torch.randint(1, VOCAB, (BATCH, STEPS))
 
@@ -169,6 +185,7 @@ MODELS: dict[str, tuple[Callable[[], nn.Module], Callable[[], tuple]]] = {  # na
     "einsum_rmsnorm": (EinsumMixer, lambda: (_ids(), _ids())),
     "diffusion_mlp": (DiffusionMLP, lambda: (torch.randn(BATCH, 6, 8), torch.rand(BATCH) * 100, torch.randn(BATCH, 6, 8))),
     "sdpa_mask": (MaskedAttentionLM, lambda: (_ids(), torch.rand(BATCH, STEPS) > 0.2, _ids())),
+    "fourier_mixing": (FourierMixer, lambda: (_ids(), _ids())),
     "embedding_bag": (Recommender, lambda: (torch.randn(BATCH, 8), torch.randint(0, 1024, (BATCH, 6)), torch.rand(BATCH, 6),
                                             torch.randint(0, VOCAB, (BATCH, 4)), torch.randint(0, 2, (BATCH,)).float())),
 }

@@ -56,7 +56,7 @@ from autopar.solver.regions import layer_key
 from autopar.solver.spec import Partial, Replicate, Shard, Spec
 from autopar.tracer import TracedGraph, tensor_args
 from autopar.tracer.nodes import is_tensor_node as _is_tensor_node
-from autopar.tracer.nodes import grad_carrying, is_dropout_clone, is_float, module_path
+from autopar.tracer.nodes import differentiable, grad_carrying, is_dropout_clone, is_float, module_path
 
 log = logging.getLogger(__name__)
 aten = torch.ops.aten
@@ -279,7 +279,7 @@ class _Lowerer:
 
     def state_input(self, node: fx.Node, fqn: str, value: torch.Tensor, is_param: bool) -> fx.Node:
         """Store `value` under `fqn` and take it as the graph's next argument, named as the traced placeholder."""
-        trains = value.is_floating_point() and node.name not in self.frozen  # a frozen parameter stays frozen
+        trains = differentiable(value) and node.name not in self.frozen  # a frozen parameter stays frozen
         _set_nested(self.root, fqn, nn.Parameter(value, requires_grad=trains) if is_param else value, is_param)
         self.state_fqns.append(fqn)
         if self.first_input is None:

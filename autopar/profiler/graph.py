@@ -18,6 +18,7 @@ from torch import fx
 from torch.multiprocessing.reductions import StorageWeakRef
 
 from autopar.tracer import TracedGraph, output_vals, tensor_args
+from autopar.tracer.nodes import differentiable
 
 Ref = tuple[str, int]
 
@@ -50,7 +51,7 @@ def analyze(traced: TracedGraph, elided: frozenset[str] = frozenset()) -> GraphF
         vals = output_vals(node)
         if node.op == "placeholder":
             val = node.meta.get("val")
-            rg[node.name] = node.name in traced.param_fqns and isinstance(val, torch.Tensor) and val.is_floating_point() \
+            rg[node.name] = node.name in traced.param_fqns and differentiable(val) \
                 and val.requires_grad  # a frozen parameter takes no gradient
             if vals:
                 base[(node.name, 0)] = (node.name, 0)
@@ -58,7 +59,7 @@ def analyze(traced: TracedGraph, elided: frozenset[str] = frozenset()) -> GraphF
         elif node.op == "call_function":
             args = tensor_args(node)
             arg_refs[node.name] = tuple(_ref(a) for a in args)
-            floating = any(v is not None and v.is_floating_point() for v in vals)
+            floating = any(differentiable(v) for v in vals)
             if node.target is operator.getitem:
                 src = (node.args[0].name, node.args[1])
                 rg[node.name] = floating and rg.get(src[0], False)

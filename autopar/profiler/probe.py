@@ -28,6 +28,7 @@ from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from autopar.profiler.flops import op_flops, register_flop_formulas
+from autopar.tracer.nodes import differentiable
 
 
 @dataclass(frozen=True)
@@ -197,7 +198,7 @@ def _backward(outs: list[torch.Tensor], used_outputs: tuple[bool, ...], inputs: 
     the bytes of the gradient storage it makes for that input (0 where none, or the output's gradient passed on)."""
     grad_of = [
         o for i, o in enumerate(outs)
-        if o.requires_grad and o.is_floating_point() and (i >= len(used_outputs) or used_outputs[i])
+        if o.requires_grad and differentiable(o) and (i >= len(used_outputs) or used_outputs[i])
     ]
     wanted = [t for t in inputs if t.requires_grad]
     if not grad_of or not wanted:

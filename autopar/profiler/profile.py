@@ -26,7 +26,7 @@ from autopar.profiler.graph import GraphFacts, Ref, analyze, tensor_bytes
 from autopar.profiler.probe import OpProbe, probe, to_expr
 from autopar.profiler.types import GraphProfile, NodeProfile, ParamProfile
 from autopar.tracer import TracedGraph, output_vals
-from autopar.tracer.nodes import is_dropout_clone, is_tensor_node
+from autopar.tracer.nodes import differentiable, is_dropout_clone, is_tensor_node
 
 log = logging.getLogger(__name__)
 
@@ -205,7 +205,7 @@ def _params(traced: TracedGraph, opt: str) -> dict[str, ParamProfile]:
         if tied:
             log.debug("profiler: %s is tied to another parameter; counted once", traced.param_fqns[n.name])
         # a frozen parameter (requires_grad=False) has no gradient, and the optimizer keeps no state for it
-        grad = 0 if tied or not val.is_floating_point() or not val.requires_grad else nbytes
+        grad = 0 if tied or not differentiable(val) or not val.requires_grad else nbytes
         params[traced.param_fqns[n.name]] = ParamProfile(
             fqn=traced.param_fqns[n.name],
             node=n.name,

@@ -24,6 +24,7 @@ from autopar.report.words import activation_words, guess_layout, param_words
 from autopar.solver.plan import NodeDecision, Plan
 from autopar.solver.spec import Strategy
 from autopar.tracer import TracedGraph, output_vals
+from autopar.tracer.nodes import differentiable
 
 
 @dataclass(frozen=True)
@@ -89,7 +90,7 @@ def alternatives(plan: Plan, decision: NodeDecision, ctx: ExplainContext) -> lis
                 continue
             have = prod.strategy.output_specs[idx]
             if have is not None and have != want:
-                reshard_s += reshard_cost(have, want, _concrete_shape(val), val.element_size(), mesh, val.is_floating_point())
+                reshard_s += reshard_cost(have, want, _concrete_shape(val), val.element_size(), mesh, differentiable(val))
         saved = 0.0
         if cost is not None:
             for i, (b, keep) in enumerate(zip(cost.output_bytes, cost.saved_outputs)):

@@ -34,6 +34,7 @@ from autopar.solver.spec import Partial, Replicate, Spec
 from autopar.solver.strategies import strategy_inputs
 from autopar.solver.strategies.localize import in_node_collectives
 from autopar.tracer import TracedGraph, output_vals
+from autopar.tracer.nodes import differentiable
 
 __all__ = ["KINDS", "comm_bytes_by_kind"]
 
@@ -83,7 +84,7 @@ def comm_bytes_by_kind(traced: TracedGraph, plan: Plan) -> tuple[tuple[str, floa
                 continue
             src, dst = chosen[producer.name].output_specs[k], strategy.input_specs[a]
             shape, itemsize = _shape(val), val.element_size()
-            with_grad = needs_grad.get(producer.name, False) and val.is_floating_point()
+            with_grad = needs_grad.get(producer.name, False) and differentiable(val)
             _add_reshard(total, src, dst, shape, itemsize, mesh)
             if with_grad:
                 _add_reshard(total, _grad_spec(dst), _grad_spec(src), shape, itemsize, mesh)

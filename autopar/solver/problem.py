@@ -32,7 +32,7 @@ from autopar.solver.spec import Replicate, Shard, Spec, Strategy
 from autopar.solver.strategies import strategy_inputs
 from autopar.solver.strategies.localize import in_node_collectives
 from autopar.tracer import TracedGraph, module_path, output_vals
-from autopar.tracer.nodes import grad_carrying
+from autopar.tracer.nodes import differentiable, grad_carrying
 
 
 
@@ -577,7 +577,7 @@ def build_problem(
             persistent = base[0] in traced.param_fqns or base[0] in traced.buffer_fqns
             src = tuple(strategies[p.name][grouping_choice(clusters[u], p.name, i)].output_specs[k] for i in range(len(clusters[u].choices)))
             dst = tuple(strategies[node.name][grouping_choice(clusters[v], node.name, j)].input_specs[a] for j in range(len(clusters[v].choices)))
-            arc = _Arc(src, dst, _ints(val.shape), val.element_size(), val.is_floating_point(), kept, persistent, zero_terms(p, node, a, u, v),
+            arc = _Arc(src, dst, _ints(val.shape), val.element_size(), differentiable(val), kept, persistent, zero_terms(p, node, a, u, v),
                        lift_terms(p, val, node, a, u, v))
             key = (grouping.class_of[u], grouping.class_of[v], arc)
             arcs[key] = arcs.get(key, 0) + 1

@@ -55,9 +55,15 @@ def is_dropout_clone(node: fx.Node) -> bool:
     return node.target is torch.ops.aten.clone.default and bool(stack) and "Dropout" in str(list(stack.values())[-1][1])
 
 
+def differentiable(t: object) -> bool:
+    """Whether `t` is a tensor of a dtype autograd differentiates: floating point or complex (an FFT's
+    output carries its input's gradient; integers and bools carry none)."""
+    return isinstance(t, torch.Tensor) and (t.is_floating_point() or t.is_complex())
+
+
 def is_float(node: fx.Node) -> bool:
-    val = node.meta.get("val")
-    return isinstance(val, torch.Tensor) and val.is_floating_point()
+    """Whether `node`'s value can carry a gradient (`differentiable`)."""
+    return differentiable(node.meta.get("val"))
 
 
 def grad_carrying(graph: fx.Graph, no_grad: set[str], targs: Callable[[fx.Node], tuple[fx.Node, ...]] = tensor_args) -> set[str]:

@@ -24,6 +24,7 @@ import torch
 from autopar.solver.spec import Partial, Replicate, Shard
 from autopar.solver.strategies.expand import AxisRule, Rule, expand_over_mesh
 from autopar.solver.strategies.localize import reduced_dims
+from autopar.tracer.nodes import differentiable
 
 aten = torch.ops.aten
 
@@ -41,7 +42,7 @@ def sum_all_rules(op, args: tuple, kwargs: dict, mesh_shape: tuple[int, ...]) ->
 
 def mean_rules(op, args: tuple, kwargs: dict, mesh_shape: tuple[int, ...]) -> list[Rule] | None:
     x = args[0]
-    if x.dim() == 0 or not x.is_floating_point():
+    if x.dim() == 0 or not differentiable(x):
         return None  # a 0-d mean is a copy; integer means need a dtype: leave both to DTensor
     dims = reduced_dims(op, args, kwargs, x.dim())
     keepdim = op is aten.mean.dim and bool(args[2] if len(args) > 2 else kwargs.get("keepdim", False))

@@ -27,7 +27,7 @@ from autopar.solver.reshard_types import CollectiveStep
 from autopar.solver.spec import Partial, Replicate, Shard, Spec
 from autopar.solver.strategies.dtensor_adapter import simulated_mesh
 from autopar.solver.strategies.localize import local_call, needs_groups
-from autopar.tracer.nodes import is_tensor_node
+from autopar.tracer.nodes import differentiable, is_tensor_node
 
 Ranks = dict[tuple[int, ...], torch.Tensor]
 
@@ -39,7 +39,7 @@ def coordinates(mesh_shape: Sequence[int]) -> list[tuple[int, ...]]:
 def _random_terms(x: torch.Tensor, n: int, gen: torch.Generator) -> list[torch.Tensor]:
     if x.dtype == torch.bool:
         raise ValueError("a bool tensor cannot be Partial (no sum)")
-    if x.is_floating_point():
+    if differentiable(x):
         terms = [torch.randn(x.shape, generator=gen, dtype=x.dtype) for _ in range(n - 1)]
     else:
         terms = [torch.randint(-3, 4, x.shape, generator=gen, dtype=x.dtype) for _ in range(n - 1)]
