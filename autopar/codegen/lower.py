@@ -133,6 +133,7 @@ class _Lowerer:
         self._targs: dict[str, tuple[fx.Node, ...]] = {}
         self.origin: dict[str, str] = {}  # new node name -> the traced node it implements (for recompute regions)
         self.buffer_attrs: dict[str, fx.Node] = {}  # buffer FQN -> its input node
+        self.fed_inputs: dict[str, fx.Node] = {}  # user input placeholder name -> the tensor the caller feeds
         self.state_fqns: list[str] = []  # FQNs of the graph's parameter and buffer inputs, in order
         self.first_input: fx.Node | None = None  # the placeholder of the first user input
 
@@ -318,6 +319,7 @@ class _Lowerer:
         held: dict[str, fx.Node] = {}  # tensor owner FQN -> its input node (tied params share one)
         zero_nodes: list[fx.Node] = []  # input nodes of parameters stored as ZeRO shards
         mutated = set(self.traced.buffer_mutations.values())  # buffers the forward updates
+        changed_inputs = set(self.traced.input_mutations.values())  # user inputs it updates in place
         for node in self.traced.graph.nodes:
             if node.op == "placeholder":
                 if node.name in self.traced.param_fqns:
@@ -347,7 +349,9 @@ class _Lowerer:
                     fed_specs.append(fed)
                     ph = self.graph.placeholder(node.name)
                     self.first_input = self.first_input or ph
-                    self.env[node.name] = self.reshard(ph, node, fed, self.src_spec(node))
+                    self.fed_inputs[node.name] = ph
+                    read = self.graph.call_function(aten.clone.default, (ph,)) if node.name in changed_inputs else ph
+                    self.env[node.name] = self.reshard(read, node, fed, self.src_spec(node))  # a copy read, as a buffer's
             elif node.op == "call_function":
                 self.env[node.name] = self.emit_call(node)
             elif node.op == "output":
@@ -415,13 +419,18 @@ class _Lowerer:
 
     def emit_buffer_updates(self) -> None:
         """Write the values a forward computes for its buffers (BatchNorm's running statistics and batch
-        count) back into this rank's buffers, resharded to the buffer's layout: the traced graph is
-        functional, the module is not."""
+        count) back into this rank's buffers, resharded to the buffer's layout, and the values it gives
+        user inputs it changes in place back into the tensors the caller fed, resharded to the layout fed:
+        the traced graph is functional, the module is not."""
         placeholder_of = {fqn: name for name, fqn in self.traced.buffer_fqns.items()}
         for name, fqn in self.traced.buffer_mutations.items():
             node, buffer = self.nodes[name], self.nodes[placeholder_of[fqn]]
             value = self.reshard(self.env[name], node, self.src_spec(node), self.src_spec(buffer))
             self.graph.call_function(aten.copy_.default, (self.buffer_attrs[fqn], value))
+        for name, input_name in self.traced.input_mutations.items():
+            node = self.nodes[name]
+            value = self.reshard(self.env[name], node, self.src_spec(node), self.fed_spec(self.nodes[input_name]))
+            self.graph.call_function(aten.copy_.default, (self.fed_inputs[input_name], value))
 
     def data_parallel_axes(self) -> tuple[int, ...]:
         """Mesh axes on which the plan shards the first user input's dim 0 (the DDP convention's axes)."""

@@ -34,6 +34,7 @@ from autopar.gc_pause import gc_paused
 from autopar.tracer import custom_backward, data_sizes
 from autopar.tracer.attention import canonicalize_attention
 from autopar.tracer.bags import split_equal_bags
+from autopar.tracer.masked_writes import masks_as_where
 from autopar.tracer.sparse_grads import densify_sparse_gradients
 from autopar.tracer.checks import localize_checks
 from autopar.tracer.copies import copy_decomposition
@@ -69,6 +70,8 @@ class TracedGraph:
     output_names: tuple[str | None, ...]  # per flattened user output: producing node name (None for constants)
     loss_index: int | None  # which flattened user output is the training loss (first float scalar)
     buffer_mutations: Mapping[str, str] = field(default_factory=dict)  # output node name -> buffer FQN it updates
+    # output node name -> the user input placeholder it updates (`labels[labels == pad] = -100` in the forward)
+    input_mutations: Mapping[str, str] = field(default_factory=dict)
     tied_params: Mapping[str, tuple[str, ...]] = field(default_factory=dict)  # canonical FQN -> other names of it
     symbols: Mapping[str, sympy.Symbol] = field(default_factory=dict)  # "batch"/"seq" -> the graph's symbol
     # tensors the forward makes from Python values (DeBERTa's `torch.tensor(head_dim)`): FQN (among
@@ -140,6 +143,7 @@ def trace(
     densify_sparse_gradients(ep.graph_module)  # before the bags: a dense bag can be split
     split_equal_bags(ep.graph_module)
     localize_checks(ep.graph_module)
+    masks_as_where(ep.graph_module)
     data_sizes.refuse_data_dependent_sizes(ep.graph_module, type(model).__name__)
     eliminate_common_subexpressions(ep.graph_module)
     traced = _from_exported(ep, args, kwargs, dynamic_dims or {}, _canonical_param_names(model))
@@ -274,12 +278,14 @@ def _from_exported(
     gm.recompile()
     output_node = next(n for n in reversed(gm.graph.nodes) if n.op == "output")
     outs = output_node.args[0]
-    output_names, buffer_mutations = [], {}
+    output_names, buffer_mutations, input_mutations = [], {}, {}
     for spec, out in zip(sig.output_specs, outs):
         if spec.kind == OutputKind.USER_OUTPUT:
             output_names.append(out.name if isinstance(out, fx.Node) else None)
         elif spec.kind == OutputKind.BUFFER_MUTATION:
             buffer_mutations[out.name] = spec.target
+        elif spec.kind == OutputKind.USER_INPUT_MUTATION:
+            input_mutations[out.name] = spec.target
     loss_index = None
     for i, name in enumerate(output_names):
         val = _val_of(gm, name)
@@ -297,6 +303,7 @@ def _from_exported(
         output_names=tuple(output_names),
         loss_index=loss_index,
         buffer_mutations=buffer_mutations,
+        input_mutations=input_mutations,
         tied_params={k: tuple(v) for k, v in tied.items()},
         symbols=_symbols(gm, dynamic_dims),
         constants=constants,

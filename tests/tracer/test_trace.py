@@ -47,7 +47,7 @@ def graph_counts(traced) -> collections.Counter:
 
 def placeholder_values(traced, model, sample_input) -> list:
     params = dict(model.named_parameters())
-    buffers = dict(model.named_buffers())
+    buffers = dict(model.named_buffers()) | dict(traced.constants)  # and the tensors the trace lifted
     user = dict(zip(traced.input_names, pytree.tree_leaves(split_sample_input(sample_input))))
     values = []
     for n in traced.graph.nodes:

@@ -1,0 +1,64 @@
+"""Writes through a boolean mask (`x[mask] = value`) split like elementwise ops under every plan.
+
+They export as `index_put(x, [mask], value)`, whose sharding rules (torch DTensor's) take the indices for
+positions along dim 0: a plan could split x along a dim the mask covers and keep the mask whole, and the
+step failed with a shape mismatch. The tracer writes them as `where(mask, value, x)`
+(`autopar.tracer.masked_writes`).
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils import _pytree as pytree
+
+from tests.codegen.harness import check_cases, random_plan_cases, trace_model
+from tests.tracer.test_trace import placeholder_values
+
+
+class MaskedWrites(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.q, self.k, self.v = nn.Linear(8, 8), nn.Linear(8, 8), nn.Linear(8, 8)
+        self.fill = nn.Parameter(torch.randn(8))
+
+    def forward(self, x, keep, y):
+        scores = self.q(x) @ self.k(x).transpose(1, 2)
+        scores[~keep[:, None, :].expand_as(scores)] = float("-inf")  # a mask over every dim, a scalar value
+        h = scores.softmax(-1) @ self.v(x)
+        h[~keep] = self.fill  # a mask over the leading dims, one row for every selected position
+        h[h.abs() > 2.5] = 0  # a mask computed from the values
+        return F.mse_loss(h, y)
+
+
+def _sample() -> tuple[torch.Tensor, ...]:
+    g = torch.Generator().manual_seed(0)
+    keep = torch.rand(4, 6, generator=g) > 0.3
+    keep[:, 0] = True  # every row attends somewhere
+    return torch.randn(4, 6, 8, generator=g), keep, torch.randn(4, 6, 8, generator=g)
+
+
+def _model() -> MaskedWrites:
+    torch.manual_seed(0)
+    return MaskedWrites()
+
+
+def test_masked_writes_trace_as_where_with_eagers_gradients():
+    model, sample = _model(), _sample()
+    traced = trace_model(model, sample)
+    assert not [n for n in traced.graph.nodes if n.target is torch.ops.aten.index_put.default]
+    assert sum(n.target is torch.ops.aten.where.self for n in traced.graph.nodes) == 3
+    values = placeholder_values(traced, model, sample)
+    params = [v for v in values if isinstance(v, nn.Parameter)]
+    got = torch.autograd.grad(pytree.tree_leaves(traced.gm(*values))[0], params)
+    want = torch.autograd.grad(model(*sample), params)
+    for g, w in zip(got, want, strict=True):
+        torch.testing.assert_close(g, w, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("mesh_shape, plans", [((2,), 8), ((2, 2), 4)], ids=["2", "2x2"])
+def test_random_plans_with_masked_writes_match_one_device(mesh_shape, plans):
+    model, sample = _model(), _sample()
+    check_cases(mesh_shape, random_plan_cases(model, sample, trace_model(model, sample), mesh_shape, plans, seed=5))
