@@ -91,7 +91,8 @@ def parallelize(
 ) -> ParallelModule:
     """Return `model` parallelized over `device_mesh` as a `ParallelModule` (local shards, same FQNs).
 
-    sample_input: the GLOBAL batch (tensor, tuple of args or dict of kwargs), used for tracing only.
+    sample_input: the GLOBAL batch (tensor, tuple of args, dict of kwargs, or `autopar.tracer.CallArguments(args,
+        kwargs)` for both), used for tracing only.
     memory_budget: bytes per device (default: the hardware's memory).
     hardware: a preset name of `autopar.solver.mesh.PRESETS` (default "cpu", or "h100" on CUDA) or a `Mesh`
       whose numbers the solver uses; ignored when `plan` is given.

@@ -350,6 +350,9 @@ class _Lowerer:
                     ph = self.graph.placeholder(node.name)
                     self.first_input = self.first_input or ph
                     self.fed_inputs[node.name] = ph
+                    if not isinstance(node.meta.get("val"), torch.Tensor):
+                        self.env[node.name] = ph  # a Python number the model takes (`temperature=2.0`)
+                        continue
                     read = self.graph.call_function(aten.clone.default, (ph,)) if node.name in changed_inputs else ph
                     self.env[node.name] = self.reshard(read, node, fed, self.src_spec(node))  # a copy read, as a buffer's
             elif node.op == "call_function":

@@ -63,7 +63,7 @@ from autopar.runtime.state_dict import (
 from autopar.solver.plan import Plan
 from autopar.solver.plan_io import op_name
 from autopar.solver.spec import Spec
-from autopar.tracer import TracedGraph
+from autopar.tracer import CallArguments, TracedGraph
 
 log = logging.getLogger(__name__)
 
@@ -364,7 +364,7 @@ class ParallelModule(nn.Module):
                         _numel(batch_flat), planned, self.plan.memory.total_bytes / 1e9,
                         "; if every rank fed the whole batch, each should feed its own slice (pm.local_batch(batch))" if whole else "")
         args, kwargs = pytree.tree_unflatten(batch_flat, spec)
-        return kwargs if kwargs else args
+        return CallArguments(args, kwargs) if args and kwargs else kwargs or args
 
     def _graph_to_run(self, inputs: _Signature, batch: Any) -> tuple[TracedGraph, str]:
         """The model traced on `batch` for `inputs` (`_without_flags` of a signature; under autocast, whose casts

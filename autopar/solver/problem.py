@@ -412,7 +412,8 @@ class _Pricer:
     def _fed(self, node) -> tuple:
         """(global shape, itemsize) of a user input as fed: each rank its rows, Shard(0) on every mesh
         axis (`input_layout="shard"`); () when its dim 0 does not split that way (fed whole)."""
-        val = output_vals(node)[0]
+        vals = output_vals(node)  # none for a Python number the model takes (`temperature=2.0`)
+        val = vals[0] if vals else None
         if not isinstance(val, torch.Tensor) or val.ndim == 0 or _ints(val.shape)[0] % self.mesh.num_devices:
             return ()
         return (_ints(val.shape), val.element_size())
@@ -420,6 +421,8 @@ class _Pricer:
     def _price(self, role, cost, strat: Strategy, outs, ins, param) -> Option:
         mesh = self.mesh
         if role in ("param", "buffer", "placeholder", "get_attr"):
+            if not strat.output_specs:  # a Python number the model takes (`temperature=2.0`): nothing to place
+                return Option(str(strat))
             spec = strat.output_specs[0]
             shard = spec.shard_factor(mesh.shape)
             if role == "param":

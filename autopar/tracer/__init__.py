@@ -1,6 +1,6 @@
 """Stage 1: capture the model as a core-ATen fx graph on fake tensors."""
-from autopar.tracer.capture import TracedGraph, split_sample_input, trace
+from autopar.tracer.capture import CallArguments, TracedGraph, split_sample_input, trace
 from autopar.tracer.device import with_device
 from autopar.tracer.nodes import module_path, output_vals, tensor_args
 
-__all__ = ["TracedGraph", "trace", "split_sample_input", "tensor_args", "output_vals", "module_path", "with_device"]
+__all__ = ["CallArguments", "TracedGraph", "trace", "split_sample_input", "tensor_args", "output_vals", "module_path", "with_device"]

@@ -97,8 +97,23 @@ class TracedGraph:
         return frozenset(ph for ph in self.param_fqns if not self.node(ph).meta["val"].requires_grad)
 
 
+@dataclass(frozen=True)
+class CallArguments:
+    """A sample input of positional and keyword arguments at once: `model(*args, **kwargs)`."""
+
+    args: tuple
+    kwargs: dict
+
+
+pytree.register_pytree_node(
+    CallArguments, lambda c: ([c.args, c.kwargs], None), lambda children, _: CallArguments(tuple(children[0]), children[1]),
+    serialized_type_name="autopar.CallArguments")
+
+
 def split_sample_input(sample_input: Any) -> tuple[tuple, dict]:
-    """A sample input is a tensor, a tuple/list of positional args, or a dict of kwargs."""
+    """A sample input is a tensor, a tuple/list of positional args, a dict of kwargs, or `CallArguments`."""
+    if isinstance(sample_input, CallArguments):
+        return tuple(sample_input.args), dict(sample_input.kwargs)
     if isinstance(sample_input, dict):
         return (), dict(sample_input)
     if isinstance(sample_input, (tuple, list)):
