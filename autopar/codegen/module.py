@@ -356,7 +356,10 @@ class ParallelModule(nn.Module):
         """The global batch whose slices these local inputs are (meta tensors), as a sample input is given
         (`tracer.split_sample_input`); logged when it holds more than the sample the plan was solved for."""
         batch_flat = flat if self.info.input_layout == "replicate" else global_like(flat, math.prod(self.mesh.shape))
-        planned = _numel([self._traced.node(n).meta["val"] for n in self._traced.input_names])
+        planned_vals = [self._traced.node(n).meta["val"] for n in self._traced.input_names]
+        if self.info.input_layout == "shard":
+            _refuse_split_along_other_dim(planned_vals, flat, math.prod(self.mesh.shape))
+        planned = _numel(planned_vals)
         if _numel(batch_flat) > planned and torch.distributed.get_rank() == 0:
             whole = self.info.input_layout == "shard" and _numel(flat) == planned  # a global batch fed on every rank?
             log.warning("parallel module: inputs %s hold more elements than the sample the plan was solved for (%d "
@@ -568,6 +571,29 @@ def _ops_difference(planned: TracedGraph, traced: TracedGraph) -> str | None:
         return None
     return next((f"'{y}' where the plan has '{x}'" for x, y in zip(ours, theirs) if x != y), "a different number of ops")
 
+
+
+def _refuse_split_along_other_dim(planned: list[Any], fed: list[Any], world: int) -> None:
+    """Raise when every tensor this rank fed is the planned global batch with one dim other than 0 cut by the
+    number of ranks: the ranks split the batch along that dim (a sequence-first model, `(T, B)`, fed as DDP
+    feeds it), where the module reads each rank's inputs as its slice of dim 0 (its rows). Read so, the
+    slices would make another global batch (`(ranks * T, B / ranks)`: sequences joined end to end), and the
+    step would train on it without an error."""
+    tensors = [(tuple(p.shape), tuple(f.shape)) for p, f in zip(planned, fed)
+               if isinstance(p, torch.Tensor) and isinstance(f, torch.Tensor) and p.dim() == f.dim() and p.dim() > 1]
+    if world == 1 or not tensors:
+        return
+    cut = {next((d for d, (a, b) in enumerate(zip(p, f)) if a != b), None) for p, f in tensors}
+    if len(cut) != 1 or None in cut or 0 in cut:
+        return
+    (d,) = cut
+    if all(f[d] * world == p[d] and p[:d] + p[d + 1:] == f[:d] + f[d + 1:] for p, f in tensors):
+        raise LoweringError(
+            f"each rank fed inputs {[f for _, f in tensors]}: the batch the plan was solved for, "
+            f"{[p for p, _ in tensors]}, cut along dim {d} over the {world} ranks. This module takes each rank's "
+            f"slice of dim 0 (its rows, in rank order) and would read these as slices of another batch. Feed "
+            f"pm.local_batch(global_batch) on every rank, or make dim 0 the batch dim (a sequence-first model: "
+            f"nn.LSTM(..., batch_first=True), nn.TransformerEncoderLayer(..., batch_first=True), inputs (batch, seq))")
 
 
 def _numel(values: list[Any]) -> int:

@@ -453,3 +453,38 @@ def test_positional_tensors_with_a_keyword_number(mesh_shape):
     input gradient (adversarial training reads it), whatever the number."""
     for errors in run_ranks(_tempered_steps, math.prod(mesh_shape), mesh_shape):
         assert len(errors) == 12 and max(errors) < 1e-6, errors
+
+
+class SequenceFirstLM(nn.Module):
+    """torch's word-language-model layout: inputs (seq, batch), nn.LSTM's default."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb, self.rnn, self.out = nn.Embedding(32, 16), nn.LSTM(16, 16), nn.Linear(16, 32)
+
+    def forward(self, ids, labels):
+        hidden, _ = self.rnn(self.emb(ids))
+        return nn.functional.cross_entropy(self.out(hidden).flatten(0, 1), labels.flatten())
+
+
+def _sequence_first(rank, world):
+    torch.manual_seed(0)
+    model, g = SequenceFirstLM(), torch.Generator().manual_seed(0)
+    batch = (torch.randint(0, 32, (12, 8), generator=g), torch.randint(0, 32, (12, 8), generator=g))
+    want = model(*batch).item()
+    pm = autopar.parallelize(copy.deepcopy(model), batch, (world,))
+    columns = tuple(t[:, rank::world].contiguous() for t in batch)  # what a DDP loop feeds this model
+    with pytest.raises(LoweringError) as refused:
+        pm(*columns)
+    return want, pm(*pm.local_batch(batch)).item(), str(refused.value)
+
+
+@pytest.mark.timeout(240)
+def test_a_batch_cut_along_another_dim_than_rows_is_refused():
+    """A sequence-first model fed as DDP feeds it (each rank its batch columns, (T, B / ranks)) was read as
+    each rank's rows of another batch, (ranks * T, B / ranks): sequences joined end to end, trained on
+    without an error (loss off by 3e-4 in the first step here). The module now refuses such inputs, saying
+    what it takes, and the rows `pm.local_batch` gives still train like one device."""
+    for want, got, error in run_ranks(_sequence_first, 2):
+        assert abs(got - want) < 1e-6
+        assert "cut along dim 1 over the 2 ranks" in error and "pm.local_batch(global_batch)" in error, error
