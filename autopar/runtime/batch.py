@@ -13,6 +13,7 @@ batch size (dim 0 of the first tensor input with at least one dim); other inputs
 """
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any, Sequence
 
 import torch
@@ -51,7 +52,10 @@ def fed_spec(shape: Sequence[int], batch: int | None, mesh_ndim: int) -> Spec:
 
 
 def batch_slice(batch: Any, rank: int, world_size: int) -> Any:
-    """This rank's slice of every batched tensor of `batch` (a tensor, tuple, dict...): the DistributedSampler split."""
+    """This rank's slice of every batched tensor of `batch` (a tensor, tuple, dict...): the DistributedSampler split.
+    A mapping other than a dict (a tokenizer's `BatchEncoding`, which pytree does not open) comes back a dict."""
+    if isinstance(batch, Mapping) and not isinstance(batch, dict):
+        batch = dict(batch)
     flat, treespec = pytree.tree_flatten(batch)
     size = batch_size_of([t.shape for t in flat if isinstance(t, torch.Tensor)])
     if size is None:

@@ -111,10 +111,11 @@ pytree.register_pytree_node(
 
 
 def split_sample_input(sample_input: Any) -> tuple[tuple, dict]:
-    """A sample input is a tensor, a tuple/list of positional args, a dict of kwargs, or `CallArguments`."""
+    """A sample input is a tensor, a tuple/list of positional args, a mapping of kwargs (a dict, or a tokenizer's
+    `BatchEncoding`, which export takes only as a dict), or `CallArguments`."""
     if isinstance(sample_input, CallArguments):
         return tuple(sample_input.args), dict(sample_input.kwargs)
-    if isinstance(sample_input, dict):
+    if isinstance(sample_input, Mapping):
         return (), dict(sample_input)
     if isinstance(sample_input, (tuple, list)):
         return tuple(sample_input), {}

@@ -488,3 +488,23 @@ def test_a_batch_cut_along_another_dim_than_rows_is_refused():
     for want, got, error in run_ranks(_sequence_first, 2):
         assert abs(got - want) < 1e-6
         assert "cut along dim 1 over the 2 ranks" in error and "pm.local_batch(global_batch)" in error, error
+
+
+def _tokenizer_batch(rank, world):
+    from transformers import BatchEncoding  # what a Hugging Face tokenizer returns: a UserDict, not a dict
+
+    model, sample = load_zoo("hf_gpt2").build(batch_size=4, seq_len=16, size="tiny", device="cpu")
+    batch = BatchEncoding(dict(sample))
+    want = copy.deepcopy(model)(**batch).loss.item()
+    pm = autopar.parallelize(model, batch, (world,))
+    local = pm.local_batch(batch)
+    return want, pm(**local).loss.item(), {k: tuple(v.shape) for k, v in local.items()}
+
+
+@pytest.mark.timeout(240)
+def test_a_tokenizers_batch_encoding_is_a_sample_and_a_batch():
+    """A `BatchEncoding` as the sample stopped the trace (export takes no UserDict), and `pm.local_batch`
+    returned it whole (pytree does not open it): every rank fed the global batch."""
+    for want, got, shapes in run_ranks(_tokenizer_batch, 2):
+        assert abs(got - want) < 1e-5
+        assert shapes["input_ids"] == (2, 16), shapes
