@@ -159,9 +159,9 @@ def trace(
     densify_sparse_gradients(ep.graph_module)  # before the bags: a dense bag can be split
     split_equal_bags(ep.graph_module)
     localize_checks(ep.graph_module)
+    eliminate_common_subexpressions(ep.graph_module)  # first: `x[m] = f(x[m])` computes its mask twice
     masks_as_where(ep.graph_module)
     data_sizes.refuse_data_dependent_sizes(ep.graph_module, type(model).__name__)
-    eliminate_common_subexpressions(ep.graph_module)
     traced = _from_exported(ep, args, kwargs, dynamic_dims or {}, _canonical_param_names(model))
     log.info("tracer: %d ops in %.2f s", traced.num_ops(), time.perf_counter() - start)
     return traced

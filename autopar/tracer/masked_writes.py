@@ -9,8 +9,19 @@ shape of the mask [4, 6] at index 1 does not match the shape of the indexed
 tensor [4, 3]". When the value broadcasts over the dims the mask leaves (a
 scalar, or one row for every selected position), the write is exactly
 `where(mask, value, x)`, whose elementwise rules split mask, value and x alike;
-`masks_as_where` writes it so. Other masked writes (a value per selected
-element, which only the data sizes) keep index_put.
+`masks_as_where` writes it so.
+
+An update through a mask, `x[mask] += 1` or `x[mask] *= scale`, exports as a
+gather of the selected elements (`index`, whose size only the data gives: the
+trace was refused for it), elementwise ops on them, and the index_put back.
+Elementwise ops commute with the gather, so it is `where(mask, f(x), x)`, with
+the same gradients: f's where the mask is set, the identity elsewhere, provided
+f's derivative is finite on the elements the mask leaves out too (backward
+multiplies it by zero there, and zero times an infinite derivative is NaN:
+`x[x > 0] = x[x > 0].sqrt()` would make NaN gradients at the negative x). So f
+may use only `_TOTAL` ops, whose derivatives are finite everywhere. Other
+masked writes (values from elsewhere, one per selected element, or other ops)
+keep their ops.
 """
 from __future__ import annotations
 
@@ -23,13 +34,27 @@ from torch._guards import detect_fake_mode
 log = logging.getLogger(__name__)
 aten = torch.ops.aten
 
+# elementwise ops with a finite derivative at every finite input (`+=`, `-=`, `*=`, `/=` by a value, clamps, casts)
+_TOTAL = frozenset({
+    aten.add.Tensor, aten.add.Scalar, aten.sub.Tensor, aten.sub.Scalar, aten.rsub.Scalar, aten.mul.Tensor, aten.mul.Scalar,
+    aten.div.Tensor, aten.div.Scalar, aten.neg.default, aten.abs.default, aten.clamp.default, aten.clamp_min.default, aten.clamp_max.default,
+    aten.relu.default, aten.tanh.default, aten.sigmoid.default, aten.maximum.default, aten.minimum.default,
+    aten._to_copy.default,
+})
+
 
 def masks_as_where(gm: fx.GraphModule) -> int:
-    """Rewrite every `index_put(x, [bool mask], value)` of `gm` whose value broadcasts as `where`; returns how many."""
+    """Rewrite every `index_put(x, [bool mask], value)` of `gm` whose value broadcasts, or is computed elementwise
+    from `x[mask]`, as `where`; returns how many."""
     rewritten = 0
     for node in list(gm.graph.nodes):
-        if node.op == "call_function" and node.target is aten.index_put.default and _broadcast_mask(node):
+        if node.op != "call_function" or node.target is not aten.index_put.default:
+            continue
+        if _broadcast_mask(node):
             _rewrite(gm.graph, node)
+            rewritten += 1
+        elif (chain := _elementwise_update(node)) is not None:
+            _rewrite(gm.graph, node, chain)
             rewritten += 1
     if rewritten:
         gm.recompile()
@@ -58,9 +83,66 @@ def _broadcast_mask(node: fx.Node) -> bool:
         return False
 
 
-def _rewrite(graph: fx.Graph, node: fx.Node) -> None:
+def _elementwise_update(node: fx.Node) -> list[fx.Node] | None:
+    """The ops from `x[mask]` (an `index` node, first) to index_put's value (last) when `node` writes back into x
+    an elementwise function of the elements it gathered with the same boolean mask, each op's other tensors
+    broadcasting over the dims the mask leaves; None otherwise."""
+    x, indices, value, *rest = node.args
+    if (rest and rest[0]) or node.kwargs.get("accumulate") or len(indices) != 1 or not isinstance(value, fx.Node):
+        return None
+    mask = indices[0]
+    mask_val, x_val = mask.meta.get("val"), x.meta.get("val")
+    if not isinstance(mask_val, torch.Tensor) or mask_val.dtype != torch.bool or not isinstance(x_val, torch.Tensor):
+        return None
+    trailing = tuple(x_val.shape[mask_val.dim():])
+    chain, current = [], value
+    while not (current.target is aten.index.Tensor and current.args[0] is x and list(current.args[1]) == [mask]):
+        if current.op != "call_function" or current.target not in _TOTAL:
+            return None
+        inputs = [a for a in current.args if isinstance(a, fx.Node)]
+        gathered = [a for a in inputs if a in _selected_values(a)]
+        if len(gathered) != 1 or any(not _broadcasts(a, trailing) for a in inputs if a is not gathered[0]):
+            return None
+        if current.target is aten.div.Tensor and current.args[1] is gathered[0]:
+            return None  # a value divided by the selected elements: not finite at zero
+        chain.append(current)
+        current = gathered[0]
+    chain.append(current)
+    if any(_real_users(n) != ({node} if i == 0 else {chain[i - 1]}) for i, n in enumerate(chain)):
+        return None  # a gathered value read elsewhere keeps its data-dependent size
+    return chain[::-1]
+
+
+def _selected_values(node: fx.Node) -> set[fx.Node]:
+    """{node} when its value's leading dim is a data-dependent size (elements a mask selected), else empty."""
+    val = node.meta.get("val")
+    return {node} if isinstance(val, torch.Tensor) and val.dim() and not isinstance(val.shape[0], int) else set()
+
+
+def _broadcasts(arg: fx.Node, trailing: tuple) -> bool:
+    val = arg.meta.get("val")
+    if not isinstance(val, torch.Tensor):
+        return True
+    try:
+        return torch.broadcast_shapes(tuple(val.shape), trailing) == trailing
+    except RuntimeError:
+        return False
+
+
+def _real_users(node: fx.Node) -> set[fx.Node]:
+    """Users of `node` but for the size checks export adds on a gathered value (`sym_size`, comparisons, and
+    `_assert_scalar` of the bounds of its data-dependent size), which go with it."""
+    return {u for u in node.users if not _size_check(u)}
+
+
+def _size_check(node: fx.Node) -> bool:
+    checks = node.target is aten._assert_scalar.default or not node.is_impure()
+    return checks and all(_size_check(u) for u in node.users)
+
+
+def _rewrite(graph: fx.Graph, node: fx.Node, chain: list[fx.Node] | None = None) -> None:
     x, (mask,), value = node.args[:3]
-    x_val, value_val = x.meta["val"], value.meta["val"]
+    x_val = x.meta["val"]
     fake_mode = detect_fake_mode([x_val])
 
     def call(target, *args, **kwargs):
@@ -74,10 +156,24 @@ def _rewrite(graph: fx.Graph, node: fx.Node) -> None:
         trailing = x_val.dim() - mask.meta["val"].dim()
         if trailing:  # the mask selects whole rows: it broadcasts over the dims it leaves
             mask = call(aten.view.default, mask, [*mask.meta["val"].shape, *([1] * trailing)])
-        if value_val.dim() == trailing + 1:  # (1, *trailing): the selected positions' dim, of one
+        if chain is not None:  # f(x[mask]) -> f(x): the same ops on every element
+            value = x
+            for op in chain[1:]:
+                value = call(op.target, *[value if isinstance(a, fx.Node) and a in chain else a for a in op.args], **op.kwargs)
+        elif value.meta["val"].dim() == trailing + 1:  # (1, *trailing): the selected positions' dim, of one
             value = call(aten.squeeze.dims, value, [0])
-        if value_val.dtype != x_val.dtype:  # index_put casts the value to x's dtype; where would promote
+        if value.meta["val"].dtype != x_val.dtype:  # index_put casts the value to x's dtype; where would promote
             value = call(aten._to_copy.default, value, dtype=x_val.dtype)
         out = call(aten.where.self, mask, value, x)
     node.replace_all_uses_with(out)
+    graph.erase_node(node)
+    for gathered in reversed(chain or []):  # the old gather and ops on it, with the size queries on them
+        for query in list(gathered.users):
+            _erase_with_users(graph, query)
+        graph.erase_node(gathered)
+
+
+def _erase_with_users(graph: fx.Graph, node: fx.Node) -> None:
+    for user in list(node.users):
+        _erase_with_users(graph, user)
     graph.erase_node(node)

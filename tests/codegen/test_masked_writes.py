@@ -3,7 +3,9 @@
 They export as `index_put(x, [mask], value)`, whose sharding rules (torch DTensor's) take the indices for
 positions along dim 0: a plan could split x along a dim the mask covers and keep the mask whole, and the
 step failed with a shape mismatch. The tracer writes them as `where(mask, value, x)`
-(`autopar.tracer.masked_writes`).
+(`autopar.tracer.masked_writes`). An update through a mask (`x[mask] *= 2`) gathers the selected elements,
+whose number only the data gives, and was refused; it is `where(mask, f(x), x)` when f is elementwise with a
+finite derivative everywhere.
 """
 from __future__ import annotations
 
@@ -15,6 +17,8 @@ from torch.utils import _pytree as pytree
 
 from tests.codegen.harness import check_cases, random_plan_cases, trace_model
 from tests.tracer.test_trace import placeholder_values
+
+from autopar.errors import TraceError
 
 
 class MaskedWrites(nn.Module):
@@ -29,6 +33,9 @@ class MaskedWrites(nn.Module):
         h = scores.softmax(-1) @ self.v(x)
         h[~keep] = self.fill  # a mask over the leading dims, one row for every selected position
         h[h.abs() > 2.5] = 0  # a mask computed from the values
+        h[h > 0] *= 2.0  # updates through a mask: the selected elements gathered, changed, written back
+        h[~keep] += self.fill[0]
+        h[h.abs() > 1] = torch.tanh(h[h.abs() > 1]) / 2
         return F.mse_loss(h, y)
 
 
@@ -47,14 +54,30 @@ def _model() -> MaskedWrites:
 def test_masked_writes_trace_as_where_with_eagers_gradients():
     model, sample = _model(), _sample()
     traced = trace_model(model, sample)
-    assert not [n for n in traced.graph.nodes if n.target is torch.ops.aten.index_put.default]
-    assert sum(n.target is torch.ops.aten.where.self for n in traced.graph.nodes) == 3
+    assert not [n for n in traced.graph.nodes if n.target in (torch.ops.aten.index_put.default, torch.ops.aten.index.Tensor)]
+    assert sum(n.target is torch.ops.aten.where.self for n in traced.graph.nodes) == 6
     values = placeholder_values(traced, model, sample)
     params = [v for v in values if isinstance(v, nn.Parameter)]
     got = torch.autograd.grad(pytree.tree_leaves(traced.gm(*values))[0], params)
     want = torch.autograd.grad(model(*sample), params)
     for g, w in zip(got, want, strict=True):
         torch.testing.assert_close(g, w, rtol=1e-6, atol=1e-6)
+
+
+class RootOfPositives(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(8, 8)
+
+    def forward(self, x, keep, y):
+        h = self.a(x)
+        h[h > 0] = h[h > 0].sqrt()  # where(mask, sqrt(h), h) would have NaN gradients at the negative h
+        return F.mse_loss(h, y)
+
+
+def test_an_update_whose_derivative_is_not_finite_everywhere_is_refused():
+    with pytest.raises(TraceError, match=r"depends on tensor values \(`aten.index.Tensor`\)"):
+        trace_model(RootOfPositives(), _sample())
 
 
 @pytest.mark.timeout(240)
