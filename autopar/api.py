@@ -135,6 +135,11 @@ def parallelize(
     for name, value in vars(model).items():
         if not (name.startswith("_") or hasattr(pm, name) or callable(value) or isinstance(value, torch.Tensor)):
             setattr(pm, name, value)
+    if not model.training:  # as the model would run (`from_pretrained` returns a model in eval mode)
+        pm.eval()
+        if dist.get_rank() == 0:
+            log.warning("parallelize: %s is in eval mode, and so is the parallel module (dropout off, batch norm's "
+                        "running statistics used): call pm.train() to train in training mode", type(model).__name__)
     return pm
 
 

@@ -133,14 +133,18 @@ def trace(
 
     training=False captures the eval-mode forward instead: a `ParallelModule` in eval mode checks
     with it that the model computes what its training graph does but for dropout (`codegen.eval_mode`).
+    training=True captures a model in training mode with its submodules' own modes (batch norm a
+    fine-tuning loop keeps in eval mode stays so); a model in eval mode as `model.train()` leaves it.
+    Either way every module's mode is as it was afterwards.
 
     dynamic_dims: e.g. {"batch": 0, "seq": 1}: every input tensor dimension with
     that index whose size equals the first input's size there becomes the named
     symbol (sizes must be >= 2; export specialises 0 and 1).
     """
     args, kwargs = split_sample_input(sample_input)
-    was_training = model.training
-    model.train(training)
+    modes = {m: m.training for m in model.modules()}
+    if not (training and model.training):
+        model.train(training)
     start = time.perf_counter()
     try:
         with _without_kv_cache(model), custom_backward.recorded(type(model).__name__) as functions:
@@ -150,7 +154,8 @@ def trace(
     except Exception as err:  # re-raised with the user's line: any capture failure lands here
         raise _trace_error(model, err) from err
     finally:
-        model.train(was_training)
+        for module, mode in modes.items():
+            module.training = mode
     custom_backward.check(functions, type(model).__name__)
     _refuse_parameter_mutations(ep, type(model).__name__)
     _drop_runtime_asserts(ep.graph_module)
