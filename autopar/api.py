@@ -24,6 +24,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.utils import _pytree as pytree
 
 from autopar.codegen import ParallelModule, lower
+from autopar.errors import TraceError
 from autopar.codegen.module import Retracer
 from autopar.profiler import profile
 from autopar.runtime.mesh import ProcessMesh
@@ -49,6 +50,12 @@ def capture_copy(model: nn.Module, sample: Any, device: str = "meta",
     plan made there matches the graph `parallelize` traces. (`copy.deepcopy(model).to(...)`
     unties weights: `.to` across device types makes a new Parameter per attribute.)
     """
+    lazy = [name for name, t in [*model.named_parameters(), *model.named_buffers()] if nn.parameter.is_lazy(t)]
+    if lazy:
+        raise TraceError(f"cannot trace {type(model).__name__}: {', '.join(lazy[:5])}{' ...' if len(lazy) > 5 else ''} "
+                         "do not exist yet (a lazy module, nn.LazyLinear and the like, makes them in its first "
+                         "forward)\n  fix: run the model once on a batch first, `model(*batch)` or `model(**batch)`, "
+                         "so that every parameter has its shape")
     if device == "meta":
         make = lambda t, dtype=None: torch.empty_like(t, device="meta", dtype=dtype)  # noqa: E731
     else:

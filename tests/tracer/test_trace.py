@@ -577,3 +577,16 @@ def test_a_gradient_taken_in_the_forward_is_refused_naming_the_line():
                                          r"\(`\(slope,\) = torch.autograd.grad.*DDP or FSDP"):
         trace(GradientPenalty(), torch.randn(4, 8))
     assert torch.autograd.grad.__module__ == "torch.autograd"
+
+
+def test_a_lazy_module_not_run_yet_is_named_with_the_fix():
+    """nn.LazyLinear makes its parameters in its first forward; before it, parallelize failed in torch with
+    "Can't access the shape of an uninitialized parameter", naming neither."""
+    from autopar.api import capture_copy
+
+    model, x = torch.nn.Sequential(torch.nn.LazyLinear(4), torch.nn.ReLU(), torch.nn.Linear(4, 1)), torch.randn(3, 8)
+    with pytest.raises(TraceError, match=r"0\.weight, 0\.bias do not exist yet.*(?s:.*)model\(\*batch\)"):
+        capture_copy(model, x)
+    model(x)
+    traced = trace(*capture_copy(model, x))
+    assert sorted(traced.param_fqns.values()) == ["0.bias", "0.weight", "2.bias", "2.weight"]
