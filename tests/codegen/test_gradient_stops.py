@@ -12,10 +12,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.utils import _pytree as pytree
 
 from tests.codegen.harness import check_cases, random_plan_cases, trace_model
-from tests.tracer.test_trace import placeholder_values
+from tests.tracer.test_trace import assert_eager_gradients
 
 
 class StopGradients(nn.Module):
@@ -52,12 +51,7 @@ def test_the_traced_graph_stops_gradients_where_the_model_does():
     traced = trace_model(model, sample)
     # q.detach(), (q - z).detach(), and z's: z.detach() and the no_grad block's input, one op after CSE
     assert sum(n.target is torch.ops.aten.detach.default for n in traced.graph.nodes) == 3
-    values = placeholder_values(traced, model, sample)
-    params = [v for v in values if isinstance(v, nn.Parameter)]
-    got = torch.autograd.grad(pytree.tree_leaves(traced.gm(*values))[0], params)
-    want = torch.autograd.grad(model(*sample), params)
-    for g, w in zip(got, want, strict=True):
-        torch.testing.assert_close(g, w, rtol=1e-6, atol=1e-6)
+    assert_eager_gradients(traced, model, sample)
 
 
 @pytest.mark.timeout(240)

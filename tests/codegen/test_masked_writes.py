@@ -13,10 +13,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.utils import _pytree as pytree
 
 from tests.codegen.harness import check_cases, random_plan_cases, trace_model
-from tests.tracer.test_trace import placeholder_values
+from tests.tracer.test_trace import assert_eager_gradients
 
 from autopar.errors import TraceError
 
@@ -56,12 +55,7 @@ def test_masked_writes_trace_as_where_with_eagers_gradients():
     traced = trace_model(model, sample)
     assert not [n for n in traced.graph.nodes if n.target in (torch.ops.aten.index_put.default, torch.ops.aten.index.Tensor)]
     assert sum(n.target is torch.ops.aten.where.self for n in traced.graph.nodes) == 6
-    values = placeholder_values(traced, model, sample)
-    params = [v for v in values if isinstance(v, nn.Parameter)]
-    got = torch.autograd.grad(pytree.tree_leaves(traced.gm(*values))[0], params)
-    want = torch.autograd.grad(model(*sample), params)
-    for g, w in zip(got, want, strict=True):
-        torch.testing.assert_close(g, w, rtol=1e-6, atol=1e-6)
+    assert_eager_gradients(traced, model, sample)
 
 
 class RootOfPositives(nn.Module):

@@ -63,6 +63,17 @@ def placeholder_values(traced, model, sample_input) -> list:
 
 
 
+def assert_eager_gradients(traced, model, sample_input, rtol: float = 1e-6, atol: float = 1e-6) -> None:
+    """The gradients of the traced graph's first output by the parameters equal those of the eager model's loss."""
+    values = placeholder_values(traced, model, sample_input)
+    params = [v for v in values if isinstance(v, torch.nn.Parameter)]
+    got = torch.autograd.grad(pytree.tree_leaves(traced.gm(*values))[0], params)
+    args, kwargs = split_sample_input(sample_input)
+    want = torch.autograd.grad(model(*args, **kwargs), params)
+    for g, w in zip(got, want, strict=True):
+        torch.testing.assert_close(g, w, rtol=rtol, atol=atol)
+
+
 @pytest.mark.parametrize("name", ZOO)
 def test_zoo_traces_on_meta_like_eager(name):
     zoo = load_zoo(name)
@@ -416,13 +427,7 @@ def test_a_function_whose_backward_is_not_its_forwards_derivative_is_refused(fun
 
 def test_a_function_whose_backward_is_its_forwards_derivative_traces_with_eagers_gradients():
     model, x = WithFunction(FusedTanhGelu), torch.randn(4, 8)
-    traced = trace(model, x)
-    values = placeholder_values(traced, model, x)
-    params = [v for v in values if isinstance(v, torch.nn.Parameter)]
-    got = torch.autograd.grad(pytree.tree_leaves(traced.gm(*values))[0], params)
-    want = torch.autograd.grad(model(x), params)
-    for g, w in zip(got, want, strict=True):
-        torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-6)
+    assert_eager_gradients(trace(model, x), model, x, rtol=1e-5)
 
 
 class GradientHooked(torch.nn.Module):
@@ -550,12 +555,7 @@ def test_data_reads_and_in_place_detach_stop_gradients_as_in_eager():
     model, x = OlderGradientStops(), torch.randn(4, 8)
     traced = trace(model, x)
     assert "data" not in torch.Tensor.__dict__  # the read is patched only while export runs
-    values = placeholder_values(traced, model, x)
-    params = [v for v in values if isinstance(v, torch.nn.Parameter)]
-    got = torch.autograd.grad(pytree.tree_leaves(traced.gm(*values))[0], params)
-    want = torch.autograd.grad(model(x), params)
-    for g, w in zip(got, want, strict=True):
-        torch.testing.assert_close(g, w, rtol=1e-6, atol=1e-6)
+    assert_eager_gradients(traced, model, x)
 
 
 class GradientPenalty(torch.nn.Module):
