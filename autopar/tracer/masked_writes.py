@@ -36,10 +36,10 @@ aten = torch.ops.aten
 
 # elementwise ops with a finite derivative at every finite input (`+=`, `-=`, `*=`, `/=` by a value, clamps, casts)
 _TOTAL = frozenset({
-    aten.add.Tensor, aten.add.Scalar, aten.sub.Tensor, aten.sub.Scalar, aten.rsub.Scalar, aten.mul.Tensor, aten.mul.Scalar,
-    aten.div.Tensor, aten.div.Scalar, aten.neg.default, aten.abs.default, aten.clamp.default, aten.clamp_min.default, aten.clamp_max.default,
-    aten.relu.default, aten.tanh.default, aten.sigmoid.default, aten.maximum.default, aten.minimum.default,
-    aten._to_copy.default,
+    aten.add.Tensor, aten.add.Scalar, aten.sub.Tensor, aten.sub.Scalar, aten.rsub.Scalar,
+    aten.mul.Tensor, aten.mul.Scalar, aten.div.Tensor, aten.div.Scalar, aten.neg.default, aten.abs.default,
+    aten.clamp.default, aten.clamp_min.default, aten.clamp_max.default, aten.maximum.default, aten.minimum.default,
+    aten.relu.default, aten.tanh.default, aten.sigmoid.default, aten._to_copy.default,
 })
 
 
@@ -159,7 +159,8 @@ def _rewrite(graph: fx.Graph, node: fx.Node, chain: list[fx.Node] | None = None)
         if chain is not None:  # f(x[mask]) -> f(x): the same ops on every element
             value = x
             for op in chain[1:]:
-                value = call(op.target, *[value if isinstance(a, fx.Node) and a in chain else a for a in op.args], **op.kwargs)
+                args = [value if isinstance(a, fx.Node) and a in chain else a for a in op.args]
+                value = call(op.target, *args, **op.kwargs)
         elif value.meta["val"].dim() == trailing + 1:  # (1, *trailing): the selected positions' dim, of one
             value = call(aten.squeeze.dims, value, [0])
         if value.meta["val"].dtype != x_val.dtype:  # index_put casts the value to x's dtype; where would promote
