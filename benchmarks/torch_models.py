@@ -5,8 +5,8 @@
 
 A diagnostic sweep beside `hf_families.py`, over what is not a transformers model: recurrent layers
 (unrolled by the trace), torch's own attention and encoder modules, 1-D and 2-D convolutions with batch
-and group norm, a weight-norm parametrization, einsum, a diffusion-style MLP, FNet's Fourier mixing
-(complex values) and a recommendation model's embedding bags. Each model is parallelized with the solver's plan (at `--fraction` of the memory
+and group norm, a weight-norm parametrization, einsum, a diffusion-style MLP, nn.Transformer's encoder-decoder,
+FNet's Fourier mixing (complex values) and a recommendation model's embedding bags. Each model is parallelized with the solver's plan (at `--fraction` of the memory
 its ample-memory plan needs, when given) and takes one step; the table gives the loss and the largest
 gradient error against the same step on one device, read back as in `hf_families.py`: one SGD step with
 learning rate 1, then the full state dicts' differences. A model that fails prints the error's last line
@@ -154,6 +154,22 @@ class Recommender(nn.Module):
         return F.binary_cross_entropy_with_logits(self.top(h).squeeze(1), clicked)
 
 
+class Seq2SeqTransformer(nn.Module):
+    """nn.Transformer, encoder and decoder: a padded source, a causal target mask (said to be causal: torch
+    would otherwise test its values, which export cannot)."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb, self.out = nn.Embedding(VOCAB, HIDDEN), nn.Linear(HIDDEN, VOCAB)
+        self.transformer = nn.Transformer(HIDDEN, 4, 1, 1, 2 * HIDDEN, dropout=0.0, batch_first=True)
+
+    def forward(self, src, tgt, labels):
+        mask = nn.Transformer.generate_square_subsequent_mask(tgt.shape[1])
+        h = self.transformer(self.emb(src), self.emb(tgt), tgt_mask=mask, tgt_is_causal=True,
+                             src_key_padding_mask=src == 0)
+        return F.cross_entropy(self.out(h).flatten(0, 1), labels.flatten())
+
+
 class FourierMixer(nn.Module):
     """FNet: tokens mixed by a 2-D Fourier transform's real part (complex values between the two FFTs)."""
 
@@ -174,6 +190,12 @@ def _ids() -> torch.Tensor:
     return torch.randint(1, VOCAB, (BATCH, STEPS))
 
 
+def _padded_ids() -> torch.Tensor:
+    ids = _ids()
+    ids[::2, -3:] = 0  # every other sequence ends in padding
+    return ids
+
+
 MODELS: dict[str, tuple[Callable[[], nn.Module], Callable[[], tuple]]] = {  # name -> (model, sample input)
     "lstm": (RecurrentLM, lambda: (_ids(), _ids())),
     "gru": (lambda: RecurrentLM(nn.GRU), lambda: (_ids(), _ids())),
@@ -186,6 +208,7 @@ MODELS: dict[str, tuple[Callable[[], nn.Module], Callable[[], tuple]]] = {  # na
     "diffusion_mlp": (DiffusionMLP, lambda: (torch.randn(BATCH, 6, 8), torch.rand(BATCH) * 100, torch.randn(BATCH, 6, 8))),
     "sdpa_mask": (MaskedAttentionLM, lambda: (_ids(), torch.rand(BATCH, STEPS) > 0.2, _ids())),
     "fourier_mixing": (FourierMixer, lambda: (_ids(), _ids())),
+    "seq2seq_transformer": (Seq2SeqTransformer, lambda: (_padded_ids(), _ids(), _ids())),
     "embedding_bag": (Recommender, lambda: (torch.randn(BATCH, 8), torch.randint(0, 1024, (BATCH, 6)), torch.rand(BATCH, 6),
                                             torch.randint(0, VOCAB, (BATCH, 4)), torch.randint(0, 2, (BATCH,)).float())),
 }

@@ -378,6 +378,19 @@ def _user_frame(err: BaseException) -> traceback.FrameSummary | None:
     return best
 
 
+# nn.Transformer, nn.TransformerEncoder/Decoder and their layers compare a given mask with a causal one
+# (`bool((mask == causal).all())`) unless told whether it is causal: a test on values export cannot make
+_CAUSAL_MASK_CHECK = (
+    "torch's transformer modules testing whether an attention mask is causal (a test on its values)",
+    "say it: pass is_causal=True (nn.Transformer and nn.TransformerDecoder: tgt_is_causal=True) with a causal mask, "
+    "or is_causal=False with any other, and torch does not read the mask to find out")
+
+
+def _in_torch_function(err: BaseException, name: str) -> bool:
+    """Whether the failure passed through a function called `name`."""
+    return any(fs.name == name for e in _chain(err) for fs in traceback.extract_tb(e.__traceback__))
+
+
 _KNOWN_FIXES = (
     ("you need to register a pytree", "an output of a type torch cannot take apart",
      "return tensors, or tuples, lists, dicts and dataclasses of them; turn off what returns the object "
@@ -399,6 +412,8 @@ def _trace_error(model: nn.Module, err: BaseException) -> TraceError:
             break
     if any(isinstance(e, DynamicOutputShapeException) for e in _chain(err)):  # export cannot size its output (ctc_loss)
         construct, fix = f"{data_sizes.WHAT} (`{message}`)", data_sizes.UNSIZED_FIX
+    if _in_torch_function(err, "_detect_is_causal_mask"):
+        construct, fix = _CAUSAL_MASK_CHECK
     frame = _user_frame(err)
     where = f"{frame.filename}:{frame.lineno} (`{(frame.line or '').strip()}`)" if frame else "an unknown line"
     return TraceError(

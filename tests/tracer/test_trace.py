@@ -590,3 +590,25 @@ def test_a_lazy_module_not_run_yet_is_named_with_the_fix():
     model(x)
     traced = trace(*capture_copy(model, x))
     assert sorted(traced.param_fqns.values()) == ["0.bias", "0.weight", "2.bias", "2.weight"]
+
+
+class Seq2Seq(torch.nn.Module):
+    def __init__(self, say_causal: bool):
+        super().__init__()
+        self.say_causal, self.emb = say_causal, torch.nn.Embedding(16, 16)
+        self.transformer = torch.nn.Transformer(16, 2, 1, 1, 32, dropout=0.0, batch_first=True)
+
+    def forward(self, src, tgt):
+        mask = torch.nn.Transformer.generate_square_subsequent_mask(tgt.shape[1])
+        causal = {"tgt_is_causal": True} if self.say_causal else {}
+        return self.transformer(self.emb(src), self.emb(tgt), tgt_mask=mask, **causal).square().mean()
+
+
+def test_a_transformer_mask_torch_would_test_for_causality_names_the_flag():
+    """nn.Transformer compares a mask it is not told about with a causal one, a test on values export cannot
+    make: the error said "data-dependent control flow" and to use torch.where, at the user's call."""
+    src, tgt = torch.randint(0, 16, (2, 6)), torch.randint(0, 16, (2, 5))
+    with pytest.raises(TraceError, match=r"testing whether an attention mask is causal(?s:.*)tgt_is_causal=True"):
+        trace(Seq2Seq(say_causal=False), (src, tgt))
+    model = Seq2Seq(say_causal=True)
+    assert_eager_gradients(trace(model, (src, tgt)), model, (src, tgt), rtol=1e-5, atol=1e-6)
