@@ -24,8 +24,8 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.utils import _pytree as pytree
 
 from autopar.codegen import ParallelModule, lower
-from autopar.errors import TraceError
 from autopar.codegen.module import Retracer
+from autopar.errors import TraceError
 from autopar.profiler import profile
 from autopar.runtime.mesh import ProcessMesh
 from autopar.solver import solve, solve_keeping_params

@@ -27,7 +27,7 @@ from autopar.solver.mesh import Mesh
 from autopar.solver.reshard import reshard_steps
 from autopar.solver.reshard_types import CollectiveStep
 from autopar.solver.spec import Partial, Replicate, Spec
-from autopar.tracer.nodes import is_float
+from autopar.tracer.nodes import is_differentiable
 
 
 @dataclass(frozen=True)
@@ -86,7 +86,7 @@ def plan_steps(src: Spec, dst: Spec, shape: tuple[int, ...], mesh: Mesh, grad_ax
 def edge_for(producer: fx.Node, consumer: fx.Node, index: int, src: Spec, dst: Spec, consumer_axes: frozenset[int], mesh: Mesh,
              carries_grad: bool = True) -> Edge:
     """`carries_grad`: whether the value can have a gradient at all (a float computed from a parameter or input)."""
-    need = {k for k in consumer_axes if isinstance(dst.placements[k], Replicate)} if carries_grad and is_float(producer) else set()
+    need = {k for k in consumer_axes if isinstance(dst.placements[k], Replicate)} if carries_grad and is_differentiable(producer) else set()
     shape = tuple(producer.meta["val"].shape)
     steps, left = plan_steps(src, dst, shape, mesh, need)
     return Edge(producer.name, consumer.name, index, src, dst, steps, tuple(sorted(left)))

@@ -56,7 +56,7 @@ from autopar.solver.regions import layer_key
 from autopar.solver.spec import Partial, Replicate, Shard, Spec
 from autopar.tracer import TracedGraph, tensor_args
 from autopar.tracer.nodes import is_tensor_node as _is_tensor_node
-from autopar.tracer.nodes import differentiable, grad_carrying, is_dropout_clone, is_float, module_path
+from autopar.tracer.nodes import differentiable, grad_carrying, is_differentiable, is_dropout_clone, module_path
 
 log = logging.getLogger(__name__)
 aten = torch.ops.aten
@@ -193,7 +193,7 @@ class _Lowerer:
         c = self.nodes[e.consumer]
         downs = uses.get(c.name, [])
         carrying = [a for a in self.tensor_args(c) if a.name in self.grad_carrying]
-        single = c.target is not operator.getitem and len(carrying) == 1 and is_float(c)
+        single = c.target is not operator.getitem and len(carrying) == 1 and is_differentiable(c)
         if single and downs and all(u.op != "output" for u in c.users):
             free = set(range(len(self.mesh.shape))) - sharded_axes(self.in_specs(c) + self.out_specs(c))
             below = [self.partial_grad_axes(d, uses) for d in downs]

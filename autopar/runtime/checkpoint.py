@@ -138,7 +138,7 @@ class _Region(torch.autograd.Function):
             # a dot, not (out * grad).sum(), which would make an output-sized product first. For a complex
             # output the product whose gradient is backward's is Re(sum(conj(grad) * out)): `vdot`, real part
             grads_out = [ctx.handed.pop(i, None) for i in range(len(outputs))]
-            products = [_real(torch.vdot(grad.reshape(-1), out.reshape(-1))) for out, grad in zip(outputs, grads_out)
+            products = [torch.vdot(grad.reshape(-1), out.reshape(-1)).real for out, grad in zip(outputs, grads_out)
                         if grad is not None and isinstance(out, torch.Tensor) and out.requires_grad]
             root = sum(products[1:], products[0]) if products else None  # `sum`: outputs may differ in dtype
             del grads_out, products
@@ -149,7 +149,3 @@ class _Region(torch.autograd.Function):
         grads = iter(torch.autograd.grad(root, wanted, allow_unused=True) if root is not None and wanted
                      else [None] * len(wanted))
         return (None,) * _FIXED_ARGS + tuple(next(grads) if wants else None for wants in wants_grad)
-
-
-def _real(x: torch.Tensor) -> torch.Tensor:
-    return x.real if x.is_complex() else x

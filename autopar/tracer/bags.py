@@ -33,8 +33,9 @@ from typing import Any
 
 import torch
 from torch import fx
-from torch._guards import detect_fake_mode
 from torch.fx.operator_schemas import normalize_function
+
+from autopar.tracer.nodes import call_like
 
 log = logging.getLogger(__name__)
 aten = torch.ops.aten
@@ -101,13 +102,8 @@ def _flattened_2d(node: Any) -> fx.Node | None:
 def _rewrite(graph: fx.Graph, node: fx.Node, weight: fx.Node, indices: fx.Node, mode: int,
              weights: fx.Node | None, padding: int | None) -> None:
     def call(target, *args):
-        new = graph.call_function(target, args)
-        new.meta = {k: v for k, v in node.meta.items() if k != "val"}  # the module stack, for reports and layers
-        with fake_mode:
-            new.meta["val"] = target(*(x.meta["val"] if isinstance(x, fx.Node) else x for x in args))
-        return new
+        return call_like(graph, node, target, *args)
 
-    fake_mode = detect_fake_mode([weight.meta["val"]])
     with graph.inserting_before(node):
         rows = call(aten.embedding.default, weight, indices)  # (bags, length, dim)
         if weights is not None:

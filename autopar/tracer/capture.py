@@ -34,14 +34,14 @@ from autopar.gc_pause import gc_paused
 from autopar.tracer import custom_backward, data_sizes
 from autopar.tracer.attention import canonicalize_attention
 from autopar.tracer.bags import split_equal_bags
-from autopar.tracer.masked_writes import masks_as_where
-from autopar.tracer.sparse_grads import densify_sparse_gradients
 from autopar.tracer.checks import localize_checks
 from autopar.tracer.copies import copy_decomposition
 from autopar.tracer.cse import eliminate_common_subexpressions
+from autopar.tracer.masked_writes import masks_as_where
 from autopar.tracer.no_grad import detach_no_grad_inputs, stops_visible_to_export
 from autopar.tracer.restride import drop_identity_as_strided
 from autopar.tracer.source_lines import in_library, node_line
+from autopar.tracer.sparse_grads import densify_sparse_gradients
 
 log = logging.getLogger(__name__)
 
@@ -105,9 +105,7 @@ class CallArguments:
     kwargs: dict
 
 
-pytree.register_pytree_node(
-    CallArguments, lambda c: ([c.args, c.kwargs], None), lambda children, _: CallArguments(tuple(children[0]), children[1]),
-    serialized_type_name="autopar.CallArguments")
+pytree.register_dataclass(CallArguments, serialized_type_name="autopar.CallArguments")
 
 
 def split_sample_input(sample_input: Any) -> tuple[tuple, dict]:

@@ -29,7 +29,8 @@ import logging
 
 import torch
 from torch import fx
-from torch._guards import detect_fake_mode
+
+from autopar.tracer.nodes import call_like
 
 log = logging.getLogger(__name__)
 aten = torch.ops.aten
@@ -62,46 +63,49 @@ def masks_as_where(gm: fx.GraphModule) -> int:
     return rewritten
 
 
-def _broadcast_mask(node: fx.Node) -> bool:
-    """Whether `node` writes one value, broadcast, wherever a boolean mask over x's leading dims is set."""
+def _mask_write(node: fx.Node) -> tuple[fx.Node, fx.Node, fx.Node, tuple] | None:
+    """(x, mask, value, the dims of x the mask leaves) when `node` is `index_put(x, [mask], value)` with a
+    boolean mask over x's leading dims that replaces (accumulate=True adds: kept as written); else None."""
     x, indices, value, *rest = node.args
-    if (rest and rest[0]) or node.kwargs.get("accumulate") or len(indices) != 1 or not isinstance(indices[0], fx.Node):
-        return False  # accumulate=True adds: a mask's duplicates cannot occur, but keep the op as written
-    x_val, mask_val, value_val = (a.meta.get("val") for a in (x, indices[0], value))
+    if (rest and rest[0]) or node.kwargs.get("accumulate") or len(indices) != 1:
+        return None
+    mask = indices[0]
+    x_val, mask_val, value_val = (a.meta.get("val") if isinstance(a, fx.Node) else None for a in (x, mask, value))
     if not all(isinstance(v, torch.Tensor) for v in (x_val, mask_val, value_val)) or mask_val.dtype != torch.bool:
-        return False
+        return None
     covered = mask_val.dim()
     if covered > x_val.dim() or tuple(mask_val.shape) != tuple(x_val.shape[:covered]):
+        return None
+    return x, mask, value, tuple(x_val.shape[covered:])
+
+
+def _broadcast_mask(node: fx.Node) -> bool:
+    """Whether `node` writes one value, broadcast, wherever a boolean mask over x's leading dims is set."""
+    write = _mask_write(node)
+    if write is None:
         return False
-    trailing = tuple(x_val.shape[covered:])
-    try:  # index_put broadcasts the value to (selected, *trailing): a leading dim of 1 is the one case without data
-        shape = tuple(value_val.shape)
-        if len(shape) == len(trailing) + 1 and shape[0] == 1:
-            shape = shape[1:]
-        return torch.broadcast_shapes(shape, trailing) == trailing
-    except RuntimeError:
-        return False
+    shape, trailing = tuple(write[2].meta["val"].shape), write[3]
+    # index_put broadcasts the value to (selected, *trailing): a leading dim of 1 is the one case without data
+    if len(shape) == len(trailing) + 1 and isinstance(shape[0], int) and shape[0] == 1:
+        shape = shape[1:]
+    return _broadcasts(shape, trailing)  # a data-dependent dim (a value per selected element) does not
 
 
 def _elementwise_update(node: fx.Node) -> list[fx.Node] | None:
     """The ops from `x[mask]` (an `index` node, first) to index_put's value (last) when `node` writes back into x
     an elementwise function of the elements it gathered with the same boolean mask, each op's other tensors
     broadcasting over the dims the mask leaves; None otherwise."""
-    x, indices, value, *rest = node.args
-    if (rest and rest[0]) or node.kwargs.get("accumulate") or len(indices) != 1 or not isinstance(value, fx.Node):
+    write = _mask_write(node)
+    if write is None:
         return None
-    mask = indices[0]
-    mask_val, x_val = mask.meta.get("val"), x.meta.get("val")
-    if not isinstance(mask_val, torch.Tensor) or mask_val.dtype != torch.bool or not isinstance(x_val, torch.Tensor):
-        return None
-    trailing = tuple(x_val.shape[mask_val.dim():])
+    x, mask, value, trailing = write
     chain, current = [], value
     while not (current.target is aten.index.Tensor and current.args[0] is x and list(current.args[1]) == [mask]):
         if current.op != "call_function" or current.target not in _TOTAL:
             return None
         inputs = [a for a in current.args if isinstance(a, fx.Node)]
-        gathered = [a for a in inputs if a in _selected_values(a)]
-        if len(gathered) != 1 or any(not _broadcasts(a, trailing) for a in inputs if a is not gathered[0]):
+        gathered = [a for a in inputs if _selected(a)]
+        if len(gathered) != 1 or any(not _broadcasts(_shape(a), trailing) for a in inputs if a is not gathered[0]):
             return None
         if current.target is aten.div.Tensor and current.args[1] is gathered[0]:
             return None  # a value divided by the selected elements: not finite at zero
@@ -113,18 +117,21 @@ def _elementwise_update(node: fx.Node) -> list[fx.Node] | None:
     return chain[::-1]
 
 
-def _selected_values(node: fx.Node) -> set[fx.Node]:
-    """{node} when its value's leading dim is a data-dependent size (elements a mask selected), else empty."""
+def _selected(node: fx.Node) -> bool:
+    """Whether `node`'s value has a data-dependent leading dim (elements a mask selected)."""
     val = node.meta.get("val")
-    return {node} if isinstance(val, torch.Tensor) and val.dim() and not isinstance(val.shape[0], int) else set()
+    return isinstance(val, torch.Tensor) and val.dim() > 0 and not isinstance(val.shape[0], int)
 
 
-def _broadcasts(arg: fx.Node, trailing: tuple) -> bool:
-    val = arg.meta.get("val")
-    if not isinstance(val, torch.Tensor):
-        return True
+def _shape(node: fx.Node) -> tuple:
+    val = node.meta.get("val")
+    return tuple(val.shape) if isinstance(val, torch.Tensor) else ()  # a number broadcasts like a 0-d tensor
+
+
+def _broadcasts(shape: tuple, trailing: tuple) -> bool:
+    """Whether a value of `shape` broadcasts to `trailing` without growing it."""
     try:
-        return torch.broadcast_shapes(tuple(val.shape), trailing) == trailing
+        return torch.broadcast_shapes(shape, trailing) == trailing
     except RuntimeError:
         return False
 
@@ -143,14 +150,9 @@ def _size_check(node: fx.Node) -> bool:
 def _rewrite(graph: fx.Graph, node: fx.Node, chain: list[fx.Node] | None = None) -> None:
     x, (mask,), value = node.args[:3]
     x_val = x.meta["val"]
-    fake_mode = detect_fake_mode([x_val])
 
     def call(target, *args, **kwargs):
-        new = graph.call_function(target, args, kwargs)
-        new.meta = {k: v for k, v in node.meta.items() if k != "val"}  # the module stack and the user's line
-        with fake_mode:
-            new.meta["val"] = target(*(a.meta["val"] if isinstance(a, fx.Node) else a for a in args), **kwargs)
-        return new
+        return call_like(graph, node, target, *args, **kwargs)
 
     with graph.inserting_before(node):
         trailing = x_val.dim() - mask.meta["val"].dim()

@@ -12,11 +12,24 @@ from typing import Callable
 
 import torch
 from torch import fx
+from torch._guards import detect_fake_mode
 from torch.utils import _pytree as pytree
 
 
 def is_tensor_node(arg: object) -> bool:
     return isinstance(arg, fx.Node) and isinstance(arg.meta.get("val"), torch.Tensor)
+
+
+def call_like(graph: fx.Graph, like: fx.Node, target: Callable, *args: object, **kwargs: object) -> fx.Node:
+    """A call of `target` at `graph`'s insertion point carrying `like`'s metadata (its module stack and source
+    line, for reports and errors) and its own value computed on the fake tensors of its arguments, as the
+    nodes export makes carry theirs: for a pass that rewrites one traced op as others."""
+    new = graph.call_function(target, args, kwargs)
+    new.meta = {k: v for k, v in like.meta.items() if k != "val"}
+    vals = pytree.tree_map_only(fx.Node, lambda a: a.meta["val"], (args, kwargs))
+    with detect_fake_mode(pytree.tree_leaves(vals)):
+        new.meta["val"] = target(*vals[0], **vals[1])
+    return new
 
 
 def tensor_args(node: fx.Node) -> tuple[fx.Node, ...]:
@@ -61,24 +74,25 @@ def differentiable(t: object) -> bool:
     return isinstance(t, torch.Tensor) and (t.is_floating_point() or t.is_complex())
 
 
-def is_float(node: fx.Node) -> bool:
+def is_differentiable(node: fx.Node) -> bool:
     """Whether `node`'s value can carry a gradient (`differentiable`)."""
     return differentiable(node.meta.get("val"))
 
 
 def grad_carrying(graph: fx.Graph, no_grad: set[str], targs: Callable[[fx.Node], tuple[fx.Node, ...]] = tensor_args) -> set[str]:
-    """Names of nodes whose value can carry a gradient: float values computed from a float parameter or
-    user input, but for the placeholders in `no_grad` (buffers, frozen parameters). Others (integer
-    tensors, `arange`, a float count of labels, constants) get no grad all-reduce."""
+    """Names of nodes whose value can carry a gradient: values of a differentiable dtype (`differentiable`)
+    computed from such a parameter or user input, but for the placeholders in `no_grad` (buffers, frozen
+    parameters). Others (integer tensors, `arange`, a float count of labels, constants) get no grad all-reduce."""
     out: set[str] = set()
     for node in graph.nodes:
         if node.op == "placeholder":
-            if node.name not in no_grad and is_float(node):
+            if node.name not in no_grad and is_differentiable(node):
                 out.add(node.name)
         elif node.op == "call_function":
             val = node.meta.get("val")
-            floating = is_float(node) or isinstance(val, (tuple, list))  # a tuple's elements are checked at the getitem
+            # a tuple's elements are checked at their getitem
+            differentiates = is_differentiable(node) or isinstance(val, (tuple, list))
             ins = (node.args[0],) if node.target is operator.getitem else targs(node)  # tensor_args skips tuple producers
-            if floating and any(a.name in out for a in ins):
+            if differentiates and any(a.name in out for a in ins):
                 out.add(node.name)
     return out
