@@ -79,7 +79,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--mesh", type=_mesh_shape, help="logical mesh shape, e.g. 2x4 (default: try every shape of --gpus)")
     p.add_argument("--hardware", default="h100", help="preset name (h100, a100, cpu, ...) or a mesh JSON from `autopar calibrate --save`")
     p.add_argument("--memory", type=_memory, help="per-device budget: 80GB (10^9 bytes), 80GiB (2^30 bytes), 512MB or plain bytes; default: the device's memory")
-    p.add_argument("--optimizer", default="adamw", help="optimizer whose state is budgeted: adamw, adam, sgd, sgd-momentum")
+    p.add_argument("--optimizer", default="adamw", help="optimizer whose state is budgeted: adamw, adam, sgd, sgd-momentum, adafactor, muon "
+                   "(the last two read whole matrices: their plans keep every parameter whole)")
     p.add_argument("--time-limit", type=float, default=30.0,
                    help="seconds per ILP search (a budget the first search finds no plan for gets two more: the leanest plan, then the fastest from it)")
     p.add_argument("--save", help="write the plan to this JSON file")

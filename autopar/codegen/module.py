@@ -49,6 +49,7 @@ from autopar.errors import TraceError
 from autopar.runtime.batch import batch_slice, global_like
 from autopar.runtime.deferred_loss import grads_scaled_by, other_output
 from autopar.runtime.grad_norm import track
+from autopar.runtime.optimizers import watch_optimizers
 from autopar.runtime.grad_sync import GradSync
 from autopar.runtime.mesh import ProcessMesh
 from autopar.runtime.same_inputs import agree
@@ -144,6 +145,7 @@ class ParallelModule(nn.Module):
         self._sync_key = first.sync_key
         self._synced_params = self._params_read()  # the sync's
         track(self)  # torch's clip_grad_norm_ on these shards: the full gradients' norm
+        watch_optimizers(self)  # and no optimizer reading whole parameters steps them
 
     def _graph_of(self, gm: fx.GraphModule, traced: TracedGraph, casts: bool) -> _Graph:
         # the graph takes its parameters and buffers as arguments (`lower`'s docstring says why): each is
@@ -175,6 +177,7 @@ class ParallelModule(nn.Module):
         new.__dict__.update({k: copy.deepcopy(v, memo) for k, v in self.__dict__.items()})
         new._own_sync(new._graph)  # not `_sync_to`: that would take the original's hooks off
         track(new)
+        watch_optimizers(new)
         return new
 
     def _meta_read(self) -> bool:

@@ -103,10 +103,14 @@ def make_optimizer(model: nn.Module, optimizer: str) -> torch.optim.Optimizer:
         return torch.optim.AdamW(params, lr=1e-4, foreach=False)
     if key == "adam":
         return torch.optim.Adam(params, lr=1e-4, foreach=False)
-    if key in ("sgd_momentum", "sgd+momentum", "momentum"):
+    if key in ("sgd_momentum", "sgd+momentum", "sgd-momentum", "momentum"):
         return torch.optim.SGD(params, lr=1e-4, momentum=0.9, foreach=False)
     if key == "sgd":
         return torch.optim.SGD(params, lr=1e-4, foreach=False)
+    if key == "adafactor":
+        return torch.optim.Adafactor(params, lr=1e-4, foreach=False)
+    if key == "muon":  # torch's Muon takes matrices only
+        return torch.optim.Muon(params, lr=1e-4)
     raise ValueError(f"unknown optimizer {optimizer!r}")
 
 

@@ -40,6 +40,20 @@ class OptimizerCost:
     has_step: bool  # a per-parameter `step` tensor (a 4-byte fp32 scalar for Adam/AdamW with capturable=False)
     launches: int  # ATen ops one step dispatches per parameter (counted against torch in tests/profiler)
     writes: int  # elementwise outputs it writes per parameter, as multiples of the parameter's bytes
+    # The update of an element reads other elements of its parameter (a matrix's row and column statistics,
+    # the whole matrix orthogonalised): on a rank's block of a parameter it would differ from one device's,
+    # so a plan for it keeps every parameter whole (`solver.search`) and the runtime refuses it on shards
+    # (`runtime.optimizers`).
+    whole_params: bool = False
+    factored: bool = False  # Adafactor: a parameter of 2+ dims keeps a row and a column vector, not a full state
+
+    def state_bytes(self, val: torch.Tensor) -> int:
+        """The optimizer state torch keeps for a parameter shaped like `val`."""
+        step = 4 if self.has_step else 0
+        if self.factored and val.ndim >= 2:
+            rows, cols = val.numel() // val.shape[-1], val.numel() // val.shape[-2]
+            return (rows + cols) * val.element_size() + step
+        return self.state_mult * int(tensor_bytes(val)) + step
 
 
 _OPTIMIZERS: dict[str, OptimizerCost] = {
@@ -48,12 +62,22 @@ _OPTIMIZERS: dict[str, OptimizerCost] = {
     # step += 1; exp_avg.lerp_; exp_avg_sq.mul_().addcmul_(); denom = sqrt / bias correction + eps; param.addcdiv_
     "adam": OptimizerCost(2, True, 9, 7),
     "adamw": OptimizerCost(2, True, 10, 8),  # and param.mul_(1 - lr * weight_decay) first
+    # a matrix's ops (a vector's: 13 launches, 7 writes, and a full variance); row and column means of grad^2
+    "adafactor": OptimizerCost(1, True, 22, 6, whole_params=True, factored=True),
+    # a momentum buffer, and five Newton-Schulz iterations on the matrix (their matmul FLOPs are not priced:
+    # `cost.optimizer_step_s` prices elementwise traffic). A tall matrix's ops (a wide one's: 2 fewer launches and
+    # writes, its transposes). torch's Muon takes matrices only; a model's other parameters are priced as the same
+    "muon": OptimizerCost(1, False, 30, 18, whole_params=True),
 }
-_ALIASES = {"sgd+momentum": "sgd_momentum", "momentum": "sgd_momentum"}
+_ALIASES = {"sgd+momentum": "sgd_momentum", "sgd-momentum": "sgd_momentum", "momentum": "sgd_momentum"}
 
 
 class ProfileError(AutoparError):
     """The profiler was given something it cannot price (names the value and the fix)."""
+
+
+def optimizer_cost(optimizer: str) -> OptimizerCost:
+    return _OPTIMIZERS[optimizer_key(optimizer)]
 
 
 def optimizer_key(optimizer: str) -> str:
@@ -212,7 +236,7 @@ def _params(traced: TracedGraph, opt: str) -> dict[str, ParamProfile]:
             numel=int(val.numel()),
             param_bytes=0 if tied else nbytes,
             grad_bytes=grad,
-            optimizer_bytes=0 if not grad else cost.state_mult * nbytes + (4 if cost.has_step else 0),
+            optimizer_bytes=0 if not grad else cost.state_bytes(val),
             update_launches=cost.launches if grad else 0,  # the optimizer steps what has a gradient, once per storage
             update_write_bytes=cost.writes * grad,
         )

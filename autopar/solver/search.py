@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import Callable, Literal, Mapping
 
 from autopar.errors import AutoparError, InfeasibleError
+from autopar.profiler.profile import optimizer_cost
 from autopar.profiler.types import ConcreteProfile, GraphProfile
 from autopar.solver.comm_volume import comm_bytes_by_kind
 from autopar.solver.ilp import Restrictions, Solution, evaluate, solve_problem
@@ -95,7 +96,12 @@ def solve(
     built = _build(traced, profile, mesh, _budget(mesh, memory_budget_bytes), sizes)
     log.debug("solver: problem built in %.2f s (%d graph nodes -> %d problem nodes)",
               time.perf_counter() - start, built.num_graph_nodes, len(built.problem.nodes))
-    return to_plan(traced, mesh, built, solve_problem(built.problem, time_limit_s, backend))
+    restrictions = Restrictions()
+    if optimizer_cost(profile.optimizer).whole_params:
+        # its update reads whole parameters (`OptimizerCost.whole_params`): each is used and stored whole, so
+        # its gradient is summed whole on every rank; activations may still be split
+        restrictions = Restrictions(_params_allowed(traced, built, Spec.is_replicate), zero="never")
+    return to_plan(traced, mesh, built, solve_problem(built.problem, time_limit_s, backend, restrictions=restrictions))
 
 
 def solve_for_devices(
@@ -257,6 +263,16 @@ def _param_rule(name: str, mesh: Mesh) -> Callable[[Spec], bool]:
     return Spec.is_replicate  # data parallel and ZeRO-3: every parameter used whole
 
 
+def _params_allowed(traced: TracedGraph, built: BuiltProblem, rule: Callable[[Spec], bool]) -> dict[int, frozenset[int]]:
+    """Per problem node standing for a parameter, the options whose use of it `rule` allows."""
+    allowed = {}
+    for v in range(len(built.problem.nodes)):
+        leader = built.grouping.clusters[built.grouping.classes[v][0]].leader
+        if leader in traced.param_fqns:
+            allowed[v] = frozenset(i for i, s in enumerate(built.strategies[leader]) if rule(s.output_specs[0]))
+    return allowed
+
+
 def baseline_plan(
     traced: TracedGraph,
     profile: GraphProfile | ConcreteProfile,
@@ -277,12 +293,10 @@ def baseline_plan(
     # data parallel and ZeRO-3 split the batch: every tensor carrying it is split over the first (data) axis,
     # or the cheapest "data parallel" plan may gather the batch and compute it whole on every rank
     batched = batch_dependent(traced) if name in ("data_parallel", "zero3") else frozenset()
-    allowed = {}
+    allowed = _params_allowed(traced, built, rule)
     for v, node in enumerate(built.problem.nodes):
         leader = built.grouping.clusters[built.grouping.classes[v][0]].leader
-        if leader in traced.param_fqns:
-            allowed[v] = frozenset(i for i, s in enumerate(built.strategies[leader]) if rule(s.output_specs[0]))
-        elif leader in batched:
+        if leader in batched and leader not in traced.param_fqns:
             split = frozenset(i for i in range(len(node.options))
                               if splits_batch(built.strategies[leader][built.member_strategy(leader, i)]))
             if split:  # an op with no batch-split strategy stays free (and is priced as what it can do)

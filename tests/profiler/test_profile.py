@@ -124,27 +124,30 @@ class _OpsOnParamSizedTensors(torch.utils._python_dispatch.TorchDispatchMode):
         return out
 
 
-@pytest.mark.parametrize("optimizer", ["sgd", "sgd_momentum", "adam", "adamw"])
+@pytest.mark.parametrize("optimizer", ["sgd", "sgd_momentum", "adam", "adamw", "adafactor", "muon"])
 def test_optimizer_step_launches_and_writes_as_torch_runs_it(net_profile, optimizer):
     """The step's price per parameter (`cost.optimizer_step_s`) counts what torch.optim's step dispatches:
-    the difference between stepping two parameters and one is one parameter's ops."""
+    the difference between stepping two parameters and one is one parameter's ops. Matrices shaped as
+    qkv.weight (Adafactor steps vectors otherwise; Muon takes matrices only); the state is torch's own."""
     from autopar.profiler.measure import make_optimizer
 
-    def counted(n_params: int) -> _OpsOnParamSizedTensors:
-        params = nn.ParameterList([nn.Parameter(torch.randn(100)) for _ in range(n_params)])
+    def counted(n_params: int) -> tuple[_OpsOnParamSizedTensors, torch.optim.Optimizer]:
+        params = nn.ParameterList([nn.Parameter(torch.randn(48, 16)) for _ in range(n_params)])
         opt = make_optimizer(params, optimizer)
         for p in params:
-            p.grad = torch.randn(100)
+            p.grad = torch.randn(48, 16)
         opt.step()  # the first step creates the state
-        with _OpsOnParamSizedTensors(100) as mode:
+        with _OpsOnParamSizedTensors(48 * 16) as mode:
             opt.step()
-        return mode
+        return mode, opt
 
-    one, two = counted(1), counted(2)
+    (one, opt), (two, _) = counted(1), counted(2)
     traced, _ = net_profile
     w = profile(traced, optimizer=optimizer).params["qkv.weight"]
     assert w.update_launches == two.ops - one.ops
     assert w.update_write_bytes == (two.writes - one.writes) * w.param_bytes
+    state = opt.state[opt.param_groups[0]["params"][0]]  # none for plain SGD
+    assert w.optimizer_bytes == sum(t.numel() * t.element_size() for t in state.values())
 
 
 def test_unknown_optimizer_is_named(net_profile):

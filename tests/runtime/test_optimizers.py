@@ -1,0 +1,152 @@
+"""Optimizers that read whole parameters: refused on a rank's blocks, planned for with their parameters whole.
+
+Adafactor's row and column statistics and Muon's orthogonalised matrix, computed on a
+rank's block of a tensor-parallel weight, are not one device's: the parameters would
+drift without an error. `runtime.optimizers` refuses such a step before it changes
+anything; `parallelize(..., optimizer="adafactor")` (or "muon") plans every parameter
+whole, and then training matches one device's.
+"""
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+import autopar
+from autopar.profiler.profile import profile
+from autopar.runtime.launch import run_ranks
+from autopar.runtime.mesh import ProcessMesh
+from autopar.runtime.optimizers import OptimizerError
+from autopar.solver.mesh import make_mesh
+from autopar.solver.search import baseline_plan, solve
+from tests.codegen.harness import LogRecords, local_sample, loss_of, parallel_module, trace_model
+from tests.codegen.plans import cpu_mesh, load_zoo
+
+
+def _gpt2():
+    return load_zoo("gpt2").build(batch_size=4, seq_len=16, size="tiny", device="cpu")
+
+
+def _split_params(plan) -> int:
+    return sum(not (p.use.is_replicate() and p.storage.is_replicate()) for p in plan.params)
+
+
+def test_whole_parameter_optimizers_plan_every_parameter_whole():
+    """On the CPU preset's 2 ranks, AdamW's plan splits a parameter (and more under a tighter budget);
+    Adafactor's and Muon's keep every one whole at each budget, and count torch's state for them."""
+    model, sample = _gpt2()
+    traced = trace_model(model, sample)
+    mesh = make_mesh(2, (2,), "cpu")
+    for budget in (None, 2.5e6):
+        assert _split_params(solve(traced, profile(traced, optimizer="adamw"), mesh, memory_budget_bytes=budget)) > 0
+        for name in ("adafactor", "muon"):
+            plan = solve(traced, profile(traced, optimizer=name), mesh, memory_budget_bytes=budget)
+            assert _split_params(plan) == 0, (name, budget)
+
+
+def _one_device(model, sample, make_opt, steps: int):
+    ref = copy.deepcopy(model)
+    opts = make_opt(ref)
+    losses = []
+    for _ in range(steps):
+        loss = loss_of(ref(**sample))
+        loss.backward()
+        for opt in opts:
+            opt.step()
+            opt.zero_grad()
+        losses.append(loss.item())
+    return losses, {n: p.detach().clone() for n, p in ref.named_parameters()}
+
+
+def _adafactor(model):
+    return [torch.optim.Adafactor(model.parameters(), lr=1e-3, foreach=False)]
+
+
+def _muon_and_adamw(model):
+    matrices = [p for p in model.parameters() if p.ndim == 2]
+    rest = [p for p in model.parameters() if p.ndim != 2]
+    return [torch.optim.Muon(matrices, lr=1e-3), torch.optim.AdamW(rest, lr=1e-3)]
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("name, make_opt", [("adafactor", _adafactor), ("muon", _muon_and_adamw)])
+def test_whole_parameter_plans_train_like_one_device(name, make_opt):
+    """`parallelize(optimizer=name)` on 2 ranks under a budget where AdamW's plan splits 2 parameters:
+    three steps of torch's optimizer give one device's losses and parameters. Muon orthogonalises in
+    bfloat16, where the gradients' last-bit differences (their sum over ranks) round apart: its parameters
+    agree to 1e-4, against steps of about 3e-3 per element (what a rank's block would get wrong)."""
+    model, sample = _gpt2()
+    want_losses, want_params = _one_device(model, sample, make_opt, 3)
+
+    def body(rank, world):
+        pm = autopar.parallelize(model, sample, (world,), memory_budget=2.5e6, optimizer=name)
+        opts = make_opt(pm)
+        args, kwargs = local_sample(sample, pm)
+        losses = []
+        for _ in range(3):
+            loss = loss_of(pm(*args, **kwargs))
+            loss.backward()
+            for opt in opts:
+                opt.step()
+                opt.zero_grad()
+            losses.append(loss.item())
+        return _split_params(pm.plan), losses, {n: p.detach().clone() for n, p in pm.named_parameters()}
+
+    for split, losses, params in run_ranks(body, 2, timeout_s=200):
+        assert split == 0
+        torch.testing.assert_close(torch.tensor(losses), torch.tensor(want_losses), rtol=1e-5, atol=0)
+        for fqn, p in params.items():
+            torch.testing.assert_close(p, want_params[fqn], rtol=1e-4, atol=1e-4 if name == "muon" else 1e-5,
+                                       msg=lambda m: f"{name}: {fqn}: {m}")
+
+
+class _PlainSGD(torch.optim.Optimizer):
+    """A class the check does not know (elementwise, as it happens)."""
+
+    def __init__(self, params):
+        super().__init__(params, {"lr": 1e-2})
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is not None:
+                    p.add_(p.grad, alpha=-group["lr"])
+
+
+@pytest.mark.timeout(120)
+def test_whole_parameter_optimizer_on_blocks_is_refused_before_stepping():
+    """Under Megatron's plan (weights split over the 2 ranks), Adafactor's and Muon's steps raise, naming
+    the optimizer, a split weight and the plan to make, and leave every parameter as it was; AdamW steps;
+    an optimizer class of the user's steps with one warning naming the concern, however many steps."""
+    model, sample = _gpt2()
+    traced = trace_model(model, sample)
+    plan = baseline_plan(traced, profile(traced), cpu_mesh((2,)), "megatron")
+    assert _split_params(plan) > 0
+
+    def body(rank, world):
+        pm = parallel_module(model, sample, traced, plan, ProcessMesh((world,)))
+        args, kwargs = local_sample(sample, pm)
+        loss_of(pm(*args, **kwargs)).backward()
+        before = {n: p.detach().clone() for n, p in pm.named_parameters()}
+        errors = []
+        for opt in (torch.optim.Adafactor(pm.parameters()), torch.optim.Muon([p for p in pm.parameters() if p.ndim == 2])):
+            with pytest.raises(OptimizerError) as err:
+                opt.step()
+            errors.append(str(err.value))
+        unchanged = all(torch.equal(p, before[n]) for n, p in pm.named_parameters())
+        torch.optim.AdamW(pm.parameters()).step()
+        moved = not all(torch.equal(p, before[n]) for n, p in pm.named_parameters())
+        log = LogRecords("autopar.runtime.optimizers")
+        mine = _PlainSGD(pm.parameters())
+        mine.step()
+        mine.step()
+        return errors, unchanged, moved, log.messages
+
+    errors, unchanged, moved, warnings = run_ranks(body, 2, timeout_s=100)[0]
+    assert "Adafactor reads row and column means" in errors[0] and "optimizer='adafactor'" in errors[0]
+    assert "Muon reads the whole matrix" in errors[1] and "optimizer='muon'" in errors[1]
+    assert all("split on dim" in e and "Nothing was stepped" in e for e in errors)
+    assert unchanged and moved
+    assert len(warnings) == 1 and "_PlainSGD steps" in warnings[0]
