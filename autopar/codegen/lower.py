@@ -133,6 +133,8 @@ class _Lowerer:
         self._targs: dict[str, tuple[fx.Node, ...]] = {}
         self.origin: dict[str, str] = {}  # new node name -> the traced node it implements (for recompute regions)
         self.buffer_attrs: dict[str, fx.Node] = {}  # buffer FQN -> its input node
+        self.param_attrs: dict[str, fx.Node] = {}  # parameter owner FQN -> its input node (tied params share one)
+        self.param_storage: dict[str, Spec] = {}  # parameter owner FQN -> how its input is stored
         self.fed_inputs: dict[str, fx.Node] = {}  # user input placeholder name -> the tensor the caller feeds
         self.state_fqns: list[str] = []  # FQNs of the graph's parameter and buffer inputs, in order
         self.first_input: fx.Node | None = None  # the placeholder of the first user input
@@ -315,10 +317,10 @@ class _Lowerer:
         dp_axes = self.data_parallel_axes()
         self.batch = self.global_batch()
         fed_specs = []
-        storage, buffer_specs = {}, {}
-        held: dict[str, fx.Node] = {}  # tensor owner FQN -> its input node (tied params share one)
+        storage, held, buffer_specs = self.param_storage, self.param_attrs, {}
         zero_nodes: list[fx.Node] = []  # input nodes of parameters stored as ZeRO shards
         mutated = set(self.traced.buffer_mutations.values())  # buffers the forward updates
+        moved = {self.owner(fqn) for fqn in self.traced.param_mutations.values()}  # frozen parameters it updates
         changed_inputs = set(self.traced.input_mutations.values())  # user inputs it updates in place
         for node in self.traced.graph.nodes:
             if node.op == "placeholder":
@@ -332,9 +334,12 @@ class _Lowerer:
                         raise LoweringError(f"tied parameters {owner!r} and {fqn!r} are used through two placeholders; not supported")
                     storage[owner] = d.storage
                     held[owner] = self.state_input(node, owner, self.local_tensor(fqn, node, d.storage, self.full_params), True)
+                    # ops read a copy of a parameter the forward updates, as of a buffer it updates (below); a
+                    # ZeRO gather re-run in backward starts from that copy too, not from the overwritten shard
+                    read = self.graph.call_function(aten.clone.default, (held[owner],)) if owner in moved else held[owner]
                     if zero_steps[node.name]:
-                        zero_nodes.append(held[owner])
-                    self.env[node.name] = self.emit_steps(held[owner], zero_steps[node.name], ())
+                        zero_nodes.append(read)
+                    self.env[node.name] = self.emit_steps(read, zero_steps[node.name], ())
                 elif node.name in self.traced.buffer_fqns:
                     fqn = self.traced.buffer_fqns[node.name]
                     spec = self.src_spec(node)
@@ -422,7 +427,8 @@ class _Lowerer:
 
     def emit_buffer_updates(self) -> None:
         """Write the values a forward computes for its buffers (BatchNorm's running statistics and batch
-        count) back into this rank's buffers, resharded to the buffer's layout, and the values it gives
+        count) and frozen parameters (a momentum encoder) back into this rank's tensors, resharded to their
+        layout (a parameter's storage: its ZeRO shard if it has one), and the values it gives
         user inputs it changes in place back into the tensors the caller fed, resharded to the layout fed:
         the traced graph is functional, the module is not."""
         placeholder_of = {fqn: name for name, fqn in self.traced.buffer_fqns.items()}
@@ -430,6 +436,10 @@ class _Lowerer:
             node, buffer = self.nodes[name], self.nodes[placeholder_of[fqn]]
             value = self.reshard(self.env[name], node, self.src_spec(node), self.src_spec(buffer))
             self.graph.call_function(aten.copy_.default, (self.buffer_attrs[fqn], value))
+        for name, fqn in self.traced.param_mutations.items():  # frozen: no optimizer writes them
+            node, owner = self.nodes[name], self.owner(fqn)
+            value = self.reshard(self.env[name], node, self.src_spec(node), self.param_storage[owner])
+            self.graph.call_function(aten.copy_.default, (self.param_attrs[owner], value))
         for name, input_name in self.traced.input_mutations.items():
             node = self.nodes[name]
             value = self.reshard(self.env[name], node, self.src_spec(node), self.fed_spec(self.nodes[input_name]))

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 from typing import Iterable
 
+import torch
 import torch.utils.checkpoint as ckpt
 from torch import fx, nn
 
@@ -40,10 +41,18 @@ def regathered(region: fx.GraphModule, *args):
     return ckpt.checkpoint(region, *args, use_reentrant=False, early_stop=True)
 
 
+def _writes_back(node: fx.Node) -> bool:
+    """A write of the forward's new value into a buffer or frozen parameter (`lower.emit_buffer_updates`)."""
+    return node.op == "call_function" and node.target is torch.ops.aten.copy_.default
+
+
 def _chain(graph: fx.Graph, roots: set[fx.Node]) -> set[fx.Node]:
-    """Nodes computed from ZeRO parameters alone (graph order is topological, so one pass suffices)."""
+    """Nodes computed from ZeRO parameters alone (graph order is topological, so one pass suffices). A
+    write-back is not one even so (a momentum encoder moved toward a ZeRO query encoder): it consumes them."""
     chain = set(roots)
     for node in graph.nodes:
+        if _writes_back(node):
+            continue
         if node.op == "call_function" and node.all_input_nodes and all(a in chain for a in node.all_input_nodes):
             chain.add(node)
     return chain
@@ -80,7 +89,8 @@ def regather_zero_params(graph: fx.Graph, root: nn.Module, zero_params: Iterable
                 if c.name in origin:
                     origin[env[n].name] = origin[c.name]
         c.args, c.kwargs = fx.map_arg((c.args, c.kwargs), lambda a: env.get(a, a))
-        if needed and origin.get(c.name) not in recompute:
+        # a write-back saves nothing for backward, and a region re-run there would write again
+        if needed and origin.get(c.name) not in recompute and not _writes_back(c):
             regions.append([env[n] for n in needed] + [c])
     for n in sorted(chain - roots, key=order.__getitem__, reverse=True):
         if not n.users:  # every consumer has its own copy now (the graph output may still use the original)

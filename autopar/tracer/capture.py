@@ -72,6 +72,8 @@ class TracedGraph:
     buffer_mutations: Mapping[str, str] = field(default_factory=dict)  # output node name -> buffer FQN it updates
     # output node name -> the user input placeholder it updates (`labels[labels == pad] = -100` in the forward)
     input_mutations: Mapping[str, str] = field(default_factory=dict)
+    # output node name -> the frozen parameter's FQN it updates (a momentum encoder's `k.data = ...`)
+    param_mutations: Mapping[str, str] = field(default_factory=dict)
     tied_params: Mapping[str, tuple[str, ...]] = field(default_factory=dict)  # canonical FQN -> other names of it
     symbols: Mapping[str, sympy.Symbol] = field(default_factory=dict)  # "batch"/"seq" -> the graph's symbol
     # tensors the forward makes from Python values (DeBERTa's `torch.tensor(head_dim)`): FQN (among
@@ -177,7 +179,7 @@ def _export(model: nn.Module, args: tuple, kwargs: dict, dynamic_dims: Mapping[s
         # torch 2.13's own deep copies of pytree specs warn about its own deprecated LeafSpec:
         # nothing a user can act on, printed once per trace.
         warnings.filterwarnings("ignore", message=r".*isinstance\(treespec, LeafSpec\)", category=FutureWarning)
-        with stops_visible_to_export():
+        with stops_visible_to_export(type(model).__name__):
             ep = torch.export.export(model, args, kwargs, strict=False, dynamic_shapes=dynamic_shapes)
         detach_no_grad_inputs(ep.graph_module)  # before the decompositions inline the blocks
         decomps = {op: fn for op, fn in core_aten_decompositions().items() if op not in _KEEP_WHOLE}
@@ -216,17 +218,19 @@ def _drop_runtime_asserts(gm: fx.GraphModule) -> None:
 
 
 def _refuse_parameter_mutations(ep: torch.export.ExportedProgram, model_name: str) -> None:
-    """A forward that changes a parameter in place (`nn.Embedding(max_norm=...)` renormalises the rows it
-    looks up) cannot be parallelized: the parameters are shards only the optimizer updates, and the graph
-    would train on a copy that is never written back."""
+    """A forward that changes a trained parameter in place (`nn.Embedding(max_norm=...)` renormalises the
+    rows it looks up) cannot be parallelized: the optimizer owns its shards, and their gradients are of the
+    values before the change. A frozen one (`requires_grad=False`: MoCo's momentum encoder, moved toward the
+    query encoder in the forward) is written back like a buffer (`TracedGraph.param_mutations`)."""
     outs = next(n for n in reversed(ep.graph_module.graph.nodes) if n.op == "output").args[0]
     for spec, out in zip(ep.graph_signature.output_specs, outs):
-        if spec.kind == OutputKind.PARAMETER_MUTATION:
+        if spec.kind == OutputKind.PARAMETER_MUTATION and ep.state_dict[spec.target].requires_grad:
             raise TraceError(
                 f"cannot trace {model_name}: the forward changes parameter `{spec.target}` in place at "
                 f"{node_line(out)}\n"
                 f"  fix: change it outside the forward (after optimizer.step(), under torch.no_grad()); for "
-                f"nn.Embedding(max_norm=...), renormalise the rows there instead of passing max_norm")
+                f"nn.Embedding(max_norm=...), renormalise the rows there instead of passing max_norm. A frozen "
+                f"parameter (requires_grad=False) may be changed in the forward")
 
 
 def _dynamic_shapes(args: tuple, kwargs: dict, dynamic_dims: Mapping[str, int]):
@@ -297,12 +301,14 @@ def _from_exported(
     gm.recompile()
     output_node = next(n for n in reversed(gm.graph.nodes) if n.op == "output")
     outs = output_node.args[0]
-    output_names, buffer_mutations, input_mutations = [], {}, {}
+    output_names, buffer_mutations, input_mutations, param_mutations = [], {}, {}, {}
     for spec, out in zip(sig.output_specs, outs):
         if spec.kind == OutputKind.USER_OUTPUT:
             output_names.append(out.name if isinstance(out, fx.Node) else None)
         elif spec.kind == OutputKind.BUFFER_MUTATION:
             buffer_mutations[out.name] = spec.target
+        elif spec.kind == OutputKind.PARAMETER_MUTATION:  # a frozen one (`_refuse_parameter_mutations`)
+            param_mutations[out.name] = canonical.get(spec.target, spec.target)
         elif spec.kind == OutputKind.USER_INPUT_MUTATION:
             input_mutations[out.name] = spec.target
     loss_index = None
@@ -323,6 +329,7 @@ def _from_exported(
         loss_index=loss_index,
         buffer_mutations=buffer_mutations,
         input_mutations=input_mutations,
+        param_mutations=param_mutations,
         tied_params={k: tuple(v) for k, v in tied.items()},
         symbols=_symbols(gm, dynamic_dims),
         constants=constants,
@@ -394,6 +401,12 @@ _KNOWN_FIXES = (
      "return tensors, or tuples, lists, dicts and dataclasses of them; turn off what returns the object "
      "(a Hugging Face model's KV cache is turned off for you: `config.use_cache`), or register its type "
      "with torch.utils._pytree.register_pytree_node"),
+    # `int(t)` / `t.item()` made a Python number for an index or a size (MoCo's queue pointer): export
+    # cannot pick one value for every step
+    ("Could not extract specialized integer", "a tensor's value read as a Python number (`int(t)`, `t.item()`) "
+     "for an index or a size",
+     "keep it a tensor and index with it, e.g. `queue.index_copy_(1, (ptr + torch.arange(n)) % size, keys.T)` "
+     "and `ptr.add_(n).remainder_(size)`, so the graph computes it at every step"),
     ("data-dependent", "data-dependent control flow",
      "replace the Python `if`/`while` on a tensor value with torch.where / torch.cond, or make the branch depend on shapes only"),
     ("is not supported", "an unsupported operation", "rewrite the construct with standard torch ops"),

@@ -28,7 +28,14 @@ it. Export loses each of the ways a forward writes one:
   its gradient) is a tensor export did not create, and the trace failed with
   "a fake tensor in the exported program constant's list" at no line. While
   export runs, a read from the model's code is `w.detach()`: the same values,
-  no gradient. Writes (`w.data = ...`) and torch's own reads are unchanged.
+  no gradient. torch's own reads are unchanged.
+- `w.data = value` in the forward (MoCo moves its momentum encoder so) is no op
+  export sees: the graph read the old `w` and never changed it, silently (the
+  key encoder stood still). While export runs, such a write from the model's
+  code of a value shaped like `w` is `w.copy_(value)` under no_grad: an
+  in-place change export records, which the parallel module writes back (a
+  frozen parameter's, a buffer's). On a tensor that takes a gradient (a
+  trained parameter) it is refused at its line.
 
 Measured before the fixes: `detach` and no_grad blocks gave gradients off by up
 to 3.9 on a 4-unit linear layer, `detach_` by up to 3.4 (the graph
@@ -44,7 +51,8 @@ from typing import Any, Iterator
 import torch
 from torch import fx
 
-from autopar.tracer.source_lines import in_library
+from autopar.errors import TraceError
+from autopar.tracer.source_lines import calling_line, in_library
 
 aten = torch.ops.aten
 _GRAD_MODE_BLOCK = torch.ops.higher_order.wrap_with_set_grad_enabled
@@ -80,10 +88,10 @@ def _detached(graph: fx.Graph, x: object) -> object:
 
 
 @contextlib.contextmanager
-def stops_visible_to_export() -> Iterator[None]:
+def stops_visible_to_export(model_name: str) -> Iterator[None]:
     """Inside, `torch.inference_mode(mode)` sets the grad mode to `not mode` for its block and restores it
-    after, and `t.data` read by the model's code is `t.detach()`: export records both (the module
-    docstring says why). Only while export runs; the classes are restored on the way out."""
+    after, `t.data` read by the model's code is `t.detach()`, and `t.data = v` is `t.copy_(v)`: export
+    records each (the module docstring says why). Only while export runs; the classes are restored on the way out."""
     inference_mode = torch.autograd.grad_mode.inference_mode
     original_enter, original_exit = inference_mode.__enter__, inference_mode.__exit__
     data = torch._C.TensorBase.__dict__["data"]  # the C getter and setter `torch.Tensor` inherits
@@ -100,8 +108,22 @@ def stops_visible_to_export() -> Iterator[None]:
             return data.__get__(self)
         return self.detach()
 
+    def write_data(self: torch.Tensor, value: torch.Tensor) -> None:
+        if in_library(sys._getframe(1).f_code.co_filename) or (value.shape, value.dtype) != (self.shape, self.dtype):
+            data.__set__(self, value)
+            return
+        if self.requires_grad:
+            raise TraceError(
+                f"cannot trace {model_name}: `.data = ...` at {calling_line()} replaces the values of a tensor that "
+                "takes a gradient (a trained parameter): the optimizer owns a parameter's shards, and its gradient "
+                "is of the values before the change\n"
+                "  fix: change it outside the forward (after optimizer.step(), under torch.no_grad()); a frozen "
+                "parameter (requires_grad=False: a momentum encoder) may be changed in the forward")
+        with torch.no_grad():
+            self.copy_(value)
+
     inference_mode.__enter__, inference_mode.__exit__ = enter, exit
-    torch.Tensor.data = property(read_data, data.__set__)
+    torch.Tensor.data = property(read_data, write_data)
     try:
         yield
     finally:

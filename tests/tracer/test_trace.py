@@ -142,6 +142,35 @@ def test_data_dependent_branch_names_the_line():
     assert "torch.where" in message  # the fix
 
 
+class QueuePointer(torch.nn.Module):
+    """MoCo's queue of keys, written at a pointer kept in a buffer and read as a Python int."""
+
+    def __init__(self):
+        super().__init__()
+        self.proj = torch.nn.Linear(4, 4)
+        self.register_buffer("queue", torch.zeros(4, 16))
+        self.register_buffer("ptr", torch.zeros(1, dtype=torch.long))
+
+    def forward(self, x):
+        h = self.proj(x)
+        with torch.no_grad():
+            ptr = int(self.ptr)  # a Python number from a tensor: the line the error must name
+            self.queue[:, ptr:ptr + h.shape[0]] = h.T
+            self.ptr[0] = (ptr + h.shape[0]) % 16
+        return (h @ self.queue).sum()
+
+
+def test_tensor_value_as_python_number_names_the_line_and_a_tensor_index():
+    """Not "control flow" and `torch.where`: the fix for an index read off a tensor is to index with the tensor."""
+    with pytest.raises(TraceError) as info:
+        trace(QueuePointer(), torch.randn(2, 4))
+    message = str(info.value)
+    line = next(i for i, text in enumerate(Path(__file__).read_text().splitlines(), 1)
+                if "a Python number from a tensor: the line" in text)
+    assert f"{Path(__file__).name}:{line}" in message, message
+    assert "read as a Python number" in message and "index_copy_" in message and "torch.where" not in message
+
+
 def test_training_mode_is_captured_and_restored():
     model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Dropout(0.5))
     model.eval()
@@ -450,13 +479,25 @@ class RenormedEmbedding(torch.nn.Module):
         return self.head(self.embed(ids)).square().mean()  # max_norm renormalises the rows looked up, in place
 
 
+class ClampedByData(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.proj = torch.nn.Linear(8, 1)
+
+    def forward(self, x):
+        self.proj.weight.data = self.proj.weight.data.clamp(-0.1, 0.1)  # WGAN's clipping, in the forward
+        return self.proj(x).square().mean()
+
+
 @pytest.mark.parametrize("model, sample, what, fix", [
     (GradientHooked(), torch.randn(4, 8), "a gradient hook is registered in the forward", "k * z + (1 - k) * z.detach()"),
     (RenormedEmbedding(), torch.randint(0, 10, (4, 3)), "changes parameter `embed.weight` in place", "max_norm"),
-], ids=["tensor-hook", "max-norm"])
+    (ClampedByData(), torch.randn(4, 8), "`.data = ...` at", "after optimizer.step()"),
+], ids=["tensor-hook", "max-norm", "data-write"])
 def test_backward_behaviour_the_graph_cannot_hold_is_refused_with_the_line(model, sample, what, fix):
     """A hook on an activation is not an op, and a parameter changed in the forward would be changed on a
-    copy: the trace used to drop both silently (a 10x gradient error; an embedding with no gradient)."""
+    copy: the trace used to drop each silently (a 10x gradient error; an embedding with no gradient; a
+    weight never clipped)."""
     with pytest.raises(TraceError) as info:
         trace(model, sample)
     message = str(info.value)
