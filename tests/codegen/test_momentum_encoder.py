@@ -51,7 +51,7 @@ class MoCo(nn.Module):
 
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("in_place", [False, True])
-@pytest.mark.parametrize("mesh_shape, count", [((2,), 3), ((2, 2), 3)])
+@pytest.mark.parametrize("mesh_shape, count", [((2,), 2), ((2, 2), 3)])
 def test_momentum_encoder_and_queue_train_like_one_device(mesh_shape, count, in_place):
     """Before: `k.data = ...` was no op export saw, and the key encoder never moved (the loss was off from
     the second step); the in-place form was refused; a ZeRO-stored key bias lost its update (2x2 plan 1)."""
