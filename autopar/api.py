@@ -19,6 +19,7 @@ from typing import Any, Callable, Literal, Mapping
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.nn.utils.weight_norm import WeightNorm
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.distributed.device_mesh import DeviceMesh
 from torch.utils import _pytree as pytree
@@ -70,6 +71,14 @@ def capture_copy(model: nn.Module, sample: Any, device: str = "meta",
         memo.setdefault(id(p), nn.Parameter(make(p, dtypes.get(name)), requires_grad=p.requires_grad))
     for name, b in model.named_buffers(remove_duplicate=False):
         memo.setdefault(id(b), make(b, dtypes.get(name)))
+    for module in model.modules():
+        for hook in module._forward_pre_hooks.values():
+            if isinstance(hook, WeightNorm):
+                # torch.nn.utils.weight_norm (deprecated, in older vocoders and GANs) keeps `g * v / |v|` as a
+                # plain attribute, a tensor with a gradient history that cannot be deep-copied; its pre-hook
+                # computes it again at every forward, so the copy takes a placeholder of its shape
+                weight = getattr(module, hook.name)
+                memo.setdefault(id(weight), make(weight.detach()))
     return copy.deepcopy(model, memo), pytree.tree_map_only(torch.Tensor, make, sample)
 
 
@@ -131,7 +140,9 @@ def parallelize(
     if dist.get_rank() == 0:
         log.info("parallelize: %s on mesh %s in %.2f s (est. step %.1f ms)", type(model).__name__, pmesh.shape,
                  time.perf_counter() - start, plan.time.total_s * 1e3)
-        hooked = [name or type(model).__name__ for name, m in model.named_modules() if m._forward_hooks or m._forward_pre_hooks]
+        # (weight_norm's pre-hook computes the weight, which the graph does too: nothing is lost there)
+        hooked = [name or type(model).__name__ for name, m in model.named_modules()
+                  if m._forward_hooks or any(not isinstance(h, WeightNorm) for h in m._forward_pre_hooks.values())]
         if hooked:
             log.warning("parallelize: forward hooks on %s ran once, while tracing (what they changed in the outputs is "
                         "in the graph), and do not run in the parallel module's forward, which calls ops, not modules: "

@@ -179,12 +179,29 @@ def _export(model: nn.Module, args: tuple, kwargs: dict, dynamic_dims: Mapping[s
         # torch 2.13's own deep copies of pytree specs warn about its own deprecated LeafSpec:
         # nothing a user can act on, printed once per trace.
         warnings.filterwarnings("ignore", message=r".*isinstance\(treespec, LeafSpec\)", category=FutureWarning)
-        with stops_visible_to_export(type(model).__name__):
+        with stops_visible_to_export(type(model).__name__), _distributions_unchecked():
             ep = torch.export.export(model, args, kwargs, strict=False, dynamic_shapes=dynamic_shapes)
         detach_no_grad_inputs(ep.graph_module)  # before the decompositions inline the blocks
         decomps = {op: fn for op, fn in core_aten_decompositions().items() if op not in _KEEP_WHOLE}
         decomps[torch.ops.aten.copy.default] = copy_decomposition  # torch has neither a derivative nor a decomposition
         return ep.run_decompositions(decomps)
+
+
+@contextlib.contextmanager
+def _distributions_unchecked() -> Iterator[None]:
+    """torch.distributions' argument checks off while export runs (restored after).
+
+    `Normal(mu, sigma)` checks by default that sigma is positive, a Python `if` on tensor values
+    that export cannot trace (a VAE's reparameterised sample stopped with "data-dependent control
+    flow" at the constructor). The checks only raise for arguments a trained model does not give;
+    the values and the graph are the same without them. A distribution built with an explicit
+    `validate_args=True` still checks, and still stops."""
+    validating = torch.distributions.Distribution._validate_args
+    torch.distributions.Distribution.set_default_validate_args(False)
+    try:
+        yield
+    finally:
+        torch.distributions.Distribution.set_default_validate_args(validating)
 
 
 @contextlib.contextmanager

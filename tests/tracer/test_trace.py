@@ -653,3 +653,62 @@ def test_a_transformer_mask_torch_would_test_for_causality_names_the_flag():
         trace(Seq2Seq(say_causal=False), (src, tgt))
     model = Seq2Seq(say_causal=True)
     assert_eager_gradients(trace(model, (src, tgt)), model, (src, tgt), rtol=1e-5, atol=1e-6)
+
+
+class VAE(torch.nn.Module):
+    """A reparameterised sample and a KL term through torch.distributions, whose argument checks are on."""
+
+    def __init__(self):
+        super().__init__()
+        self.enc, self.mu, self.log_var, self.dec = (torch.nn.Linear(*d) for d in ((8, 16), (16, 4), (16, 4), (4, 8)))
+
+    def forward(self, x):
+        h = torch.relu(self.enc(x))
+        posterior = torch.distributions.Normal(self.mu(h), (0.5 * self.log_var(h)).exp())
+        z = posterior.rsample()
+        kl = torch.distributions.kl_divergence(posterior, torch.distributions.Normal(0.0, 1.0)).sum(1).mean()
+        return F.mse_loss(self.dec(z), x) + kl
+
+
+def test_distributions_trace_with_their_argument_checks_on():
+    """`Normal(mu, sigma)` checks sigma > 0 with a Python `if` on its values: the trace stopped there
+    ("data-dependent control flow"). Traced with the checks off, the graph draws the same sample as eager
+    from the same seed: the same loss and gradients. The checks are on again after the trace."""
+    model, x = VAE(), torch.randn(4, 8)
+    assert torch.distributions.Distribution._validate_args
+    traced = trace(model, x)
+    assert torch.distributions.Distribution._validate_args
+    values = placeholder_values(traced, model, x)
+    params = [v for v in values if isinstance(v, torch.nn.Parameter)]
+    torch.manual_seed(3)
+    got_loss = pytree.tree_leaves(traced.gm(*values))[0]
+    got = torch.autograd.grad(got_loss, params)
+    torch.manual_seed(3)
+    want_loss = model(x)
+    want = torch.autograd.grad(want_loss, params)
+    torch.testing.assert_close(got_loss, want_loss)
+    for g, w in zip(got, want, strict=True):
+        torch.testing.assert_close(g, w, rtol=1e-6, atol=1e-6)
+
+
+class WeightNormed(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.proj = torch.nn.utils.weight_norm(torch.nn.Linear(8, 8))  # deprecated, as older vocoders use it
+        self.head = torch.nn.Linear(8, 1)
+
+    def forward(self, x):
+        return self.head(torch.tanh(self.proj(x))).square().mean()
+
+
+@pytest.mark.filterwarnings("ignore:.*weight_norm.* is deprecated:FutureWarning")
+def test_old_weight_norm_traces_from_a_copy():
+    """`torch.nn.utils.weight_norm` keeps `g * v / |v|` as a tensor attribute with a gradient history, which
+    `parallelize`'s copy for the trace could not deep-copy (torch's RuntimeError). Its pre-hook recomputes
+    it in the copy, so the graph has eager's gradients for g and v."""
+    from autopar.api import capture_copy
+
+    model, x = WeightNormed(), torch.randn(4, 8)
+    traced = trace(*capture_copy(model, x, "cpu"))
+    assert {"proj.weight_g", "proj.weight_v"} <= set(traced.param_fqns.values())
+    assert_eager_gradients(traced, model, x)
