@@ -24,6 +24,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.distributed.device_mesh import DeviceMesh
 from torch.utils import _pytree as pytree
 
+from autopar.codegen.module_tree import dress_like
 from autopar.codegen import ParallelModule, lower
 from autopar.codegen.module import Retracer
 from autopar.errors import TraceError
@@ -148,6 +149,7 @@ def parallelize(
                         "in the graph), and do not run in the parallel module's forward, which calls ops, not modules: "
                         "read activations from the module's outputs instead", hooked[:5])
     pm = ParallelModule(gm, traced, pmesh, plan, make_retracer(model, sample_input, device, optimizer, time_limit_s))
+    dress_like(pm, model)  # submodules of the model's classes: code that sorts parameters by module type
     # code written against the model reads its plain attributes (a Hugging Face model's config, generation_config,
     # name_or_path): the parallel module has them too; its own names and the model's methods are not copied
     for name, value in vars(model).items():

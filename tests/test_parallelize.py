@@ -152,3 +152,37 @@ def test_the_models_plain_attributes_and_device_are_the_parallel_modules():
     for vocab, name, device, loss in run_ranks(_attributes, 2, model, sample, timeout_s=90):
         assert (vocab, name, device) == (model.config.vocab_size, "tiny-gpt2", "cpu")
         assert loss == pytest.approx(want, rel=1e-5)
+
+
+def _by_module_type(module: torch.nn.Module) -> tuple[set[str], set[str]]:
+    """minGPT's and Hugging Face Trainer's split for weight decay: Linear weights decay, LayerNorm and
+    Embedding weights and biases do not, decided by the type of the module holding each parameter."""
+    decay, no_decay = set(), set()
+    for path, m in module.named_modules():
+        for name, _ in m.named_parameters(recurse=False):
+            fqn = f"{path}.{name}" if path else name
+            (decay if isinstance(m, torch.nn.Linear) and name == "weight" else no_decay).add(fqn)
+    return decay, no_decay
+
+
+def _submodules(rank, world, model, sample):
+    pm = parallelize(model, sample, (world,))
+    try:
+        pm.transformer.h[0].mlp.c_fc(torch.randn(2, 64))
+        refused = ""
+    except RuntimeError as err:
+        refused = str(err)
+    return (_by_module_type(pm), type(pm.transformer.h[1].ln_2).__name__, pm.transformer.h[0].ln_1.eps,
+            "LayerNorm((64,), eps=1e-05" in repr(pm), refused)
+
+
+def test_submodules_have_the_models_classes_and_do_not_run():
+    """The parallel module's submodules hold the parameters under the model's names; they were plain
+    `nn.Module`s, so a split of the parameters by module type (weight decay for Linear weights only) put
+    every weight in the other set. Now they have the model's classes and attributes (`h[0]` indexes the
+    ModuleList; `repr` prints the model's layers), and calling one raises instead of computing on shards."""
+    model, sample = load_zoo("gpt2").build(batch_size=4, seq_len=16, size="tiny", device="cpu")
+    for split, kind, eps, printed, refused in run_ranks(_submodules, 2, model, sample, timeout_s=90):
+        assert split == _by_module_type(model) and len(split[0]) > 0
+        assert (kind, eps, printed) == ("LayerNorm", 1e-5, True)
+        assert "call the parallel module itself" in refused
