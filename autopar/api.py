@@ -30,6 +30,7 @@ from autopar.codegen.module import Retracer
 from autopar.errors import TraceError
 from autopar.profiler import profile
 from autopar.runtime.mesh import ProcessMesh
+from autopar.runtime.optimizers import replaced
 from autopar.solver import solve, solve_keeping_params
 from autopar.solver.mesh import Mesh, make_mesh
 from autopar.solver.plan import Plan
@@ -150,6 +151,7 @@ def parallelize(
                         "read activations from the module's outputs instead", hooked[:5])
     pm = ParallelModule(gm, traced, pmesh, plan, make_retracer(model, sample_input, device, optimizer, time_limit_s))
     dress_like(pm, model)  # submodules of the model's classes: code that sorts parameters by module type
+    replaced(model, pm)  # an optimizer made from the model's parameters is refused at its first step
     # code written against the model reads its plain attributes (a Hugging Face model's config, generation_config,
     # name_or_path): the parallel module has them too; its own names and the model's methods are not copied
     for name, value in vars(model).items():

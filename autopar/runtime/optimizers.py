@@ -1,7 +1,8 @@
-"""Optimizers whose update of an element reads other elements of its parameter, refused on shards.
+"""Optimizers that would not step the parallel module as one device steps the model, refused.
 
     pm = ParallelModule(...)                        # calls watch_optimizers()
     torch.optim.Adafactor(pm.parameters()).step()   # OptimizerError if some parameter is a rank's block
+    torch.optim.AdamW(model.parameters()).step()    # OptimizerError: the model's, not the module's (`replaced`)
 
 A parallel module's parameters are this rank's blocks of the full parameters
 where the plan shards them (tensor parallel, ZeRO). An elementwise optimizer
@@ -14,8 +15,14 @@ optimizer's step is checked (torch's global step pre-hook) before it changes
 anything: torch's whole-parameter optimizers are refused on blocks, naming the
 parameters and the plan that keeps them whole (`optimizer="adafactor"` or
 `"muon"` in `parallelize`); an optimizer class this module does not know steps
-with a warning, once per class. The verdict is kept per optimizer and checked
-again when its parameters or the modules change, so a step pays one lookup.
+with a warning, once per class.
+
+An optimizer made from the model's parameters before `parallelize` (which DDP
+allows: its parameters are the model's own) holds tensors the parallel module
+does not train: they never get a gradient, and every step changed nothing,
+silently. Its first step is refused, naming the fix. The verdict is kept per
+optimizer and checked again when its parameters or the modules change, so a
+step pays one lookup.
 """
 from __future__ import annotations
 
@@ -61,6 +68,8 @@ _MODULES: weakref.WeakValueDictionary[int, ShardedModule] = weakref.WeakValueDic
 _ORDER = itertools.count()
 _checked: weakref.WeakKeyDictionary[torch.optim.Optimizer, tuple] = weakref.WeakKeyDictionary()
 _warned: set[type] = set()
+# parameters of models a parallel module replaced, by id (a WeakSet would compare tensors with ==)
+_REPLACED: weakref.WeakValueDictionary[int, torch.Tensor] = weakref.WeakValueDictionary()
 _handle = None
 
 
@@ -80,8 +89,22 @@ def _before_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> No
         _checked[optimizer] = key
 
 
+def replaced(model: torch.nn.Module, module: torch.nn.Module) -> None:
+    """Note that `module` trains its own tensors in place of `model`'s parameters (`parallelize`'s model)."""
+    own = {id(p) for p in module.parameters()}
+    _REPLACED.update((id(p), p) for p in model.parameters() if id(p) not in own)
+
+
 def _check(optimizer: torch.optim.Optimizer) -> None:
     kind = type(optimizer)
+    stale = [p for group in optimizer.param_groups for p in group["params"] if _REPLACED.get(id(p)) is p]
+    if stale and all(p.grad is None for p in stale):
+        # made before `parallelize` (DDP's parameters are the model's own; these are not the module's)
+        raise OptimizerError(
+            f"{kind.__name__} holds {len(stale)} parameters of the model given to parallelize, not the parallel "
+            "module's: the parallel module trains its own tensors (this rank's shards), so these get no gradient "
+            "and the step would change nothing. Make the optimizer after parallelize, from pm.parameters() (a "
+            "saved optimizer state loads with pm.load_optimizer_state_dict(optimizer, state))")
     if isinstance(optimizer, _ELEMENTWISE):
         return
     blocks = _blocks()

@@ -150,3 +150,30 @@ def test_whole_parameter_optimizer_on_blocks_is_refused_before_stepping():
     assert all("split on dim" in e and "Nothing was stepped" in e for e in errors)
     assert unchanged and moved
     assert len(warnings) == 1 and "_PlainSGD steps" in warnings[0]
+
+
+def _made_before(rank, world, model, sample):
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)  # DDP's order: the optimizer first, then the wrapper
+    pm = autopar.parallelize(model, sample, (world,))
+    args, kwargs = local_sample(sample, pm)
+    loss_of(pm(*args, **kwargs)).backward()
+    before = {n: p.detach().clone() for n, p in pm.named_parameters()}
+    with pytest.raises(OptimizerError) as err:
+        opt.step()
+    eager = torch.optim.AdamW(model.parameters(), lr=1e-2)  # the model trained on its own, beside: its business
+    loss_of(model(**sample)).backward()
+    eager.step()
+    torch.optim.AdamW(pm.parameters(), lr=1e-2).step()
+    return str(err.value), sum(not torch.equal(p, before[n]) for n, p in pm.named_parameters())
+
+
+@pytest.mark.timeout(120)
+def test_an_optimizer_of_the_models_parameters_is_refused():
+    """An optimizer made from the model's parameters before `parallelize` held tensors the parallel module
+    does not train: no gradients reached them, and its steps changed nothing, silently. Its first step is
+    refused; the model trained eagerly beside the module steps; the module's own optimizer moves every
+    parameter."""
+    model, sample = _gpt2()
+    message, moved = run_ranks(_made_before, 2, model, sample, timeout_s=100)[0]
+    assert "holds 28 parameters of the model given to parallelize" in message and "pm.parameters()" in message
+    assert moved == len(list(model.parameters()))
