@@ -13,6 +13,7 @@ import copy
 import logging
 import math
 import time
+import weakref
 from pathlib import Path
 from typing import Any, Callable, Literal, Mapping
 
@@ -152,6 +153,7 @@ def parallelize(
     pm = ParallelModule(gm, traced, pmesh, plan, make_retracer(model, sample_input, device, optimizer, time_limit_s))
     dress_like(pm, model)  # submodules of the model's classes: code that sorts parameters by module type
     replaced(model, pm)  # an optimizer made from the model's parameters is refused at its first step
+    _warn_when_read_stale(model, pm)
     # code written against the model reads its plain attributes (a Hugging Face model's config, generation_config,
     # name_or_path): the parallel module has them too; its own names and the model's methods are not copied
     for name, value in vars(model).items():
@@ -163,6 +165,35 @@ def parallelize(
             log.warning("parallelize: %s is in eval mode, and so is the parallel module (dropout off, batch norm's "
                         "running statistics used): call pm.train() to train in training mode", type(model).__name__)
     return pm
+
+
+def _warn_when_read_stale(model: nn.Module, pm: ParallelModule) -> None:
+    """`model.state_dict()` after the parallel module trained, the model untouched, warns (once a process).
+
+    DDP trains the model's own parameters, so a DDP loop saves `model.state_dict()` at the end; the
+    parallel module trains its own tensors, and that saved the weights of before training, silently.
+    Version counters tell, at no cost: an optimizer's step bumps the module's; the model's stay as
+    they were unless something changed them (the model trained eagerly beside: no warning)."""
+    model_versions = [p._version for p in model.parameters()]
+    module_versions = [p._version for p in pm.parameters()]
+    module = weakref.ref(pm)
+
+    def hook(_: nn.Module, prefix: str, keep_vars: bool) -> None:
+        pm = module()
+        if prefix or pm is None or _stale_warned or dist.get_rank() != 0:
+            return
+        trained = any(p._version != v for p, v in zip(pm.parameters(), module_versions))
+        untouched = all(p._version == v for p, v in zip(model.parameters(), model_versions))
+        if trained and untouched:
+            _stale_warned.append(True)
+            log.warning("parallelize: %s.state_dict() gives the weights it had when parallelized: the parallel module "
+                        "trains its own tensors, not the model's. Save pm.state_dict() (full tensors, every rank "
+                        "calls it) or pm.save_checkpoint(path)", type(model).__name__)
+
+    model.register_state_dict_pre_hook(hook)
+
+
+_stale_warned: list[bool] = []  # the warning was given in this process
 
 
 def make_retracer(model: nn.Module, sample_input: Any, device: str, optimizer: str = "adamw", time_limit_s: float = 30.0) -> Retracer:

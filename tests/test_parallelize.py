@@ -186,3 +186,26 @@ def test_submodules_have_the_models_classes_and_do_not_run():
         assert split == _by_module_type(model) and len(split[0]) > 0
         assert (kind, eps, printed) == ("LayerNorm", 1e-5, True)
         assert "call the parallel module itself" in refused
+
+
+def _stale_reads(rank, world, model, sample):
+    log = LogRecords("autopar.api")
+    pm = parallelize(model, sample, (world,))
+    model.state_dict()  # before any step: the model's weights are the module's
+    quiet_before = list(log.messages)
+    opt = torch.optim.AdamW(pm.parameters(), lr=1e-3)
+    pm(**pm.local_batch(sample)).backward()
+    opt.step()
+    model.state_dict()
+    model.state_dict()
+    return [m for m in log.messages if "state_dict() gives the weights" in m], quiet_before
+
+
+def test_reading_the_untrained_model_after_training_warns():
+    """A DDP loop ends with `torch.save(model.state_dict())`: DDP trained the model's own parameters. The
+    parallel module trains its own tensors, so that saved the weights of before training, silently. Rank 0
+    now warns, once, naming what to save instead; not before the module has stepped."""
+    model, sample = load_zoo("gpt2").build(batch_size=4, seq_len=16, size="tiny", device="cpu")
+    (warned, before), (warned_1, _) = run_ranks(_stale_reads, 2, model, sample, timeout_s=90)
+    assert not [m for m in before if "state_dict() gives" in m]
+    assert len(warned) == 1 and "pm.state_dict()" in warned[0] and warned_1 == []
