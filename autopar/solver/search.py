@@ -314,11 +314,12 @@ def baseline_plans(
     time_limit_s: float = 30.0,
     sizes: Mapping[str, int] | None = None,
 ) -> tuple[BaselineResult, ...]:
-    """Pure data parallel, ZeRO-3/FSDP and Megatron TP+DP priced by the same model."""
+    """Pure data parallel, ZeRO-3/FSDP and Megatron TP+DP priced by the same model; for an optimizer that
+    reads whole parameters (Adafactor, Muon) pure data parallel alone, the one of them it can step."""
     budget = _budget(mesh, memory_budget_bytes)
     built = _build(traced, profile, mesh, budget, sizes)
     out = []
-    for name in BASELINES:
+    for name in ("data_parallel",) if optimizer_cost(profile.optimizer).whole_params else BASELINES:
         plan = baseline_plan(traced, profile, mesh, name, budget, time_limit_s, sizes, built)
         out.append(BaselineResult(name, plan.time, plan.memory, plan.memory.total_bytes <= budget * (1 + 1e-9)))
     return tuple(out)

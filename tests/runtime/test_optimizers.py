@@ -19,7 +19,7 @@ from autopar.runtime.launch import run_ranks
 from autopar.runtime.mesh import ProcessMesh
 from autopar.runtime.optimizers import OptimizerError
 from autopar.solver.mesh import make_mesh
-from autopar.solver.search import baseline_plan, solve
+from autopar.solver.search import baseline_plan, baseline_plans, solve
 from tests.codegen.harness import LogRecords, local_sample, loss_of, parallel_module, trace_model
 from tests.codegen.plans import cpu_mesh, load_zoo
 
@@ -34,7 +34,7 @@ def _split_params(plan) -> int:
 
 def test_whole_parameter_optimizers_plan_every_parameter_whole():
     """On the CPU preset's 2 ranks, AdamW's plan splits a parameter (and more under a tighter budget);
-    Adafactor's and Muon's keep every one whole at each budget, and count torch's state for them."""
+    Adafactor's and Muon's keep every one whole at each budget."""
     model, sample = _gpt2()
     traced = trace_model(model, sample)
     mesh = make_mesh(2, (2,), "cpu")
@@ -43,6 +43,8 @@ def test_whole_parameter_optimizers_plan_every_parameter_whole():
         for name in ("adafactor", "muon"):
             plan = solve(traced, profile(traced, optimizer=name), mesh, memory_budget_bytes=budget)
             assert _split_params(plan) == 0, (name, budget)
+    # of the textbook plans `autopar plan` compares with, the one such an optimizer can step
+    assert [b.name for b in baseline_plans(traced, profile(traced, optimizer="adafactor"), mesh)] == ["data_parallel"]
 
 
 def _one_device(model, sample, make_opt, steps: int):
