@@ -39,6 +39,7 @@ from autopar.tracer.copies import copy_decomposition
 from autopar.tracer.cse import eliminate_common_subexpressions
 from autopar.tracer.masked_writes import masks_as_where
 from autopar.tracer.no_grad import detach_no_grad_inputs, stops_visible_to_export
+from autopar.tracer.python_random import python_draws_reported
 from autopar.tracer.restride import drop_identity_as_strided
 from autopar.tracer.source_lines import in_library, node_line
 from autopar.tracer.sparse_grads import densify_sparse_gradients
@@ -179,7 +180,8 @@ def _export(model: nn.Module, args: tuple, kwargs: dict, dynamic_dims: Mapping[s
         # torch 2.13's own deep copies of pytree specs warn about its own deprecated LeafSpec:
         # nothing a user can act on, printed once per trace.
         warnings.filterwarnings("ignore", message=r".*isinstance\(treespec, LeafSpec\)", category=FutureWarning)
-        with stops_visible_to_export(type(model).__name__), _distributions_unchecked():
+        name = type(model).__name__
+        with stops_visible_to_export(name), _distributions_unchecked(), python_draws_reported(name):
             ep = torch.export.export(model, args, kwargs, strict=False, dynamic_shapes=dynamic_shapes)
         detach_no_grad_inputs(ep.graph_module)  # before the decompositions inline the blocks
         decomps = {op: fn for op, fn in core_aten_decompositions().items() if op not in _KEEP_WHOLE}

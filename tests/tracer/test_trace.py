@@ -2,7 +2,10 @@
 from __future__ import annotations
 
 import collections
+import random
 from pathlib import Path
+
+import numpy
 
 import pytest
 import torch
@@ -12,7 +15,7 @@ from torch.utils import _pytree as pytree
 
 from autopar.errors import TraceError
 from autopar.tracer import split_sample_input, trace, with_device
-from tests.codegen.harness import call, loss_of
+from tests.codegen.harness import LogRecords, call, loss_of
 
 from tests.zoo import ZOO, load_zoo
 
@@ -712,3 +715,30 @@ def test_old_weight_norm_traces_from_a_copy():
     traced = trace(*capture_copy(model, x, "cpu"))
     assert {"proj.weight_g", "proj.weight_v"} <= set(traced.param_fqns.values())
     assert_eager_gradients(traced, model, x)
+
+
+class PythonFlip(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.proj = torch.nn.Linear(8, 1)
+
+    def forward(self, x):
+        if random.random() < 0.5:  # an augmentation drawn in Python: the line the warning must name
+            x = x.flip(-1)
+        noise = numpy.random.uniform(0, 0.1)
+        return (self.proj(x) + noise).square().mean()
+
+
+def test_python_random_draws_in_the_forward_are_named():
+    """`random` and `numpy.random` run once, while tracing: the graph keeps that draw for every step. Each
+    line is named once; torch's random ops are not reported, and `random.random` is Python's own again
+    after the trace."""
+    records = LogRecords("autopar.tracer.python_random")
+    draw = random.random
+    trace(PythonFlip(), torch.randn(4, 8))
+    trace(torch.nn.Dropout(0.5), torch.randn(4, 8))
+    line = next(i for i, text in enumerate(Path(__file__).read_text().splitlines(), 1)
+                if "the line the warning must name" in text)
+    assert len(records.messages) == 2 and random.random is draw
+    assert f"random.random() at {__file__}:{line}" in records.messages[0] and "torch.rand" in records.messages[0]
+    assert "numpy.random.uniform()" in records.messages[1]
