@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import time
 import traceback
 import warnings
@@ -410,6 +411,23 @@ _CAUSAL_MASK_CHECK = (
     "or is_causal=False with any other, and torch does not read the mask to find out")
 
 
+# nn.RNN/LSTM/GRU on a PackedSequence size their state by its batch sizes, tensor values
+_PACKED_SEQUENCE = (
+    "a recurrent layer run on a packed sequence (`pack_padded_sequence`: its batch sizes are tensor values)",
+    "run it on the padded batch, whose outputs up to each length are the packed ones in a unidirectional layer, and "
+    "read each sequence's last state as `out[torch.arange(batch), lengths - 1]`; mask padded steps out of the loss")
+
+
+def _in_packed_rnn(err: BaseException) -> bool:
+    """Whether the failure happened in torch's recurrent layers with a PackedSequence input."""
+    for e in _chain(err):
+        for frame, _ in traceback.walk_tb(e.__traceback__):
+            if frame.f_code.co_filename.endswith(os.path.join("nn", "modules", "rnn.py")) and any(
+                    isinstance(v, torch.nn.utils.rnn.PackedSequence) for v in frame.f_locals.values()):
+                return True
+    return False
+
+
 def _in_torch_function(err: BaseException, name: str) -> bool:
     """Whether the failure passed through a function called `name`."""
     return any(fs.name == name for e in _chain(err) for fs in traceback.extract_tb(e.__traceback__))
@@ -444,6 +462,8 @@ def _trace_error(model: nn.Module, err: BaseException) -> TraceError:
         construct, fix = f"{data_sizes.WHAT} (`{message}`)", data_sizes.UNSIZED_FIX
     if _in_torch_function(err, "_detect_is_causal_mask"):
         construct, fix = _CAUSAL_MASK_CHECK
+    if _in_packed_rnn(err):
+        construct, fix = _PACKED_SEQUENCE
     frame = _user_frame(err)
     where = f"{frame.filename}:{frame.lineno} (`{(frame.line or '').strip()}`)" if frame else "an unknown line"
     return TraceError(

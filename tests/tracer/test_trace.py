@@ -742,3 +742,33 @@ def test_python_random_draws_in_the_forward_are_named():
     assert len(records.messages) == 2 and random.random is draw
     assert f"random.random() at {__file__}:{line}" in records.messages[0] and "torch.rand" in records.messages[0]
     assert "numpy.random.uniform()" in records.messages[1]
+
+
+class PackedGRU(torch.nn.Module):
+    def __init__(self, packed: bool):
+        super().__init__()
+        self.packed, self.gru, self.head = packed, torch.nn.GRU(8, 8, batch_first=True), torch.nn.Linear(8, 2)
+
+    def forward(self, x, lengths):
+        if self.packed:
+            seq = torch.nn.utils.rnn.pack_padded_sequence(x, lengths, batch_first=True, enforce_sorted=False)
+            _, h = self.gru(seq)  # the line the packed error must name
+            return self.head(h[-1]).square().mean()
+        out, _ = self.gru(x)
+        return self.head(out[torch.arange(x.shape[0]), lengths - 1]).square().mean()
+
+
+def test_a_packed_sequence_is_refused_with_the_padded_form_that_traces():
+    """A GRU on a packed sequence stopped with "a construct torch.export cannot capture" and torch's
+    message about a FakeTensor size. The error now names the packed sequence and the padded form, which
+    gives the packed loss on one device and traces with its gradients."""
+    x, lengths = torch.randn(4, 6, 8), torch.tensor([6, 3, 5, 2])
+    with pytest.raises(TraceError) as info:
+        trace(PackedGRU(packed=True), (x, lengths))
+    line = next(i for i, text in enumerate(Path(__file__).read_text().splitlines(), 1)
+                if "the line the packed error must name" in text)
+    assert f"test_trace.py:{line}" in str(info.value) and "out[torch.arange(batch), lengths - 1]" in str(info.value)
+    packed, padded = PackedGRU(packed=True), PackedGRU(packed=False)
+    padded.load_state_dict(packed.state_dict())
+    torch.testing.assert_close(padded(x, lengths), packed(x, lengths))
+    assert_eager_gradients(trace(padded, (x, lengths)), padded, (x, lengths))
