@@ -21,8 +21,8 @@ An optimizer made from the model's parameters before `parallelize` (which DDP
 allows: its parameters are the model's own) holds tensors the parallel module
 does not train: they never get a gradient, and every step changed nothing,
 silently. Its first step is refused, naming the fix. The verdict is kept per
-optimizer and checked again when its parameters or the modules change, so a
-step pays one lookup.
+optimizer and checked again when its parameter counts or the live modules
+change, so a step pays a lookup.
 """
 from __future__ import annotations
 
@@ -115,13 +115,12 @@ def _check(optimizer: torch.optim.Optimizer) -> None:
     whole = next((_WHOLE[c] for c in kind.__mro__ if c in _WHOLE), None)
     if whole is not None:
         reads, planned = whole
-        fix = (f"parallelize with optimizer={planned!r}, whose plan keeps every parameter whole" if planned else
-               f"autopar has no plan for {kind.__name__}; step these parameters with an elementwise optimizer")
+        fix = (f"Parallelize with optimizer={planned!r}, whose plan keeps every parameter whole, or use" if planned
+               else f"autopar plans no optimizer of {kind.__name__}'s kind: use")
         raise OptimizerError(
             f"{kind.__name__} reads {reads}, but {len(stepped)} of the parameters it steps are this rank's blocks of "
             f"the full parameters: {shown}. Each rank would update its block from the block alone, unlike one "
-            f"device. Nothing was stepped. {fix[0].upper() + fix[1:]} (or use an elementwise optimizer: SGD, Adam, "
-            "AdamW, ...)")
+            f"device. Nothing was stepped. {fix} an elementwise optimizer (SGD, Adam, AdamW, ...)")
     if kind not in _warned and (not dist.is_initialized() or dist.get_rank() == 0):
         _warned.add(kind)
         log.warning("optimizers: %s steps %d parameters that are this rank's blocks of the full parameters (%s): it "
