@@ -492,11 +492,23 @@ class ClampedByData(torch.nn.Module):
         return self.proj(x).square().mean()
 
 
+class HalvedByData(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.proj = torch.nn.Linear(8, 1)
+        self.register_buffer("scale", torch.ones(8))
+
+    def forward(self, x):
+        self.scale.data = self.scale.data.half()  # another dtype: no op export could record
+        return self.proj(x * self.scale.float()).square().mean()
+
+
 @pytest.mark.parametrize("model, sample, what, fix", [
     (GradientHooked(), torch.randn(4, 8), "a gradient hook is registered in the forward", "k * z + (1 - k) * z.detach()"),
     (RenormedEmbedding(), torch.randint(0, 10, (4, 3)), "changes parameter `embed.weight` in place", "max_norm"),
     (ClampedByData(), torch.randn(4, 8), "`.data = ...` at", "after optimizer.step()"),
-], ids=["tensor-hook", "max-norm", "data-write"])
+    (HalvedByData(), torch.randn(4, 8), "makes a (8,) torch.float32 tensor (8,) torch.float16", "outside the forward"),
+], ids=["tensor-hook", "max-norm", "data-write", "data-dtype"])
 def test_backward_behaviour_the_graph_cannot_hold_is_refused_with_the_line(model, sample, what, fix):
     """A hook on an activation is not an op, and a parameter changed in the forward would be changed on a
     copy: the trace used to drop each silently (a 10x gradient error; an embedding with no gradient; a
