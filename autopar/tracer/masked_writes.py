@@ -19,7 +19,11 @@ the same gradients: f's where the mask is set, the identity elsewhere, provided
 f's derivative is finite on the elements the mask leaves out too (backward
 multiplies it by zero there, and zero times an infinite derivative is NaN:
 `x[x > 0] = x[x > 0].sqrt()` would make NaN gradients at the negative x). So f
-may use only `_TOTAL` ops, whose derivatives are finite everywhere. Other
+may use `_TOTAL` ops, whose derivatives are finite everywhere, and `_PARTIAL`
+ones (and a division by the selected elements), whose input is replaced where
+the mask is not set by a point of their domain (`sqrt(where(mask, x, 1))`):
+the selected elements see what they saw, and the others a finite derivative,
+which backward multiplies by zero. Other
 masked writes (values from elsewhere, one per selected element, or other ops)
 keep their ops.
 """
@@ -42,6 +46,12 @@ _TOTAL = frozenset({
     aten.clamp.default, aten.clamp_min.default, aten.clamp_max.default, aten.maximum.default, aten.minimum.default,
     aten.relu.default, aten.tanh.default, aten.sigmoid.default, aten._to_copy.default,
 })
+# elementwise ops finite only on part of the line, with a point where they and their derivative are finite
+_PARTIAL = {
+    aten.sqrt.default: 1.0, aten.rsqrt.default: 1.0, aten.reciprocal.default: 1.0, aten.log.default: 1.0,
+    aten.log2.default: 1.0, aten.log10.default: 1.0, aten.log1p.default: 0.0, aten.pow.Tensor_Scalar: 1.0,
+    aten.exp.default: 0.0, aten.asin.default: 0.0, aten.acos.default: 0.0, aten.atanh.default: 0.0,
+}
 
 
 def masks_as_where(gm: fx.GraphModule) -> int:
@@ -101,20 +111,26 @@ def _elementwise_update(node: fx.Node) -> list[fx.Node] | None:
     x, mask, value, trailing = write
     chain, current = [], value
     while not (current.target is aten.index.Tensor and current.args[0] is x and list(current.args[1]) == [mask]):
-        if current.op != "call_function" or current.target not in _TOTAL:
+        if current.op != "call_function" or (current.target not in _TOTAL and current.target not in _PARTIAL):
             return None
         inputs = [a for a in current.args if isinstance(a, fx.Node)]
         gathered = [a for a in inputs if _selected(a)]
         if len(gathered) != 1 or any(not _broadcasts(_shape(a), trailing) for a in inputs if a is not gathered[0]):
             return None
-        if current.target is aten.div.Tensor and current.args[1] is gathered[0]:
-            return None  # a value divided by the selected elements: not finite at zero
         chain.append(current)
         current = gathered[0]
     chain.append(current)
     if any(_real_users(n) != ({node} if i == 0 else {chain[i - 1]}) for i, n in enumerate(chain)):
         return None  # a gathered value read elsewhere keeps its data-dependent size
     return chain[::-1]
+
+
+def _safe_point(op: fx.Node, chain: list[fx.Node]) -> float | None:
+    """Where `op` of an update chain is finite only on part of the line: a point of its domain, with a finite
+    derivative, that its chain input takes where the mask is not set (a divisor: 1). None for a `_TOTAL` op."""
+    if op.target is aten.div.Tensor and op.args[1] in chain:
+        return 1.0
+    return _PARTIAL.get(op.target)
 
 
 def _selected(node: fx.Node) -> bool:
@@ -161,6 +177,9 @@ def _rewrite(graph: fx.Graph, node: fx.Node, chain: list[fx.Node] | None = None)
         if chain is not None:  # f(x[mask]) -> f(x): the same ops on every element
             value = x
             for op in chain[1:]:
+                safe = _safe_point(op, chain)
+                if safe is not None:  # off the mask, a point of its domain (the module docstring says why)
+                    value = call(aten.where.self, mask, value, call(aten.full_like.default, value, safe))
                 args = [value if isinstance(a, fx.Node) and a in chain else a for a in op.args]
                 value = call(op.target, *args, **op.kwargs)
         elif value.meta["val"].dim() == trailing + 1:  # (1, *trailing): the selected positions' dim, of one

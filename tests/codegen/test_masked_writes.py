@@ -4,8 +4,8 @@ They export as `index_put(x, [mask], value)`, whose sharding rules (torch DTenso
 positions along dim 0: a plan could split x along a dim the mask covers and keep the mask whole, and the
 step failed with a shape mismatch. The tracer writes them as `where(mask, value, x)`
 (`autopar.tracer.masked_writes`). An update through a mask (`x[mask] *= 2`) gathers the selected elements,
-whose number only the data gives, and was refused; it is `where(mask, f(x), x)` when f is elementwise with a
-finite derivative everywhere.
+whose number only the data gives, and was refused; it is `where(mask, f(x), x)` when f is elementwise (a
+function defined on part of the line, `sqrt`, reading a point of its domain where the mask is not set).
 """
 from __future__ import annotations
 
@@ -35,6 +35,8 @@ class MaskedWrites(nn.Module):
         h[h > 0] *= 2.0  # updates through a mask: the selected elements gathered, changed, written back
         h[~keep] += self.fill[0]
         h[h.abs() > 1] = torch.tanh(h[h.abs() > 1]) / 2
+        h[h > 0.1] = h[h > 0.1].log1p().sqrt()  # functions of part of the line
+        h[h < -0.5] = 0.25 / h[h < -0.5]  # a division by the selected elements
         return F.mse_loss(h, y)
 
 
@@ -54,7 +56,8 @@ def test_masked_writes_trace_as_where_with_eagers_gradients():
     model, sample = _model(), _sample()
     traced = trace_model(model, sample)
     assert not [n for n in traced.graph.nodes if n.target in (torch.ops.aten.index_put.default, torch.ops.aten.index.Tensor)]
-    assert sum(n.target is torch.ops.aten.where.self for n in traced.graph.nodes) == 6
+    # one where per write, and one before each function of part of the line (log1p, sqrt, the division)
+    assert sum(n.target is torch.ops.aten.where.self for n in traced.graph.nodes) == 11
     assert_eager_gradients(traced, model, sample)
 
 
@@ -69,9 +72,30 @@ class RootOfPositives(nn.Module):
         return F.mse_loss(h, y)
 
 
-def test_an_update_whose_derivative_is_not_finite_everywhere_is_refused():
+def test_an_update_by_a_function_of_part_of_the_line_has_eagers_gradients():
+    """`x[x > 0] = x[x > 0].sqrt()` was refused (as `where(mask, sqrt(x), x)` its gradient would be NaN at the
+    negative x). sqrt reads 1 where the mask is not set: eager's gradients, all finite."""
+    torch.manual_seed(0)
+    model, sample = RootOfPositives(), _sample()
+    traced = trace_model(model, sample)
+    assert not [n for n in traced.graph.nodes if n.target in (torch.ops.aten.index_put.default, torch.ops.aten.index.Tensor)]
+    assert_eager_gradients(traced, model, sample)
+
+
+class RunningSumOfSelected(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(8, 8)
+
+    def forward(self, x, keep, y):
+        h = self.a(x)
+        h[h > 0] = h[h > 0].cumsum(0)  # not elementwise: each written value reads other selected elements
+        return F.mse_loss(h, y)
+
+
+def test_an_update_that_is_not_elementwise_is_refused():
     with pytest.raises(TraceError, match=r"depends on tensor values \(`aten.index.Tensor`\)"):
-        trace_model(RootOfPositives(), _sample())
+        trace_model(RunningSumOfSelected(), _sample())
 
 
 @pytest.mark.timeout(240)
