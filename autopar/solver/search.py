@@ -296,7 +296,7 @@ def baseline_plan(
     allowed = _params_allowed(traced, built, rule)
     for v, node in enumerate(built.problem.nodes):
         leader = built.grouping.clusters[built.grouping.classes[v][0]].leader
-        if leader in batched and leader not in traced.param_fqns:
+        if leader in batched:  # (parameters never carry the batch: `batch_dependent`)
             split = frozenset(i for i in range(len(node.options))
                               if splits_batch(built.strategies[leader][built.member_strategy(leader, i)]))
             if split:  # an op with no batch-split strategy stays free (and is priced as what it can do)

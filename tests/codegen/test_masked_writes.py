@@ -61,14 +61,16 @@ def test_masked_writes_trace_as_where_with_eagers_gradients():
     assert_eager_gradients(traced, model, sample)
 
 
-class RootOfPositives(nn.Module):
-    def __init__(self):
+class UpdateOfPositives(nn.Module):
+    """`h[h > 0] = f(h[h > 0])`."""
+
+    def __init__(self, f):
         super().__init__()
-        self.a = nn.Linear(8, 8)
+        self.a, self.f = nn.Linear(8, 8), f
 
     def forward(self, x, keep, y):
         h = self.a(x)
-        h[h > 0] = h[h > 0].sqrt()  # where(mask, sqrt(h), h) would have NaN gradients at the negative h
+        h[h > 0] = self.f(h[h > 0])
         return F.mse_loss(h, y)
 
 
@@ -76,26 +78,16 @@ def test_an_update_by_a_function_of_part_of_the_line_has_eagers_gradients():
     """`x[x > 0] = x[x > 0].sqrt()` was refused (as `where(mask, sqrt(x), x)` its gradient would be NaN at the
     negative x). sqrt reads 1 where the mask is not set: eager's gradients, all finite."""
     torch.manual_seed(0)
-    model, sample = RootOfPositives(), _sample()
+    model, sample = UpdateOfPositives(torch.sqrt), _sample()
     traced = trace_model(model, sample)
     assert not [n for n in traced.graph.nodes if n.target in (torch.ops.aten.index_put.default, torch.ops.aten.index.Tensor)]
     assert_eager_gradients(traced, model, sample)
 
 
-class RunningSumOfSelected(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.a = nn.Linear(8, 8)
-
-    def forward(self, x, keep, y):
-        h = self.a(x)
-        h[h > 0] = h[h > 0].cumsum(0)  # not elementwise: each written value reads other selected elements
-        return F.mse_loss(h, y)
-
-
 def test_an_update_that_is_not_elementwise_is_refused():
+    """A cumulative sum of the selected elements: each written value reads other selected elements."""
     with pytest.raises(TraceError, match=r"depends on tensor values \(`aten.index.Tensor`\)"):
-        trace_model(RunningSumOfSelected(), _sample())
+        trace_model(UpdateOfPositives(lambda selected: selected.cumsum(0)), _sample())
 
 
 @pytest.mark.timeout(240)
