@@ -47,3 +47,8 @@ class UsageError(AutoparError):
 class InputsDifferError(AutoparError):
     """Ranks fed inputs of different shapes (or structure, or mode) in one step to a plan that exchanges
     activations between ranks (`runtime.same_inputs`)."""
+
+
+class CallMismatchError(AutoparError):
+    """The ranks made different collective calls of a parallel module at once (rank 0 a state dict or an
+    evaluation alone, as a DDP loop does), or some made none in time (`runtime.arrival`)."""

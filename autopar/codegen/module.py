@@ -46,6 +46,7 @@ from autopar.codegen.exchanges import exchanges_activations
 from autopar.codegen.lower import LoweringInfo, lower, share_tree
 from autopar.codegen.shapes import LoweringError
 from autopar.errors import TraceError
+from autopar.runtime.arrival import all_ranks_make
 from autopar.runtime.batch import batch_slice, global_like
 from autopar.runtime.deferred_loss import grads_scaled_by, other_output
 from autopar.runtime.grad_norm import track
@@ -127,6 +128,11 @@ class ParallelModule(nn.Module):
         # a plan that moves activations between ranks needs every rank's inputs of one shape: checked each
         # forward, an error rather than mismatched collectives (a data-parallel plan takes any shapes per rank)
         self._inputs_must_agree = math.prod(mesh.shape) > 1 and exchanges_activations(gm, len(info.state_inputs))
+        # Under any other plan the forward's only collectives are the loss's all-reduces: a forward only some
+        # ranks run (`if rank == 0: evaluate(pm)`) would meet the others' training collectives. The first forward
+        # and each change of mode (training, gradients) wait for every rank to make the same one (`runtime.arrival`).
+        self._modes_must_agree = math.prod(mesh.shape) > 1 and not self._inputs_must_agree and traced.loss_index is not None
+        self._mode: tuple[bool, bool] | None = None  # (training, gradients on) of the last forward
         # each parameter's requires_grad is part of a graph's signature: freezing or unfreezing one after
         # `parallelize` lowers a graph whose backward follows the new flags (and rebuilds the sync)
         self._param_slots = [first.state_slots[i] for i in first.param_positions]
@@ -264,8 +270,12 @@ class ParallelModule(nn.Module):
         flat, spec = pytree.tree_flatten((args, kwargs))
         autocast = torch.get_autocast_dtype(self._device_type) if torch.is_autocast_enabled(self._device_type) else None
         key = _signature(flat, spec, self.training, self._trainable(), autocast, self._state_dtypes)
+        mode = (self.training, torch.is_grad_enabled())
         if self._inputs_must_agree:
-            agree(_described(key), self.mesh.cpu_group)
+            agree(_described(key), self.mesh.cpu_group, _mode_text(mode))
+        elif self._modes_must_agree and mode != self._mode:
+            all_ranks_make(f"pm(...) in {_mode_text(mode)}")
+        self._mode = mode
         if key != self._key:
             self._use_graph_for(key, flat, spec)
         graph = self._graph
@@ -438,9 +448,9 @@ class ParallelModule(nn.Module):
     def state_dict(self, *args: Any, **kwargs: Any) -> dict[str, torch.Tensor]:  # type: ignore[override]
         """Full (gathered) tensors by FQN, on every rank (a collective): the keys of the model's own
         `state_dict()`, tied names included, non-persistent buffers left out."""
-        specs = self._specs()
-        local = self.sharded_state_dict()
-        return full_state_dict(local, {fqn: specs[self.info.aliases.get(fqn, fqn)] for fqn in local}, self.mesh)
+        local, specs = self._shard_specs()
+        self._gathers("pm.state_dict()", specs)
+        return full_state_dict(local, specs, self.mesh)
 
     def sharded_state_dict(self) -> dict[str, torch.Tensor]:
         """This rank's local shards by FQN (what `torch.distributed.checkpoint` saves with the plan's specs).
@@ -483,10 +493,17 @@ class ParallelModule(nn.Module):
         local = self.sharded_state_dict()
         return local, {fqn: specs[self.info.aliases.get(fqn, fqn)] for fqn in local}
 
+    def _gathers(self, what: str, specs: Mapping[str, Spec]) -> None:
+        """Before `what` gathers split tensors, every rank must be making it (a plan that splits none gathers
+        nothing: rank 0 alone may call it, as under DDP)."""
+        if any(not spec.is_replicate() for spec in specs.values()):
+            all_ranks_make(what)
+
     def optimizer_state_dict(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
         """`optimizer`'s state as one device's, full tensors by parameter name, on every rank (a collective):
         what torch's `get_optimizer_state_dict(model, optimizer)` gives for the unsplit model."""
         local, specs = self._shard_specs()
+        self._gathers("pm.optimizer_state_dict(optimizer)", specs)
         return gather_optimizer_state(get_optimizer_state_dict(self, optimizer), local, specs, self.mesh)
 
     def load_optimizer_state_dict(self, optimizer: torch.optim.Optimizer, state_dict: Mapping[str, Any]) -> None:
@@ -505,6 +522,7 @@ class ParallelModule(nn.Module):
         background: return once the state is copied aside and write it while training goes on; the returned
         future completes when the files are written (the next save or load waits for it first)."""
         local, specs = self._shard_specs()
+        all_ranks_make(f"pm.save_checkpoint({os.fspath(path)!r})")
         osd = None if optimizer is None else get_optimizer_state_dict(self, optimizer)
         return save_sharded(local, specs, self.mesh, path, osd, extra, background)
 
@@ -514,6 +532,7 @@ class ParallelModule(nn.Module):
         under any plan or mesh, or by torch's `dcp.save` of one device's `get_state_dict` (a collective).
         extra: a dict with the keys of the saved `extra` to read; each value is replaced in place."""
         local, specs = self._shard_specs()
+        all_ranks_make(f"pm.load_checkpoint({os.fspath(path)!r})")
         osd = None if optimizer is None else get_optimizer_state_dict(self, optimizer)
         loaded = load_sharded(local, specs, self.mesh, path, osd, extra)
         if optimizer is not None:
@@ -525,6 +544,11 @@ def _signature(flat: list[Any], spec: pytree.TreeSpec, training: bool, trainable
     """The signature of a forward on the flattened inputs `flat`, structured as `spec`."""
     return _Signature(training, trainable, autocast, state_dtypes, spec,
                       tuple((x.shape, x.dtype) if isinstance(x, torch.Tensor) else _leaf_key(x) for x in flat))
+
+
+def _mode_text(mode: tuple[bool, bool]) -> str:
+    training, grad = mode
+    return f"{'training' if training else 'eval'} mode with gradients {'on' if grad else 'off'}"
 
 
 @functools.lru_cache(maxsize=_MANY_GRAPHS)  # asked every forward, with the few signatures a loop feeds

@@ -21,21 +21,28 @@ import zlib
 import torch
 import torch.distributed as dist
 
-from autopar.errors import InputsDifferError
+from autopar.errors import CallMismatchError, InputsDifferError
+from autopar.runtime.arrival import ADVICE
 
 
-def agree(signature: str, group: dist.ProcessGroup | None) -> None:
-    """Return when every rank of `group` passed the same `signature`; else raise on every rank, naming each one's."""
+def agree(signature: str, group: dist.ProcessGroup | None, mode: str = "") -> None:
+    """Return when every rank of `group` passed the same `signature` and `mode`; else raise on every rank, naming
+    each one's: `CallMismatchError` when the modes differ (rank 0 evaluating alone meets the others' training
+    forward here), else `InputsDifferError`."""
     if dist.get_backend(group) == "fake":
         return  # torch's fake process group simulates one rank (`benchmarks/simulate_memory.py`): no other to differ
-    checksum = zlib.crc32(signature.encode())
+    checksum = zlib.crc32(f"{mode}; {signature}".encode())
     extremes = torch.tensor([checksum, -checksum], dtype=torch.int64)
     dist.all_reduce(extremes, op=dist.ReduceOp.MAX, group=group)
     if extremes[0].item() == checksum and -extremes[1].item() == checksum:
         return
-    signatures: list[str | None] = [None] * dist.get_world_size(group)
-    dist.all_gather_object(signatures, signature, group=group)
-    rows = "\n".join(f"  rank {rank}: {text}" for rank, text in enumerate(signatures))
+    calls: list[tuple[str, str] | None] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(calls, (mode, signature), group=group)
+    if len({m for m, _ in calls}) > 1:
+        rows = "\n".join(f"  rank {rank}: a forward in {m}" for rank, (m, _) in enumerate(calls))
+        raise CallMismatchError(f"the ranks ran forwards of different modes at once:\n{rows}\nthis module's plan "
+                                f"exchanges activations between ranks, so each forward is a collective, which every rank makes. {ADVICE}")
+    rows = "\n".join(f"  rank {rank}: {text}" for rank, (_, text) in enumerate(calls))
     raise InputsDifferError(
         f"ranks fed inputs of different shapes in one step:\n{rows}\nthis module's plan exchanges activations between "
         "ranks, so every rank must feed the same shapes: pad every rank's batch to one length (padding='max_length' "
