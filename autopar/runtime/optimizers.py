@@ -17,6 +17,15 @@ parameters and the plan that keeps them whole (`optimizer="adafactor"` or
 `"muon"` in `parallelize`); an optimizer class this module does not know steps
 with a warning, once per class.
 
+An optimizer's own `state_dict()` holds this rank's blocks of the split
+parameters' state (Adam's moments of rank 0's rows, on rank 0). A DDP loop
+saves it on rank 0 and loads it on every rank: rank 1 then resumed with rank
+0's moments for its rows, whose shapes are the same, and trained on from
+there, silently. So each split parameter's entry of `state_dict()` is marked
+with the block it holds (`BLOCK_KEY`), and a step after a load checks that
+every loaded mark is this rank's block, naming the fix otherwise. autopar's
+own optimizer-state functions gather or split the state, and drop the marks.
+
 An optimizer made from the model's parameters before `parallelize` (which DDP
 allows: its parameters are the model's own) holds tensors the parallel module
 does not train: they never get a gradient, and every step changed nothing,
@@ -29,6 +38,7 @@ from __future__ import annotations
 import itertools
 import logging
 import weakref
+import zlib
 from typing import Any, Iterator, Mapping, Protocol
 
 import torch
@@ -37,6 +47,7 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from autopar.errors import AutoparError
 from autopar.runtime.mesh import ProcessMesh
+from autopar.runtime.rng import shard_index
 from autopar.solver.spec import Shard, Spec
 
 log = logging.getLogger(__name__)
@@ -71,6 +82,9 @@ _warned: set[type] = set()
 # parameters of models a parallel module replaced, by id (a WeakSet would compare tensors with ==)
 _REPLACED: weakref.WeakValueDictionary[int, torch.Tensor] = weakref.WeakValueDictionary()
 _handle = None
+# each split parameter's entry in an optimizer's `state_dict()`: which block of which parameter it holds
+BLOCK_KEY = "autopar_block"
+_marking: weakref.WeakSet[torch.optim.Optimizer] = weakref.WeakSet()  # optimizers whose state_dict() marks blocks
 
 
 def watch_optimizers(module: ShardedModule) -> None:
@@ -105,13 +119,14 @@ def _check(optimizer: torch.optim.Optimizer) -> None:
             "module's: the parallel module trains its own tensors (this rank's shards), so these get no gradient "
             "and the step would change nothing. Make the optimizer after parallelize, from pm.parameters() (a "
             "saved optimizer state loads with pm.load_optimizer_state_dict(optimizer, state))")
+    blocks = _blocks()
+    _check_loaded_blocks(optimizer, blocks)
     if isinstance(optimizer, _ELEMENTWISE):
         return
-    blocks = _blocks()
     stepped = [blocks[id(p)] for group in optimizer.param_groups for p in group["params"] if id(p) in blocks]
     if not stepped:
         return
-    shown = ", ".join(f"{fqn} (split on {how})" for fqn, how in stepped[:3]) + (", ..." if len(stepped) > 3 else "")
+    shown = ", ".join(f"{fqn} (split on {how})" for fqn, how, _ in stepped[:3]) + (", ..." if len(stepped) > 3 else "")
     whole = next((_WHOLE[c] for c in kind.__mro__ if c in _WHOLE), None)
     if whole is not None:
         reads, planned = whole
@@ -130,8 +145,9 @@ def _check(optimizer: torch.optim.Optimizer) -> None:
                     kind.__name__, len(stepped), shown)
 
 
-def _blocks() -> dict[int, tuple[str, str]]:
-    """id of each watched module's parameter that is a block of a larger one -> (its FQN, how it is split)."""
+def _blocks() -> dict[int, tuple[str, str, int]]:
+    """id of each watched module's parameter that is a block of a larger one -> (its FQN, how it is split, the
+    mark of the block this rank holds)."""
     out = {}
     for _, module in sorted(_MODULES.items()):
         storage, mesh = module.param_storage(), module.mesh
@@ -140,5 +156,49 @@ def _blocks() -> dict[int, tuple[str, str]]:
             split = [f"dim {pl.dim} over {name}" for pl, name, size in zip(spec.placements, mesh.axis_names, mesh.shape)
                      if isinstance(pl, Shard) and size > 1] if spec is not None else []
             if split:
-                out[id(p)] = (fqn, ", ".join(split))
+                how = ", ".join(split)
+                out[id(p)] = (fqn, how, _mark(f"{fqn} {spec} {mesh.shape}", shard_index(spec, mesh.coordinate, mesh.shape)))
     return out
+
+
+def _mark(parameter: str, block: int) -> int:
+    """An integer (torch's optimizer load casts the items of a string or tuple, not an int): which parameter,
+    split how, and which block of it."""
+    return zlib.crc32(parameter.encode()) * _BLOCKS + block
+
+
+_BLOCKS = 1 << 20  # more blocks than ranks
+
+
+def _check_loaded_blocks(optimizer: torch.optim.Optimizer, blocks: Mapping[int, tuple[str, str, int]]) -> None:
+    """Refuse a step from state another rank's `state_dict()` held; from now on mark this optimizer's."""
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    foreign = [(blocks[id(p)], optimizer.state[p][BLOCK_KEY]) for p in params
+               if id(p) in blocks and optimizer.state.get(p, {}).get(BLOCK_KEY, blocks[id(p)][2]) != blocks[id(p)][2]]
+    if foreign:
+        (fqn, how, mine), theirs = foreign[0]
+        whose = (f"block {theirs % _BLOCKS}" if theirs // _BLOCKS == mine // _BLOCKS
+                 else "a block of another parameter, split, or mesh")
+        raise OptimizerError(
+            f"{type(optimizer).__name__}'s state for {len(foreign)} split parameters was saved by another rank: for "
+            f"{fqn} (split on {how}) this rank holds block {mine % _BLOCKS}, and the loaded state is {whose}'s. An "
+            "optimizer's own state_dict() holds its rank's blocks; loaded on every rank from one rank's file, the "
+            "other ranks would step with the wrong rows' moments. Nothing was stepped. Save with "
+            "pm.optimizer_state_dict(optimizer) on every rank (full tensors: then `if rank == 0: torch.save(...)`) and "
+            "load with pm.load_optimizer_state_dict(optimizer, state), or use pm.save_checkpoint / pm.load_checkpoint")
+    if blocks and optimizer not in _marking:
+        _marking.add(optimizer)
+        optimizer.register_state_dict_post_hook(_mark_blocks)
+        optimizer.register_load_state_dict_post_hook(lambda opt: _checked.pop(opt, None))  # check its next step
+
+
+def _mark_blocks(optimizer: torch.optim.Optimizer, state_dict: dict[str, Any]) -> dict[str, Any]:
+    """Mark each split parameter's entry of `state_dict` with the block it holds. torch numbers the parameters
+    across the groups in order; the entries are the live state's dicts, so each is copied, not changed."""
+    blocks = _blocks()
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    state = state_dict["state"]
+    for index, entry in list(state.items()):
+        if isinstance(index, int) and id(params[index]) in blocks:
+            state[index] = {**entry, BLOCK_KEY: blocks[id(params[index])][2]}
+    return state_dict

@@ -46,6 +46,7 @@ from torch.utils import _pytree as pytree
 from autopar.errors import AutoparError
 from autopar.runtime.collectives import all_gather, local_slice
 from autopar.runtime.mesh import ProcessMesh
+from autopar.runtime.optimizers import BLOCK_KEY
 from autopar.solver.spec import Partial, Shard, Spec
 
 logger = logging.getLogger(__name__)
@@ -189,8 +190,10 @@ def _state_spec(fqn: str, name: str, value: Any, local: Mapping[str, torch.Tenso
 
 
 def _map_state(osd: Mapping[str, Any], fn) -> dict[str, Any]:
-    """`osd` with each state value replaced by fn(fqn, name, value); the param groups shared."""
-    state = {fqn: {name: fn(fqn, name, v) for name, v in entries.items()} for fqn, entries in osd["state"].items()}
+    """`osd` with each state value replaced by fn(fqn, name, value), without the marks of which rank's block an
+    entry is (`optimizers.BLOCK_KEY`: these functions gather or split the blocks); the param groups shared."""
+    state = {fqn: {name: fn(fqn, name, v) for name, v in entries.items() if name != BLOCK_KEY}
+             for fqn, entries in osd["state"].items()}
     return {"state": state, "param_groups": osd["param_groups"]}
 
 

@@ -179,3 +179,44 @@ def test_an_optimizer_of_the_models_parameters_is_refused():
     message, moved = run_ranks(_made_before, 2, model, sample, timeout_s=100)[0]
     assert "holds 28 parameters of the model given to parallelize" in message and "pm.parameters()" in message
     assert moved == len(list(model.parameters()))
+
+
+def _resumed(rank, world, model, sample, traced, plan, from_rank_0):
+    """Two Adam steps, the optimizer's own state_dict() kept (each rank its own, or rank 0's on every rank, as a
+    DDP loop saves it on rank 0), two more steps; then the same two steps of a module and optimizer loaded
+    from what was kept."""
+    from tests.runtime.test_arrival import _step  # one training step on this rank's slice
+
+    mesh = ProcessMesh((world,))
+    pm = parallel_module(model, sample, traced, plan, mesh)
+    opt = torch.optim.Adam(pm.parameters(), lr=0.01)
+    for _ in range(2):
+        _step(pm, opt, sample)
+    saved = [pm.state_dict(), copy.deepcopy(opt.state_dict())]  # deep: the state dict holds the live tensors
+    if from_rank_0:
+        torch.distributed.broadcast_object_list(saved, src=0)
+    for _ in range(2):
+        _step(pm, opt, sample)
+    resumed = parallel_module(model, sample, traced, plan, mesh)
+    resumed.load_state_dict(saved[0])
+    resumed_opt = torch.optim.Adam(resumed.parameters(), lr=0.01)
+    resumed_opt.load_state_dict(saved[1])
+    for _ in range(2):
+        _step(resumed, resumed_opt, sample)
+    return {fqn: torch.equal(p, dict(resumed.named_parameters())[fqn]) for fqn, p in pm.named_parameters()}
+
+
+def test_an_optimizer_state_saved_by_one_rank_is_refused_on_the_others():
+    """fc1's weight stored split over 2 ranks: an optimizer's state_dict() holds each rank's block of Adam's
+    moments. Loaded by the rank that saved it, training resumes exactly; rank 0's loaded on rank 1 (same
+    shapes) resumed with rank 0's rows' moments and drifted by 3e-2 in two steps, silently: now refused."""
+    from tests.runtime.test_arrival import _case
+
+    model, sample, traced, _, split_weight, _ = _case()
+    for same in run_ranks(_resumed, 2, model, sample, traced, split_weight, False, timeout_s=60):
+        assert all(same.values()), same
+    with pytest.raises(Exception) as refused:
+        run_ranks(_resumed, 2, model, sample, traced, split_weight, True, timeout_s=60)
+    assert "rank 1 raised OptimizerError" in str(refused.value)
+    assert "for fc1.weight (split on dim 0 over dp) this rank holds block 1, and the loaded state is block 0's" in str(refused.value)
+    assert "pm.optimizer_state_dict(optimizer) on every rank" in refused.value.remote_traceback
