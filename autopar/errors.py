@@ -52,3 +52,8 @@ class InputsDifferError(AutoparError):
 class CallMismatchError(AutoparError):
     """The ranks made different collective calls of a parallel module at once (rank 0 a state dict or an
     evaluation alone, as a DDP loop does), or some made none in time (`runtime.arrival`)."""
+
+
+class AlreadyParallelError(AutoparError):
+    """A parallel module was handed to a wrapper that syncs or broadcasts parameters itself
+    (`DistributedDataParallel`, which trainers wrap models in)."""

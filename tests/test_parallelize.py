@@ -10,7 +10,7 @@ from tests.codegen.harness import LogRecords, reference, trace_model, train
 from tests.codegen.plans import load_zoo
 
 from autopar.api import parallelize
-from autopar.errors import InfeasibleError, PlanMismatchError
+from autopar.errors import AlreadyParallelError, InfeasibleError, PlanMismatchError
 from autopar.profiler import profile
 from autopar.solver import solve
 from autopar.solver.mesh import make_mesh
@@ -209,3 +209,24 @@ def test_reading_the_untrained_model_after_training_warns():
     (warned, before), (warned_1, _) = run_ranks(_stale_reads, 2, model, sample, timeout_s=90)
     assert not [m for m in before if "state_dict() gives" in m]
     assert len(warned) == 1 and "pm.state_dict()" in warned[0] and warned_1 == []
+
+
+def _wrapped_in_ddp(rank, world):
+    from tests.runtime.test_arrival import _case
+    from tests.codegen.harness import parallel_module
+    from autopar.runtime.mesh import ProcessMesh
+
+    model, sample, traced, _, split_weight, _ = _case()
+    pm = parallel_module(model, sample, traced, split_weight, ProcessMesh((world,)))
+    before = {fqn: p.detach().clone() for fqn, p in pm.named_parameters()}
+    with pytest.raises(AlreadyParallelError, match="rank's blocks") as refused:
+        torch.nn.parallel.DistributedDataParallel(pm)
+    return str(refused.value), all(torch.equal(p, before[fqn]) for fqn, p in pm.named_parameters())
+
+
+def test_wrapping_the_module_in_ddp_is_refused_before_it_broadcasts():
+    """What trainers do to every model on several ranks. Before, DDP's constructor replaced rank 1's block
+    of the split fc1 weight by rank 0's, silently."""
+    for message, untouched in run_ranks(_wrapped_in_ddp, 2, timeout_s=60):
+        assert "DistributedDataParallel(pm)" in message and "Train pm itself" in message
+        assert untouched

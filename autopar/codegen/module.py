@@ -45,7 +45,7 @@ from autopar.codegen.eval_mode import eval_difference, without_dropout
 from autopar.codegen.exchanges import exchanges_activations
 from autopar.codegen.lower import LoweringInfo, lower, share_tree
 from autopar.codegen.shapes import LoweringError
-from autopar.errors import TraceError
+from autopar.errors import AlreadyParallelError, TraceError
 from autopar.runtime.arrival import all_ranks_make
 from autopar.runtime.batch import batch_slice, global_like
 from autopar.runtime.deferred_loss import grads_scaled_by, other_output
@@ -252,6 +252,18 @@ class ParallelModule(nn.Module):
             yield
         finally:
             self._syncing = self._sync.enabled = True
+
+    @property
+    def _ddp_params_and_buffers_to_ignore(self) -> frozenset[str]:
+        # DistributedDataParallel's constructor reads this (`hasattr`, which lets any other error through).
+        # DDP would broadcast rank 0's blocks over the other ranks' and average different blocks' gradients:
+        # measured, rank 1's block of a split weight became rank 0's, silently.
+        raise AlreadyParallelError(
+            "DistributedDataParallel(pm): the parallel module syncs its own gradients, and its parameters are this "
+            "rank's blocks of the full ones; DDP would overwrite the other ranks' blocks with rank 0's and average "
+            "different blocks' gradients. Train pm itself (pm.no_sync() is DDP's accumulation idiom). A trainer "
+            "that wraps every model in DDP (Hugging Face's Trainer, Accelerate's prepare(model), Lightning's DDP "
+            "strategy) must leave this module out of that")
 
     @property
     def device(self) -> torch.device:
