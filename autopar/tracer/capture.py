@@ -182,7 +182,7 @@ def _export(model: nn.Module, args: tuple, kwargs: dict, dynamic_dims: Mapping[s
         # nothing a user can act on, printed once per trace.
         warnings.filterwarnings("ignore", message=r".*isinstance\(treespec, LeafSpec\)", category=FutureWarning)
         name = type(model).__name__
-        with stops_visible_to_export(name), _distributions_unchecked(), python_draws_reported(name):
+        with stops_visible_to_export(name), _distributions_unchecked(), _sync_batch_norm_as_batch_norm(), python_draws_reported(name):
             ep = torch.export.export(model, args, kwargs, strict=False, dynamic_shapes=dynamic_shapes)
         detach_no_grad_inputs(ep.graph_module)  # before the decompositions inline the blocks
         decomps = {op: fn for op, fn in core_aten_decompositions().items() if op not in _KEEP_WHOLE}
@@ -205,6 +205,24 @@ def _distributions_unchecked() -> Iterator[None]:
         yield
     finally:
         torch.distributions.Distribution.set_default_validate_args(validating)
+
+
+@contextlib.contextmanager
+def _sync_batch_norm_as_batch_norm() -> Iterator[None]:
+    """`nn.SyncBatchNorm` traced as batch norm (its forward restored after).
+
+    DDP loops convert batch norm to SyncBatchNorm (`convert_sync_batchnorm`) for statistics of the
+    global batch. With a process group up its forward all-gathers the statistics, which export
+    cannot trace (and on CPU or meta tensors it refuses to run: "expected input tensor to be on
+    GPU"). Its math is what the plan gives batch norm anyway: statistics of the global batch when
+    the batch is split (`solver.strategies.rules_batch_norm`). So it is traced as the batch norm it
+    is on one device, which is also its own forward when no process group is up."""
+    forward = nn.SyncBatchNorm.forward
+    nn.SyncBatchNorm.forward = nn.modules.batchnorm._BatchNorm.forward
+    try:
+        yield
+    finally:
+        nn.SyncBatchNorm.forward = forward
 
 
 @contextlib.contextmanager
