@@ -230,3 +230,23 @@ def test_wrapping_the_module_in_ddp_is_refused_before_it_broadcasts():
     for message, untouched in run_ranks(_wrapped_in_ddp, 2, timeout_s=60):
         assert "DistributedDataParallel(pm)" in message and "Train pm itself" in message
         assert untouched
+
+
+def _pickled(rank, world):
+    import io
+
+    from tests.runtime.test_arrival import _case
+    from tests.codegen.harness import parallel_module
+    from autopar.runtime.mesh import ProcessMesh
+
+    model, sample, traced, _, split_weight, _ = _case()
+    pm = parallel_module(model, sample, traced, split_weight, ProcessMesh((world,)))
+    with pytest.raises(TypeError, match="Save pm.state_dict()") as refused:
+        torch.save(pm, io.BytesIO())
+    return str(refused.value)
+
+
+def test_saving_the_module_object_names_what_to_save():
+    """`torch.save(pm, path)` stopped in pickle with "cannot pickle ProcessGroup"."""
+    for message in run_ranks(_pickled, 2, timeout_s=60):
+        assert message.startswith("torch.save(pm) / pickle: a parallel module holds this rank's shards")

@@ -170,6 +170,14 @@ class ParallelModule(nn.Module):
     def _dtypes_read(self) -> tuple[torch.dtype, ...]:
         return tuple(owner[name].dtype for owner, name in self._first.state_slots)
 
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        # pickle (`torch.save(pm, path)`) stopped in the process groups with "cannot pickle ProcessGroup"
+        raise TypeError(
+            "torch.save(pm) / pickle: a parallel module holds this rank's shards and the process groups, which do "
+            "not outlive the process. Save pm.state_dict() (full tensors, every rank calls it) or "
+            "pm.save_checkpoint(path), and parallelize the model again to load it; for a whole module object, "
+            "load pm.state_dict() into the model and save the model")
+
     def __deepcopy__(self, memo: dict[int, Any]) -> "ParallelModule":
         """A copy with its own parameters and buffers (an EMA of the weights, a frozen eval copy), on the same
         mesh and plan. Process groups cannot be copied and the traces and plans are never changed, so the copy

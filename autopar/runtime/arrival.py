@@ -17,10 +17,11 @@ aborted; a `state_dict()` on rank 0 alone hung both ranks.)
 `all_ranks_make(what)` meets the other ranks through the process group's key-value store
 (torch's `TCPStore`, which `init_process_group` made: no collective, so nothing is
 mismatched while waiting), before the call runs any collective:
-- every rank adds what it calls to the call's key and counts itself in;
-- the last to arrive marks the call complete, and every rank then compares the calls:
-  ranks making different calls (rank 0 a state dict, rank 1 an evaluation) raise
-  `CallMismatchError` on every rank, naming each one's;
+- the first rank to arrive leaves what it calls (a compare-and-set), and each rank after it
+  compares its call with that one as it arrives: a rank making another call (rank 0 a state
+  dict, rank 1 an evaluation) raises `CallMismatchError`, naming both;
+- every rank whose call matches counts itself in, and the last to arrive marks the call complete
+  (rank 0 then waits for the others to leave: its process may serve the store);
 - a rank still waiting after `WARN_AFTER_S` logs the ranks that have not arrived, what the
   call is and how to make it on every rank; after `TIMEOUT_S` (NCCL's default collective
   timeout) it raises that.
@@ -52,25 +53,35 @@ _numbers = itertools.count()  # this process's checked calls, in order
 
 def all_ranks_make(what: str) -> None:
     """Return once every rank has made call `what` (its number in this process's checked calls the same);
-    raise `CallMismatchError` if another rank made another call, or none within `TIMEOUT_S`."""
+    raise `CallMismatchError` if another rank made another call, or none within `TIMEOUT_S`.
+
+    When the call then ends without a collective (an error every rank raises), rank 0 may be done, and its
+    process ends, before the others have heard that every rank came: rank 0 serves the store (unless torchrun's
+    agent does), so it leaves last, once the others have left, and they read nothing after the wait."""
     store = _store()
     if store is None:
         return
     rank, world = dist.get_rank(), dist.get_world_size()
     number = next(_numbers)
     key = f"{_PREFIX}/{number}"
-    store.append(f"{key}/who", f"{rank}\t{what}\n")
+    entry = f"{rank}\t{what}"
+    first_rank, first = store.compare_set(f"{key}/first", "", entry).decode().split("\t", 1)  # the first arrival's
+    store.append(f"{key}/who", entry + "\n")
+    if first != what:
+        raise CallMismatchError(f"the ranks made different collective calls of the parallel module at once:\n"
+                                f"  rank {first_rank}: {first}\n  rank {rank}: {what}\neach is a collective, which "
+                                f"every rank makes in the same order. {ADVICE}")
     if store.add(f"{key}/arrived", 1) == world:
         store.set(f"{key}/all", "")
-        # every rank has read the previous call's keys: it arrived here after
-        for old in ("who", "arrived", "all"):
+        # every rank is done with the previous call: it arrived at this one after
+        for old in ("first", "who", "arrived", "all", "left", "gone"):
             store.delete_key(f"{_PREFIX}/{number - 1}/{old}")
     _wait(store, key, what, rank, world)
-    calls = _calls(store, key)
-    if len(set(calls.values())) > 1:
-        rows = "\n".join(f"  rank {r}: {c}" for r, c in sorted(calls.items()))
-        raise CallMismatchError(f"the ranks made different collective calls of the parallel module at once:\n{rows}\n"
-                                f"each is a collective, which every rank makes in the same order. {ADVICE}")
+    if rank != 0:
+        if store.add(f"{key}/left", 1) == world - 1:
+            store.set(f"{key}/gone", "")
+    else:
+        store.wait([f"{key}/gone"], timedelta(seconds=TIMEOUT_S))
 
 
 ADVICE = ("Make it on every rank and keep the result on one: `sd = pm.state_dict()` on every rank, then "

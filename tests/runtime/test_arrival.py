@@ -98,7 +98,7 @@ def test_a_state_dict_and_an_evaluation_on_rank_0_alone_are_refused_naming_the_c
     assert "the ranks ran forwards of different modes at once" in error
     assert "rank 0: a forward in eval mode with gradients off" in error and "rank 1: a forward in training mode with gradients on" in error
 
-    # two different collective calls at once: both ranks raise, naming each
+    # two different collective calls at once: the later to arrive raises, naming both
     error = _error_of(model, sample, traced, split_weight, lambda pm, opt: pm.state_dict(),
                       lambda pm, opt: pm.optimizer_state_dict(opt))
     assert "rank 0: pm.state_dict()" in error and "rank 1: pm.optimizer_state_dict(optimizer)" in error
