@@ -41,6 +41,7 @@ change, so a step pays a lookup.
 from __future__ import annotations
 
 import itertools
+import sys
 import logging
 import weakref
 import zlib
@@ -48,6 +49,7 @@ from typing import Any, Iterator, Mapping, Protocol
 
 import torch
 import torch.distributed as dist
+from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
@@ -127,6 +129,7 @@ def _check(optimizer: torch.optim.Optimizer) -> None:
             "saved optimizer state loads with pm.load_optimizer_state_dict(optimizer, state))")
     blocks = _blocks()
     _check_loaded_blocks(optimizer, blocks)
+    _check_scaler(optimizer, blocks)
     if isinstance(optimizer, _ELEMENTWISE):
         return
     stepped = [blocks[id(p)] for group in optimizer.param_groups for p in group["params"] if id(p) in blocks]
@@ -203,6 +206,34 @@ def _check_loaded_blocks(optimizer: torch.optim.Optimizer, blocks: Mapping[int, 
         _marking.add(optimizer)
         optimizer.register_state_dict_post_hook(_mark_blocks)
         optimizer.register_load_state_dict_post_hook(lambda opt: _checked.pop(opt, None))  # check its next step
+
+
+def _check_scaler(optimizer: torch.optim.Optimizer, blocks: Mapping[int, tuple[str, str, int]]) -> None:
+    """Refuse a plain `GradScaler` stepping split parameters.
+
+    It skips the step when this rank's gradients hold an inf or NaN. A split parameter's gradient is a
+    different block on each rank, so an overflow in one rank's block skipped the step there and not on
+    the others (their scales then differ too), and the replicated parameters parted for good, silently.
+    torch's `ShardedGradScaler` all-reduces the flag. The scaler is the caller of this step: torch's
+    `GradScaler._maybe_opt_step` calls `optimizer.step()`, and its wrapper runs this hook."""
+    caller = sys._getframe(1)
+    for _ in range(8):  # this hook, _before_step, torch's hook loop and step wrapper, then the scaler
+        caller = caller.f_back
+        if caller is None:
+            return
+        scaler = caller.f_locals.get("self")
+        if isinstance(scaler, torch.amp.GradScaler):
+            break
+    else:
+        return
+    if isinstance(scaler, ShardedGradScaler) or not any(id(p) in blocks for g in optimizer.param_groups for p in g["params"]):
+        return
+    raise OptimizerError(
+        "GradScaler skips a step when this rank's gradients overflow, and the parallel module's split parameters' "
+        "gradients are each rank's blocks: an overflow in one rank's block would skip the step on that rank only, "
+        "and the ranks' parameters would part. Nothing was stepped. Use torch's ShardedGradScaler, which agrees on "
+        "overflows across ranks: `from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler`, "
+        "`scaler = ShardedGradScaler(process_group=torch.distributed.group.WORLD)`")
 
 
 def _mark_blocks(optimizer: torch.optim.Optimizer, state_dict: dict[str, Any]) -> dict[str, Any]:

@@ -251,3 +251,35 @@ def test_zero_redundancy_optimizer_is_refused_on_split_parameters():
         assert untouched
     for message, same in run_ranks(_zero_redundancy, 2, model, sample, traced, data_parallel, timeout_s=60):
         assert message is None and same
+
+
+def _scaled(rank, world, model, sample, traced, plan, sharded):
+    from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+
+    pm = parallel_module(model, sample, traced, plan, ProcessMesh((world,)))
+    opt = torch.optim.Adam(pm.parameters(), lr=0.01)
+    scaler = ShardedGradScaler("cpu", process_group=torch.distributed.group.WORLD) if sharded else torch.amp.GradScaler("cpu")
+    before = {fqn: p.detach().clone() for fqn, p in pm.named_parameters()}
+    args, kwargs = local_sample(sample, pm)
+    scaler.scale(pm(*args, **kwargs)).backward()
+    try:
+        scaler.step(opt)
+    except OptimizerError as err:
+        return str(err), all(torch.equal(p, before[fqn]) for fqn, p in pm.named_parameters())
+    return None, all(torch.equal(p, before[fqn]) for fqn, p in pm.named_parameters())
+
+
+def test_a_plain_grad_scaler_is_refused_on_split_parameters():
+    """GradScaler skips a step when this rank's gradients overflow; a split parameter's gradient is a different
+    block on each rank, so ranks could skip apart and part for good. Refused before stepping, naming
+    ShardedGradScaler, which steps (it agrees on overflows across ranks); under a plan splitting nothing, the
+    plain scaler steps."""
+    from tests.runtime.test_arrival import _case
+
+    model, sample, traced, data_parallel, split_weight, _ = _case()
+    for message, untouched in run_ranks(_scaled, 2, model, sample, traced, split_weight, False, timeout_s=60):
+        assert message.startswith("GradScaler skips a step") and "ShardedGradScaler(process_group=" in message
+        assert untouched
+    for plan, sharded in ((split_weight, True), (data_parallel, False)):
+        for message, untouched in run_ranks(_scaled, 2, model, sample, traced, plan, sharded, timeout_s=60):
+            assert message is None and not untouched
