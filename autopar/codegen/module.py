@@ -56,9 +56,11 @@ from autopar.runtime.mesh import ProcessMesh
 from autopar.runtime.same_inputs import agree
 from autopar.runtime.state_dict import (
     full_state_dict,
+    gather_full,
     gather_optimizer_state,
     load_full_state_dict,
     load_sharded,
+    local_shard,
     save_sharded,
     shard_optimizer_state,
 )
@@ -458,6 +460,44 @@ class ParallelModule(nn.Module):
     def param_storage(self) -> Mapping[str, Spec]:
         """How each parameter (by FQN) is stored across the mesh: what this rank's tensor is a block of."""
         return self.info.param_storage
+
+    def apply(self, fn: Callable[[nn.Module], Any]) -> "ParallelModule":  # type: ignore[override]
+        """`nn.Module.apply`, each module whole: `fn(module)` runs on every submodule, children first, with that
+        module's own parameters and buffers gathered whole, and what it leaves in them is stored back as the plan
+        splits them, rank 0's values on every rank (DDP's rule at wrapping: ranks seeded apart agree). So
+        `pm.apply(model._init_weights)` initialises as one device does (a model built on meta, after
+        `pm.to_empty`). On the blocks alone every rank would draw its block from the same random numbers: a split
+        weight's blocks would be copies of one another, silently. A collective: call it on every rank."""
+        all_ranks_make("pm.apply(fn)")
+        self._apply_whole(self, "", fn, self._specs())
+        return self
+
+    def _apply_whole(self, module: nn.Module, prefix: str, fn: Callable[[nn.Module], Any], specs: Mapping[str, Spec]) -> None:
+        for name, child in module.named_children():
+            if not isinstance(child, fx.GraphModule):  # codegen's outlined regions, no module of the model's
+                self._apply_whole(child, f"{prefix}{name}.", fn, specs)
+        held = []  # (slots, name, this rank's tensor, its spec, what fn is given there, its version)
+        for slots in (module._parameters, module._buffers):
+            for name, t in slots.items():
+                if t is None:
+                    continue
+                spec = specs.get(self.info.aliases.get(prefix + name, prefix + name))
+                if spec is not None and not spec.is_replicate():
+                    full = gather_full(t, spec, self.mesh)
+                    slots[name] = nn.Parameter(full, t.requires_grad) if isinstance(t, nn.Parameter) else full
+                held.append((slots, name, t, spec, slots[name], slots[name]._version))
+        try:
+            fn(module)
+        finally:
+            with torch.no_grad():
+                for slots, name, t, spec, given, version in held:
+                    left = slots[name]
+                    slots[name] = t
+                    if left is given and given._version == version:
+                        continue  # untouched
+                    whole = left.detach().contiguous()
+                    torch.distributed.broadcast(whole, src=0)
+                    t.copy_(whole if spec is None or spec.is_replicate() else local_shard(whole, spec, self.mesh))
 
     # ------------------------------------------------------------ full state dicts
     def _specs(self) -> dict[str, Spec]:
