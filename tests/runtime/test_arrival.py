@@ -6,6 +6,8 @@ ranks with the wait shortened to seconds.
 """
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 from torch import nn
@@ -58,7 +60,7 @@ def _evaluate(pm, sample):
 
 
 def _one_rank_calls(rank, world, model, sample, traced, plan, call_on_rank0, call_on_rank1):
-    arrival.WARN_AFTER_S, arrival.TIMEOUT_S = 1.0, 3.0
+    arrival.WARN_AFTER_S, arrival.TIMEOUT_S = 0.5, 1.5
     pm = parallel_module(model, sample, traced, plan, ProcessMesh((world,)), retrace=True)
     opt = torch.optim.SGD(pm.parameters(), lr=0.1)
     _step(pm, opt, sample)
@@ -86,8 +88,8 @@ def test_a_state_dict_and_an_evaluation_on_rank_0_alone_are_refused_naming_the_c
 
     # the gather of fc1's shards: rank 1 trains on, rank 0 waits, warns, then raises
     error = _error_of(model, sample, traced, split_weight, lambda pm, opt: pm.state_dict())
-    assert "rank 0 raised CallMismatchError: rank 0 has waited 3 s in pm.state_dict() for ranks [1]" in error
-    assert "sd = pm.state_dict()` on every rank" in error and "rank 0 has waited 1 s" in error.split("[warned:")[1]
+    assert re.search(r"rank 0 raised CallMismatchError: rank 0 has waited \d s in pm\.state_dict\(\) for ranks \[1\]", error)
+    assert "sd = pm.state_dict()` on every rank" in error and "rank 0 has waited" in error.split("[warned:")[1]
 
     # data parallel: the evaluation's loss all-reduce would meet rank 1's next training step
     error = _error_of(model, sample, traced, data_parallel, lambda pm, opt: _evaluate(pm, sample))
