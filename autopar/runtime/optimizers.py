@@ -130,6 +130,7 @@ def _check(optimizer: torch.optim.Optimizer) -> None:
     blocks = _blocks()
     _check_loaded_blocks(optimizer, blocks)
     _check_scaler(optimizer, blocks)
+    _check_drawn_apart(optimizer, blocks)
     if isinstance(optimizer, _ELEMENTWISE):
         return
     stepped = [blocks[id(p)] for group in optimizer.param_groups for p in group["params"] if id(p) in blocks]
@@ -234,6 +235,38 @@ def _check_scaler(optimizer: torch.optim.Optimizer, blocks: Mapping[int, tuple[s
         "and the ranks' parameters would part. Nothing was stepped. Use torch's ShardedGradScaler, which agrees on "
         "overflows across ranks: `from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler`, "
         "`scaler = ShardedGradScaler(process_group=torch.distributed.group.WORLD)`")
+
+
+def _check_drawn_apart(optimizer: torch.optim.Optimizer, blocks: Mapping[int, tuple[str, str, int]]) -> None:
+    """Refuse a first step from split parameters whose blocks are copies of one another.
+
+    An init loop over the module's parameters (`for p in pm.parameters(): nn.init.normal_(p)`, nanoGPT's
+    scaling of its residual projections) draws each rank's block alone, from the random numbers every rank
+    shares: the blocks come out equal, and a split weight is its first block repeated, its neurons in
+    lockstep for good. A collective (every rank steps): each rank's sum and 2-norm of each split
+    parameter, compared between ranks holding different blocks; blocks of one value (zeros, ones) are
+    equal by design and pass."""
+    stepped = [(p, blocks[id(p)]) for group in optimizer.param_groups for p in group["params"] if id(p) in blocks]
+    if not stepped or not dist.is_initialized() or dist.get_world_size() == 1 or dist.get_backend() == "fake":
+        return
+    with torch.no_grad():
+        # (no float64 copy of a large block: the reductions accumulate in float64)
+        sums = [(mark % _BLOCKS, p.sum(dtype=torch.float64).item(), torch.linalg.vector_norm(p, dtype=torch.float64).item(),
+                 bool(p.numel() > 1 and p.amax() > p.amin())) for p, (_, _, mark) in stepped]
+    every: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(every, sums, group=next(iter(_MODULES.values())).mesh.cpu_group)
+    alike = []
+    for i, (_, (fqn, how, _)) in enumerate(stepped):
+        seen = {rank_sums[i][0]: rank_sums[i][1:] for rank_sums in every}  # block -> (sum, norm, varied)
+        if len(seen) > 1 and len({v[:2] for v in seen.values()}) == 1 and all(v[2] for v in seen.values()):
+            alike.append(f"{fqn} (split on {how})")
+    if alike:
+        raise OptimizerError(
+            f"{len(alike)} split parameters hold the same values in every rank's block: {', '.join(alike[:3])}"
+            f"{', ...' if len(alike) > 3 else ''}. They were set on the blocks alone, each rank drawing from the "
+            "same random numbers (an init loop over pm.parameters()), so each is its first block repeated. Nothing "
+            "was stepped. Initialise the model before parallelize, or initialise through pm.apply(init_fn), which "
+            "gives each module's function the whole tensors")
 
 
 def _mark_blocks(optimizer: torch.optim.Optimizer, state_dict: dict[str, Any]) -> dict[str, Any]:

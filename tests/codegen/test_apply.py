@@ -46,3 +46,41 @@ def test_apply_initialises_as_one_device_from_rank_0s_seed():
             for fqn, value in want.items():
                 torch.testing.assert_close(state[fqn], value, rtol=0, atol=0, msg=lambda m: f"{fqn}: {m}")
     assert all(any(not (p.use.is_replicate() and p.storage.is_replicate()) for p in plan.params) for plan in plans)
+
+
+def _loop_initialised(rank, world, model, sample, traced, plan, through_apply):
+    from tests.runtime.test_arrival import _step
+
+    from autopar.runtime.optimizers import OptimizerError
+
+    pm = parallel_module(model, sample, traced, plan, ProcessMesh((world,)))
+    dress_like(pm, model)
+    torch.manual_seed(0)  # every rank alike, as a loop's set_seed does
+    if through_apply:
+        pm.apply(lambda m: [torch.nn.init.normal_(p, std=0.02) for p in m.parameters(recurse=False) if p.dim() == 2])
+    else:
+        for p in pm.parameters():
+            if p.dim() == 2:
+                torch.nn.init.normal_(p, std=0.02)
+    opt = torch.optim.AdamW(pm.parameters(), lr=1e-3)
+    before = [p.detach().clone() for p in pm.parameters()]
+    try:
+        _step(pm, opt, sample)
+    except OptimizerError as err:
+        return str(err), all(torch.equal(p, b) for p, b in zip(pm.parameters(), before))
+    return None, False
+
+
+@pytest.mark.timeout(120)
+def test_an_init_loop_over_the_blocks_is_refused_at_the_first_step():
+    """The loop draws each rank's block of a split weight from the same random numbers: equal blocks, the
+    weight its first block repeated. Refused before the first step changes anything; the same init through
+    `pm.apply` passes."""
+    from tests.runtime.test_arrival import _case
+
+    model, sample, traced, _, split_weight, _ = _case()
+    for message, untouched in run_ranks(_loop_initialised, 2, model, sample, traced, split_weight, False, timeout_s=60):
+        assert message.startswith("1 split parameters hold the same values in every rank's block: fc1.weight")
+        assert "pm.apply(init_fn)" in message and untouched
+    for message, _ in run_ranks(_loop_initialised, 2, model, sample, traced, split_weight, True, timeout_s=60):
+        assert message is None
