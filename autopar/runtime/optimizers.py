@@ -244,20 +244,22 @@ def _check_drawn_apart(optimizer: torch.optim.Optimizer, blocks: Mapping[int, tu
     scaling of its residual projections) draws each rank's block alone, from the random numbers every rank
     shares: the blocks come out equal, and a split weight is its first block repeated, its neurons in
     lockstep for good. A collective (every rank steps): each rank's sum and 2-norm of each split
-    parameter, compared between ranks holding different blocks; blocks of one value (zeros, ones) are
-    equal by design and pass."""
+    parameter, compared between ranks holding different blocks (one all-gather on the CPU group); blocks of
+    one value (zeros, ones) are equal by design and pass."""
     stepped = [(p, blocks[id(p)]) for group in optimizer.param_groups for p in group["params"] if id(p) in blocks]
     if not stepped or not dist.is_initialized() or dist.get_world_size() == 1 or dist.get_backend() == "fake":
         return
-    with torch.no_grad():
-        # (no float64 copy of a large block: the reductions accumulate in float64)
-        sums = [(mark % _BLOCKS, p.sum(dtype=torch.float64).item(), torch.linalg.vector_norm(p, dtype=torch.float64).item(),
-                 bool(p.numel() > 1 and p.amax() > p.amin())) for p, (_, _, mark) in stepped]
-    every: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(every, sums, group=next(iter(_MODULES.values())).mesh.cpu_group)
+    with torch.no_grad():  # per parameter: its block's index, sum, 2-norm and whether it holds more than one value
+        mine = torch.stack([torch.stack([torch.tensor(float(mark % _BLOCKS), dtype=torch.float64, device=p.device),
+                                         p.sum(dtype=torch.float64), torch.linalg.vector_norm(p, dtype=torch.float64),
+                                         (p.amax() > p.amin()).to(torch.float64)])
+                            for p, (_, _, mark) in stepped]).cpu()
+    every = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
+    dist.all_gather(every, mine, group=next(iter(_MODULES.values())).mesh.cpu_group)  # on the CPU: gloo
+    per_param = torch.stack(every, dim=1).tolist()  # [parameter][rank] -> [block, sum, norm, varied]
     alike = []
-    for i, (_, (fqn, how, _)) in enumerate(stepped):
-        seen = {rank_sums[i][0]: rank_sums[i][1:] for rank_sums in every}  # block -> (sum, norm, varied)
+    for (_, (fqn, how, _)), ranks in zip(stepped, per_param):
+        seen = {block: (total, norm, varied) for block, total, norm, varied in ranks}
         if len(seen) > 1 and len({v[:2] for v in seen.values()}) == 1 and all(v[2] for v in seen.values()):
             alike.append(f"{fqn} (split on {how})")
     if alike:
