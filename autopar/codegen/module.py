@@ -51,6 +51,7 @@ from autopar.runtime.batch import batch_slice, global_like
 from autopar.runtime.deferred_loss import grads_scaled_by, other_output
 from autopar.runtime.grad_norm import track
 from autopar.runtime.optimizers import watch_optimizers
+from autopar.runtime.rng import agree_on_mask_seed
 from autopar.runtime.grad_sync import GradSync
 from autopar.runtime.mesh import ProcessMesh
 from autopar.runtime.same_inputs import agree
@@ -153,6 +154,7 @@ class ParallelModule(nn.Module):
         self._sync_key = first.sync_key
         self._synced_params = self._params_read()  # the sync's
         track(self)  # torch's clip_grad_norm_ on these shards: the full gradients' norm
+        agree_on_mask_seed(mesh.cpu_group)  # dropout masks alike on replicas, however each rank seeded torch
         watch_optimizers(self)  # and no optimizer reading whole parameters steps them
 
     def _graph_of(self, gm: fx.GraphModule, traced: TracedGraph, casts: bool) -> _Graph:

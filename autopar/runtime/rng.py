@@ -7,12 +7,18 @@ replicas diverge). So the seed of a random op depends on this rank's coordinates
 on exactly the mesh axes where the activation is Shard (Replicate and Partial axes
 share the mask: dropout commutes with a sum only under one mask).
 
-Unlike Megatron's tracker we keep no RNG state of our own: each random op draws a
-fresh base seed from torch's default generator, which every rank advances
-identically (SPMD: same ops, same local shapes), then seeds a forked RNG with
-(base seed, shard index). Hence `torch.manual_seed` on every rank controls all
-masks, masks change every step, and activation checkpointing (which restores the
-default RNG state before recomputing) redraws the same masks.
+Each random op draws a fresh base seed from a generator of ours, then seeds a
+forked RNG with (base seed, shard index), so masks change every step. That
+generator is seeded alike on every rank when the first parallel module is made
+(`agree_on_mask_seed`: rank 0's torch seed), and every rank advances it alike
+(SPMD: same ops). The base seeds came from torch's default generator until the
+twenty-eighth session; but DDP loops seed it apart per rank for their data
+(nanoGPT's `torch.manual_seed(1337 + rank)`, timm's `seed + rank`), and then ranks
+holding the same replicated activation dropped it with different masks: under a
+tensor-parallel plan with dropout, two ranks' "global" losses differed at the
+first step (5.537 and 5.504) and the replicated layer norms parted. Activation
+checkpointing captures and replays this generator with torch's (`capture_states`),
+so the recompute redraws the forward's masks.
 
     with fork_rng_for(Spec.parse("S(0)R"), mesh.coordinate, mesh.shape):
         y = torch.nn.functional.dropout(x, 0.1)
@@ -25,6 +31,7 @@ import contextlib
 from typing import Any, Callable, Iterator, Sequence
 
 import torch
+import torch.distributed as dist
 from torch.distributed.distributed_c10d import _resolve_process_group
 
 from autopar.solver.spec import Shard, Spec
@@ -46,11 +53,27 @@ def _devices() -> list[int]:
     return list(range(torch.cuda.device_count())) if torch.cuda.is_available() else []
 
 
+_masks = torch.Generator()  # the base seeds of random ops: alike on every rank (module docstring)
+_masks_agreed = False
+
+
+def agree_on_mask_seed(group: dist.ProcessGroup | None) -> None:
+    """Seed the random ops' generator with rank 0's torch seed on every rank of `group` (a collective; once a
+    process: later modules go on drawing from it)."""
+    global _masks_agreed
+    if _masks_agreed:
+        return
+    seed = torch.tensor([torch.initial_seed() % _SEED_MOD], dtype=torch.int64)
+    if dist.is_initialized():
+        dist.broadcast(seed, src=0, group=group)
+    _masks.manual_seed(int(seed.item()))
+    _masks_agreed = True
+
+
 @contextlib.contextmanager
 def _fork_with_index(index: int, seed: int | None) -> Iterator[None]:
     if seed is None:
-        # Consumed identically on every rank, so the default generators stay in step.
-        seed = int(torch.randint(0, _SEED_MOD - 1, (1,), dtype=torch.int64).item())
+        seed = int(torch.randint(0, _SEED_MOD - 1, (1,), dtype=torch.int64, generator=_masks).item())
     with torch.random.fork_rng(devices=_devices()):
         torch.manual_seed((seed + index * _GOLDEN) % _SEED_MOD)
         yield
@@ -69,21 +92,26 @@ def fork_rng_for(spec: Spec, coordinate: Sequence[int], mesh_shape: Sequence[int
         yield
 
 
-def capture_states() -> tuple[torch.Tensor, list[torch.Tensor]]:
-    """The default generators' states (CPU, each CUDA device), for `replay_states`."""
-    return torch.get_rng_state(), [torch.cuda.get_rng_state(d) for d in _devices()]
+def capture_states() -> tuple[torch.Tensor, list[torch.Tensor], torch.Tensor]:
+    """The default generators' states (CPU, each CUDA device) and the random ops' one, for `replay_states`."""
+    return torch.get_rng_state(), [torch.cuda.get_rng_state(d) for d in _devices()], _masks.get_state()
 
 
 @contextlib.contextmanager
-def replay_states(states: tuple[torch.Tensor, list[torch.Tensor]]) -> Iterator[None]:
+def replay_states(states: tuple[torch.Tensor, list[torch.Tensor], torch.Tensor]) -> Iterator[None]:
     """Run the body from captured generator states (activation checkpointing's recompute draws what the
     forward drew); the generators are restored on exit, so the recompute does not advance them."""
-    cpu_state, device_states = states
+    cpu_state, device_states, masks_state = states
+    current = _masks.get_state()
     with torch.random.fork_rng(devices=_devices()):
         torch.set_rng_state(cpu_state)
         for device, state in zip(_devices(), device_states):
             torch.cuda.set_rng_state(state, device)
-        yield
+        _masks.set_state(masks_state)
+        try:
+            yield
+        finally:
+            _masks.set_state(current)
 
 
 def random_op(op: Callable[..., Any], groups: tuple[str, ...], *args: Any, **kwargs: Any) -> Any:
