@@ -51,7 +51,7 @@ from autopar.runtime.batch import batch_slice, global_like
 from autopar.runtime.deferred_loss import grads_scaled_by, other_output
 from autopar.runtime.grad_norm import track
 from autopar.runtime.optimizers import watch_optimizers
-from autopar.runtime.rng import agree_on_mask_seed
+from autopar.runtime import rng
 from autopar.runtime.grad_sync import GradSync
 from autopar.runtime.mesh import ProcessMesh
 from autopar.runtime.same_inputs import agree
@@ -63,6 +63,7 @@ from autopar.runtime.state_dict import (
     load_sharded,
     local_shard,
     save_sharded,
+    saved_extra,
     shard_optimizer_state,
 )
 from autopar.solver.plan import Plan
@@ -154,7 +155,7 @@ class ParallelModule(nn.Module):
         self._sync_key = first.sync_key
         self._synced_params = self._params_read()  # the sync's
         track(self)  # torch's clip_grad_norm_ on these shards: the full gradients' norm
-        agree_on_mask_seed(mesh.cpu_group)  # dropout masks alike on replicas, however each rank seeded torch
+        rng.agree_on_mask_seed(mesh.cpu_group)  # dropout masks alike on replicas, however each rank seeded torch
         watch_optimizers(self)  # and no optimizer reading whole parameters steps them
 
     def _graph_of(self, gm: fx.GraphModule, traced: TracedGraph, casts: bool) -> _Graph:
@@ -586,6 +587,7 @@ class ParallelModule(nn.Module):
         local, specs = self._shard_specs()
         all_ranks_make(f"pm.save_checkpoint({os.fspath(path)!r})")
         osd = None if optimizer is None else get_optimizer_state_dict(self, optimizer)
+        extra = {**(extra or {}), _MASKS_RNG: rng.masks_state()}  # so a resumed run draws the masks it would have
         return save_sharded(local, specs, self.mesh, path, osd, extra, background)
 
     def load_checkpoint(self, path: str | os.PathLike, optimizer: torch.optim.Optimizer | None = None,
@@ -596,7 +598,14 @@ class ParallelModule(nn.Module):
         local, specs = self._shard_specs()
         all_ranks_make(f"pm.load_checkpoint({os.fspath(path)!r})")
         osd = None if optimizer is None else get_optimizer_state_dict(self, optimizer)
-        loaded = load_sharded(local, specs, self.mesh, path, osd, extra)
+        wanted = dict(extra or {})
+        if _MASKS_RNG in saved_extra(path):  # (a checkpoint of torch's `dcp.save` or an older one has none)
+            wanted[_MASKS_RNG] = rng.masks_state()
+        loaded = load_sharded(local, specs, self.mesh, path, osd, wanted or extra)
+        if _MASKS_RNG in wanted:
+            rng.set_masks_state(wanted.pop(_MASKS_RNG))
+        if extra:
+            extra.update(wanted)
         if optimizer is not None:
             set_optimizer_state_dict(self, optimizer, loaded)
 
@@ -606,6 +615,9 @@ def _signature(flat: list[Any], spec: pytree.TreeSpec, training: bool, trainable
     """The signature of a forward on the flattened inputs `flat`, structured as `spec`."""
     return _Signature(training, trainable, autocast, state_dtypes, spec,
                       tuple((x.shape, x.dtype) if isinstance(x, torch.Tensor) else _leaf_key(x) for x in flat))
+
+
+_MASKS_RNG = "autopar_masks_rng"  # the random ops' generator in a checkpoint's extra state (`runtime.rng`)
 
 
 def _mode_text(mode: tuple[bool, bool]) -> str:

@@ -70,6 +70,15 @@ def agree_on_mask_seed(group: dist.ProcessGroup | None) -> None:
     _masks_agreed = True
 
 
+def masks_state() -> torch.Tensor:
+    """The random ops' generator state (checkpoints carry it, so a resumed run draws the masks it would have)."""
+    return _masks.get_state()
+
+
+def set_masks_state(state: torch.Tensor) -> None:
+    _masks.set_state(state)
+
+
 @contextlib.contextmanager
 def _fork_with_index(index: int, seed: int | None) -> Iterator[None]:
     if seed is None:

@@ -332,6 +332,16 @@ def _hf_targets(local: Mapping[str, torch.Tensor], specs: Mapping[str, Spec], me
     return _as_dtensors({n: t for n, t in local.items() if n in saved}, specs, mesh)
 
 
+def saved_extra(path: str | os.PathLike) -> frozenset[str]:
+    """The names of the `extra` state a checkpoint written by `save_sharded` holds (none in a Hugging Face
+    directory)."""
+    path = os.fspath(path)
+    if _is_hf_directory(path) or not os.path.exists(os.path.join(path, ".metadata")):
+        return frozenset()
+    keys = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
+    return frozenset(k.split(".", 1)[1] for k in keys if k.startswith("extra."))
+
+
 def _has_optimizer_state(path: str | os.PathLike) -> bool:
     keys = dcp.FileSystemReader(os.fspath(path)).read_metadata().state_dict_metadata
     return any(k.startswith("optim.") for k in keys)

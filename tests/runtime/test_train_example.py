@@ -62,7 +62,7 @@ def test_train_script_resumes_on_another_world_size(spmd, tmp_path):
 
 
 def test_a_resumed_run_with_dropout_takes_the_uninterrupted_runs_steps(spmd, tmp_path):
-    """With dropout 0.1 (masks drawn from the default generator, which the checkpoint carries), 2 steps, a
+    """With dropout 0.1 (masks drawn from autopar's generator, which `pm.save_checkpoint` carries), 2 steps, a
     checkpoint and 2 more give the losses of 4 uninterrupted steps on the same 2 ranks, bit for bit."""
     argv = ARGV + ["--dropout", "0.1"]
     straight = spmd(_run, 2, argv + ["--steps", "4"], timeout_s=120)[0]
