@@ -20,16 +20,10 @@ from autopar.solver.spec import Shard, Spec
 
 aten = torch.ops.aten
 
-RANDOM_OPS = frozenset({
-    aten.native_dropout.default, aten.bernoulli.default, aten.bernoulli.p, aten.rand_like.default,
-    aten.randn_like.default, aten.rand.default, aten.randn.default,
-    aten.scaled_dot_product_attention.default,  # when it drops attention weights (`dropout_p` > 0)
-})
-
 
 def wrap(target: Any, args: tuple, kwargs: dict, out_specs: Sequence[Spec], mesh: ProcessMesh) -> tuple[Any, tuple, dict]:
     """(target, args, kwargs) of the node to emit: random ops go through the runtime's rng helper."""
-    if target not in RANDOM_OPS or (target is aten.scaled_dot_product_attention.default and not _attention_dropout(args, kwargs)):
+    if not _draws(target, args, kwargs):
         return target, args, kwargs
     from autopar.runtime import rng  # the runtime's tracker: independent across differing shards, equal across replicas
 
@@ -37,6 +31,13 @@ def wrap(target: Any, args: tuple, kwargs: dict, out_specs: Sequence[Spec], mesh
     return rng.random_op, (target, groups) + tuple(args), kwargs
 
 
-def _attention_dropout(args: tuple, kwargs: dict) -> float:
-    """`scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.0, ...)`'s dropout."""
-    return kwargs.get("dropout_p", args[4] if len(args) > 4 else 0.0)
+def _draws(target: Any, args: tuple, kwargs: dict) -> bool:
+    """Whether the op draws random numbers: ATen tags each op that does (`nondeterministic_seeded`: dropout,
+    rand/randn/randint, randperm, multinomial, normal, ..., as `solver.regions` reads it too). Attention is
+    tagged for its dropout, and draws only with `dropout_p` > 0 (`scaled_dot_product_attention(query, key,
+    value, attn_mask=None, dropout_p=0.0, ...)`): without, it runs as it is."""
+    if not (isinstance(target, torch._ops.OpOverload) and torch.Tag.nondeterministic_seeded in target.tags):
+        return False
+    if target is aten.scaled_dot_product_attention.default:
+        return kwargs.get("dropout_p", args[4] if len(args) > 4 else 0.0) > 0
+    return True

@@ -70,3 +70,38 @@ def test_dropout_trains_with_megatron_masks():
             assert 0.6 < m0.float().mean().item() < 0.95  # p=0.2 really drops
             # different batch rows: independent masks; the same replicated activation: one mask
             assert torch.equal(m0, m1) == same
+
+
+class _Shuffled(torch.nn.Module):
+    """Features permuted by `torch.randperm` and perturbed by an in-place `normal_`: random ops that are not
+    dropout, which the Megatron rule covers too (ATen tags every op that draws)."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc1, self.fc2 = torch.nn.Linear(8, 16), torch.nn.Linear(16, 4)
+
+    def forward(self, x, y):
+        x = x[:, torch.randperm(8)] + torch.empty_like(x).normal_() * 0.1
+        return torch.nn.functional.cross_entropy(self.fc2(torch.relu(self.fc1(x))), y)
+
+
+def _loss_seeded_apart(rank, world, model, sample, traced, plan):
+    from tests.codegen.harness import parallel_module
+
+    pm = parallel_module(model, sample, traced, plan, ProcessMesh((world,)))
+    torch.manual_seed(rank)
+    args, kwargs = local_sample(sample, pm)
+    return pm(*args, **kwargs).item()
+
+
+def test_other_random_ops_draw_alike_on_replicas_of_ranks_seeded_apart():
+    """Under a plan that keeps the batch whole on every rank (fc1 split), each rank computes the same permutation
+    and noise: before, randperm and normal drew from each rank's own generator and the two ranks' 'global'
+    losses differed (1.4949 and 1.4441)."""
+    torch.manual_seed(0)
+    model = _Shuffled()
+    sample = (torch.randn(8, 8), torch.randint(0, 4, (8,)))
+    traced = trace_model(model, sample)
+    plan = greedy_plan(traced, cpu_mesh((2,)), {"p_fc1_weight": "S(0)"})
+    losses = run_ranks(_loss_seeded_apart, 2, model, sample, traced, plan, timeout_s=60)
+    assert losses[0] == losses[1]

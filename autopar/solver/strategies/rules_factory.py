@@ -1,10 +1,10 @@
-"""Factory ops (no tensor inputs): arange, full, zeros, ones, empty, scalar_tensor.
+"""Factory ops (no tensor inputs): arange, full, zeros, ones, empty, scalar_tensor, and the random ones.
 
 DTensor has no strategy for them. The output may be replicated, or sharded on
 any dim that divides evenly: each rank then builds only its own block
 (`localize.local_args` rewrites the size / the arange bounds per rank), which
 is cheaper than building the whole tensor and slicing it.
-Random factories (rand, randn, ...) stay replicated: a sharded draw would not
+Random factories (rand, randn, randint, randperm) stay replicated: a sharded draw would not
 equal a slice of the replicated draw.
 """
 from __future__ import annotations
@@ -24,7 +24,7 @@ def factory_rules(op, args: tuple, kwargs: dict, mesh_shape: tuple[int, ...], ou
     return expand_over_mesh(one_axis, 1, len(mesh_shape))
 
 
-RANDOM_FACTORIES = frozenset({aten.rand.default, aten.randn.default, aten.randint.low, aten.randint.default})
+RANDOM_FACTORIES = frozenset({aten.rand.default, aten.randn.default, aten.randint.low, aten.randint.default, aten.randperm.default})
 FACTORIES = frozenset({
     aten.arange.default, aten.arange.start, aten.arange.start_step,
     aten.full.default, aten.zeros.default, aten.ones.default, aten.empty.memory_format, aten.empty_permuted.default,
