@@ -6,7 +6,7 @@ import copy
 import pytest
 import torch
 
-from tests.codegen.harness import LogRecords, reference, trace_model, train
+from tests.codegen.harness import LogRecords, classifier_case, parallel_module, reference, trace_model, train
 from tests.codegen.plans import load_zoo
 
 from autopar.api import parallelize
@@ -212,11 +212,9 @@ def test_reading_the_untrained_model_after_training_warns():
 
 
 def _wrapped_in_ddp(rank, world):
-    from tests.runtime.test_arrival import _case
-    from tests.codegen.harness import parallel_module
     from autopar.runtime.mesh import ProcessMesh
 
-    model, sample, traced, _, split_weight, _ = _case()
+    model, sample, traced, _, split_weight, _ = classifier_case()
     pm = parallel_module(model, sample, traced, split_weight, ProcessMesh((world,)))
     before = {fqn: p.detach().clone() for fqn, p in pm.named_parameters()}
     with pytest.raises(AlreadyParallelError, match="rank's blocks") as refused:
@@ -235,11 +233,9 @@ def test_wrapping_the_module_in_ddp_is_refused_before_it_broadcasts():
 def _pickled(rank, world):
     import io
 
-    from tests.runtime.test_arrival import _case
-    from tests.codegen.harness import parallel_module
     from autopar.runtime.mesh import ProcessMesh
 
-    model, sample, traced, _, split_weight, _ = _case()
+    model, sample, traced, _, split_weight, _ = classifier_case()
     pm = parallel_module(model, sample, traced, split_weight, ProcessMesh((world,)))
     with pytest.raises(TypeError, match="Save pm.state_dict()") as refused:
         torch.save(pm, io.BytesIO())

@@ -136,7 +136,7 @@ class ParallelModule(nn.Module):
         # ranks run (`if rank == 0: evaluate(pm)`) would meet the others' training collectives. The first forward
         # and each change of mode (training, gradients) wait for every rank to make the same one (`runtime.arrival`).
         self._modes_must_agree = math.prod(mesh.shape) > 1 and not self._inputs_must_agree and traced.loss_index is not None
-        self._mode: tuple[bool, bool] | None = None  # (training, gradients on) of the last forward
+        self._mode: tuple[bool, bool] | None = None  # (training, gradients on) of the last forward checked
         # each parameter's requires_grad is part of a graph's signature: freezing or unfreezing one after
         # `parallelize` lowers a graph whose backward follows the new flags (and rebuilds the sync)
         self._param_slots = [first.state_slots[i] for i in first.param_positions]
@@ -300,7 +300,7 @@ class ParallelModule(nn.Module):
             agree(_described(key), self.mesh.cpu_group, _mode_text(mode))
         elif self._modes_must_agree and mode != self._mode:
             all_ranks_make(f"pm(...) in {_mode_text(mode)}")
-        self._mode = mode
+            self._mode = mode
         if key != self._key:
             self._use_graph_for(key, flat, spec)
         graph = self._graph
@@ -620,6 +620,7 @@ def _signature(flat: list[Any], spec: pytree.TreeSpec, training: bool, trainable
 _MASKS_RNG = "autopar_masks_rng"  # the random ops' generator in a checkpoint's extra state (`runtime.rng`)
 
 
+@functools.lru_cache(maxsize=4)  # asked every forward of a plan whose ranks agree on each forward
 def _mode_text(mode: tuple[bool, bool]) -> str:
     training, grad = mode
     return f"{'training' if training else 'eval'} mode with gradients {'on' if grad else 'off'}"

@@ -27,7 +27,7 @@ from autopar.runtime.mesh import ProcessMesh
 from autopar.solver.plan import Plan
 from autopar.solver.strategies import enumerate_strategies
 from autopar.tracer import TracedGraph, split_sample_input, trace
-from tests.codegen.plans import cpu_mesh, random_plan
+from tests.codegen.plans import cpu_mesh, greedy_plan, random_plan
 
 LR = 1e-3
 # Some gradients are exactly zero in exact arithmetic (ViT's key bias: softmax ignores it) and fp noise
@@ -195,6 +195,40 @@ def check_cases(mesh_shape: tuple[int, ...], cases: Sequence[tuple]) -> None:
     """Train every case on its own world of `mesh_shape`'s ranks; each must match one device (see `check_plan`)."""
     for rank_results in run_ranks(run_plans, math.prod(mesh_shape), mesh_shape, cases, timeout_s=220):
         assert [label for label, _ in rank_results] == [c[0] for c in cases]
+
+
+class Classifier(torch.nn.Module):
+    """Two linear layers and a cross-entropy loss: the small model of the runtime's multi-rank checks."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc1, self.fc2 = torch.nn.Linear(8, 16), torch.nn.Linear(16, 4)
+
+    def forward(self, x, y):
+        return torch.nn.functional.cross_entropy(self.fc2(torch.relu(self.fc1(x))), y)
+
+
+def classifier_case():
+    """(model, sample, traced, data_parallel, split_weight, tensor_parallel) on 2 ranks: fc1's weight stored
+    split and gathered where used, or split with the batch gathered (a plan that exchanges activations)."""
+    torch.manual_seed(0)
+    model = Classifier()
+    sample = (torch.randn(8, 8), torch.randint(0, 4, (8,)))
+    traced = trace_model(model, sample)
+    mesh = cpu_mesh((2,))
+    batch_split = {n: "S(0)" for n in traced.input_names}
+    data_parallel = greedy_plan(traced, mesh, batch_split)
+    split_weight = greedy_plan(traced, mesh, {**batch_split, "p_fc1_weight": "S(0)"})
+    tensor_parallel = greedy_plan(traced, mesh, {"p_fc1_weight": "S(0)"})
+    return model, sample, traced, data_parallel, split_weight, tensor_parallel
+
+
+def step(pm: ParallelModule, opt: torch.optim.Optimizer, sample: Any) -> None:
+    """One training step of `pm` on this rank's slice of `sample` (a model returning its loss)."""
+    args, kwargs = local_sample(sample, pm)
+    opt.zero_grad()
+    pm(*args, **kwargs).backward()
+    opt.step()
 
 
 class LogRecords(logging.Handler):

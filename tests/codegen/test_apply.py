@@ -12,7 +12,7 @@ import random
 import pytest
 import torch
 
-from tests.codegen.harness import parallel_module, trace_model
+from tests.codegen.harness import classifier_case, parallel_module, step, trace_model
 from tests.codegen.plans import cpu_mesh, load_zoo, random_plan
 
 from autopar.codegen.module_tree import dress_like
@@ -49,8 +49,6 @@ def test_apply_initialises_as_one_device_from_rank_0s_seed():
 
 
 def _loop_initialised(rank, world, model, sample, traced, plan, through_apply):
-    from tests.runtime.test_arrival import _step
-
     from autopar.runtime.optimizers import OptimizerError
 
     pm = parallel_module(model, sample, traced, plan, ProcessMesh((world,)))
@@ -65,7 +63,7 @@ def _loop_initialised(rank, world, model, sample, traced, plan, through_apply):
     opt = torch.optim.AdamW(pm.parameters(), lr=1e-3)
     before = [p.detach().clone() for p in pm.parameters()]
     try:
-        _step(pm, opt, sample)
+        step(pm, opt, sample)
     except OptimizerError as err:
         return str(err), all(torch.equal(p, b) for p, b in zip(pm.parameters(), before))
     return None, False
@@ -76,9 +74,7 @@ def test_an_init_loop_over_the_blocks_is_refused_at_the_first_step():
     """The loop draws each rank's block of a split weight from the same random numbers: equal blocks, the
     weight its first block repeated. Refused before the first step changes anything; the same init through
     `pm.apply` passes."""
-    from tests.runtime.test_arrival import _case
-
-    model, sample, traced, _, split_weight, _ = _case()
+    model, sample, traced, _, split_weight, _ = classifier_case()
     for message, untouched in run_ranks(_loop_initialised, 2, model, sample, traced, split_weight, False, timeout_s=60):
         assert message.startswith("1 split parameters hold the same values in every rank's block: fc1.weight")
         assert "pm.apply(init_fn)" in message and untouched

@@ -10,44 +10,13 @@ import re
 
 import pytest
 import torch
-from torch import nn
 
-from tests.codegen.harness import LogRecords, local_sample, parallel_module, trace_model
-from tests.codegen.plans import cpu_mesh, greedy_plan
+from tests.codegen.harness import Classifier, LogRecords, classifier_case, local_sample, parallel_module, step
 
 from autopar.errors import CallMismatchError
 from autopar.runtime import arrival
 from autopar.runtime.launch import RankError, run_ranks
 from autopar.runtime.mesh import ProcessMesh
-
-
-class Classifier(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.fc1, self.fc2 = nn.Linear(8, 16), nn.Linear(16, 4)
-
-    def forward(self, x, y):
-        return nn.functional.cross_entropy(self.fc2(torch.relu(self.fc1(x))), y)
-
-
-def _case():
-    torch.manual_seed(0)
-    model = Classifier()
-    sample = (torch.randn(8, 8), torch.randint(0, 4, (8,)))
-    traced = trace_model(model, sample)
-    mesh = cpu_mesh((2,))
-    batch_split = {n: "S(0)" for n in traced.input_names}
-    data_parallel = greedy_plan(traced, mesh, batch_split)
-    split_weight = greedy_plan(traced, mesh, {**batch_split, "p_fc1_weight": "S(0)"})  # stored split, gathered
-    tensor_parallel = greedy_plan(traced, mesh, {"p_fc1_weight": "S(0)"})  # the batch gathered, fc1 split
-    return model, sample, traced, data_parallel, split_weight, tensor_parallel
-
-
-def _step(pm, opt, sample):
-    args, kwargs = local_sample(sample, pm)
-    opt.zero_grad()
-    pm(*args, **kwargs).backward()
-    opt.step()
 
 
 def _evaluate(pm, sample):
@@ -63,7 +32,7 @@ def _one_rank_calls(rank, world, model, sample, traced, plan, call_on_rank0, cal
     arrival.WARN_AFTER_S, arrival.TIMEOUT_S = 0.5, 1.5
     pm = parallel_module(model, sample, traced, plan, ProcessMesh((world,)), retrace=True)
     opt = torch.optim.SGD(pm.parameters(), lr=0.1)
-    _step(pm, opt, sample)
+    step(pm, opt, sample)
     log = LogRecords("autopar.runtime.arrival")
     try:
         if rank == 0:
@@ -71,7 +40,7 @@ def _one_rank_calls(rank, world, model, sample, traced, plan, call_on_rank0, cal
         elif call_on_rank1 is not None:
             call_on_rank1(pm, opt)
         for _ in range(3):  # the training loop goes on
-            _step(pm, opt, sample)
+            step(pm, opt, sample)
     except CallMismatchError as err:
         raise CallMismatchError(f"{err} [warned: {log.messages}]") from None
 
@@ -84,7 +53,7 @@ def _error_of(model, sample, traced, plan, on_rank0, on_rank1=None) -> str:
 
 @pytest.mark.timeout(120)
 def test_a_state_dict_and_an_evaluation_on_rank_0_alone_are_refused_naming_the_call_and_the_fix():
-    model, sample, traced, data_parallel, split_weight, tensor_parallel = _case()
+    model, sample, traced, data_parallel, split_weight, tensor_parallel = classifier_case()
 
     # the gather of fc1's shards: rank 1 trains on, rank 0 waits, warns, then raises
     error = _error_of(model, sample, traced, split_weight, lambda pm, opt: pm.state_dict())
@@ -117,7 +86,7 @@ def _every_rank_calls(rank, world, model, sample, traced, plans):
         pm = parallel_module(model, sample, traced, plan, mesh, retrace=True)
         opt = torch.optim.SGD(pm.parameters(), lr=0.1)
         losses = [_evaluate(pm, sample)]
-        _step(pm, opt, sample)
+        step(pm, opt, sample)
         losses.append(_evaluate(pm, sample))
         out[name] = (losses, pm.state_dict())
     # a plan that splits no parameter gathers nothing: rank 0 may read its state dict alone, as under DDP
@@ -128,7 +97,7 @@ def _every_rank_calls(rank, world, model, sample, traced, plans):
 
 @pytest.mark.timeout(120)
 def test_the_same_calls_on_every_rank_give_one_devices_values():
-    model, sample, traced, *plans = _case()
+    model, sample, traced, *plans = classifier_case()
     results = run_ranks(_every_rank_calls, 2, model, sample, traced, plans, timeout_s=90)
     with torch.no_grad():
         before = model(*sample).item()

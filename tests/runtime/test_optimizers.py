@@ -20,7 +20,7 @@ from autopar.runtime.mesh import ProcessMesh
 from autopar.runtime.optimizers import OptimizerError
 from autopar.solver.mesh import make_mesh
 from autopar.solver.search import baseline_plan, baseline_plans, solve
-from tests.codegen.harness import LogRecords, local_sample, loss_of, parallel_module, trace_model
+from tests.codegen.harness import LogRecords, classifier_case, local_sample, loss_of, parallel_module, step, trace_model
 from tests.codegen.plans import cpu_mesh, load_zoo
 
 
@@ -185,24 +185,22 @@ def _resumed(rank, world, model, sample, traced, plan, from_rank_0):
     """Two Adam steps, the optimizer's own state_dict() kept (each rank its own, or rank 0's on every rank, as a
     DDP loop saves it on rank 0), two more steps; then the same two steps of a module and optimizer loaded
     from what was kept."""
-    from tests.runtime.test_arrival import _step  # one training step on this rank's slice
-
     mesh = ProcessMesh((world,))
     pm = parallel_module(model, sample, traced, plan, mesh)
     opt = torch.optim.Adam(pm.parameters(), lr=0.01)
     for _ in range(2):
-        _step(pm, opt, sample)
+        step(pm, opt, sample)
     saved = [pm.state_dict(), copy.deepcopy(opt.state_dict())]  # deep: the state dict holds the live tensors
     if from_rank_0:
         torch.distributed.broadcast_object_list(saved, src=0)
     for _ in range(2):
-        _step(pm, opt, sample)
+        step(pm, opt, sample)
     resumed = parallel_module(model, sample, traced, plan, mesh)
     resumed.load_state_dict(saved[0])
     resumed_opt = torch.optim.Adam(resumed.parameters(), lr=0.01)
     resumed_opt.load_state_dict(saved[1])
     for _ in range(2):
-        _step(resumed, resumed_opt, sample)
+        step(resumed, resumed_opt, sample)
     return {fqn: torch.equal(p, dict(resumed.named_parameters())[fqn]) for fqn, p in pm.named_parameters()}
 
 
@@ -210,9 +208,7 @@ def test_an_optimizer_state_saved_by_one_rank_is_refused_on_the_others():
     """fc1's weight stored split over 2 ranks: an optimizer's state_dict() holds each rank's block of Adam's
     moments. Loaded by the rank that saved it, training resumes exactly; rank 0's loaded on rank 1 (same
     shapes) resumed with rank 0's rows' moments and drifted by 3e-2 in two steps, silently: now refused."""
-    from tests.runtime.test_arrival import _case
-
-    model, sample, traced, _, split_weight, _ = _case()
+    model, sample, traced, _, split_weight, _ = classifier_case()
     for same in run_ranks(_resumed, 2, model, sample, traced, split_weight, False, timeout_s=60):
         assert all(same.values()), same
     with pytest.raises(Exception) as refused:
@@ -225,17 +221,15 @@ def test_an_optimizer_state_saved_by_one_rank_is_refused_on_the_others():
 def _zero_redundancy(rank, world, model, sample, traced, plan):
     from torch.distributed.optim import ZeroRedundancyOptimizer
 
-    from tests.runtime.test_arrival import _step
-
     pm = parallel_module(model, sample, traced, plan, ProcessMesh((world,)))
     opt = ZeroRedundancyOptimizer(pm.parameters(), optimizer_class=torch.optim.Adam, lr=0.01)
     before = {fqn: p.detach().clone() for fqn, p in pm.named_parameters()}
     try:
-        _step(pm, opt, sample)
+        step(pm, opt, sample)
     except OptimizerError as err:
         return str(err), all(torch.equal(p, before[fqn]) for fqn, p in pm.named_parameters())
     reference = parallel_module(model, sample, traced, plan, ProcessMesh((world,)))
-    _step(reference, torch.optim.Adam(reference.parameters(), lr=0.01), sample)
+    step(reference, torch.optim.Adam(reference.parameters(), lr=0.01), sample)
     return None, all(torch.equal(p, dict(reference.named_parameters())[fqn]) for fqn, p in pm.named_parameters())
 
 
@@ -243,9 +237,7 @@ def test_zero_redundancy_optimizer_is_refused_on_split_parameters():
     """torch's ZeRO-1 optimizer broadcasts each parameter from the rank that steps it: under a plan storing fc1's
     weight split, rank 1's block became rank 0's (0.65 off after two steps), with only the unknown-optimizer
     warning. Now refused before stepping; under a data-parallel plan it steps as Adam does."""
-    from tests.runtime.test_arrival import _case
-
-    model, sample, traced, data_parallel, split_weight, _ = _case()
+    model, sample, traced, data_parallel, split_weight, _ = classifier_case()
     for message, untouched in run_ranks(_zero_redundancy, 2, model, sample, traced, split_weight, timeout_s=60):
         assert "ZeroRedundancyOptimizer steps each parameter on one rank" in message and "fc1.weight" in message
         assert untouched
@@ -274,9 +266,7 @@ def test_a_plain_grad_scaler_is_refused_on_split_parameters():
     block on each rank, so ranks could skip apart and part for good. Refused before stepping, naming
     ShardedGradScaler, which steps (it agrees on overflows across ranks); under a plan splitting nothing, the
     plain scaler steps."""
-    from tests.runtime.test_arrival import _case
-
-    model, sample, traced, data_parallel, split_weight, _ = _case()
+    model, sample, traced, data_parallel, split_weight, _ = classifier_case()
     for message, untouched in run_ranks(_scaled, 2, model, sample, traced, split_weight, False, timeout_s=60):
         assert message.startswith("GradScaler skips a step") and "ShardedGradScaler(process_group=" in message
         assert untouched
