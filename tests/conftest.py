@@ -19,3 +19,9 @@ DEFAULT_RANK_TIMEOUT_S = 60.0
 def spmd():
     """`run_ranks` with the suite's default timeout (pass timeout_s= to override)."""
     return functools.partial(run_ranks, timeout_s=DEFAULT_RANK_TIMEOUT_S)
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """The tests marked `long` first, each group in collection order: the suite runs on two xdist workers,
+    and a 50 s test handed out last would leave one worker idle while the other finishes it."""
+    items.sort(key=lambda item: item.get_closest_marker("long") is None)

@@ -8,30 +8,25 @@ most plans, 3 for the first plans of every model).
 """
 from __future__ import annotations
 
-import functools
 import math
 import random
 
 import pytest
 
-from tests.codegen.harness import reference, run_plans, trace_model
+from tests.codegen.harness import reference, run_plans, trace_model, zoo_case
 from tests.codegen.plans import cpu_mesh, load_zoo, random_plan
 from tests.zoo import ZOO
 
 from autopar.runtime.launch import run_ranks
 from autopar.solver.strategies import enumerate_strategies
 
-# plans per model for each mesh: 8 models * (12 + 3 + 4) = 152 random plans (232 in the twenty-sixth session,
-# 176 in the twenty-seventh: the suite's 10 minutes; the tests of single features add random plans of their own)
-PLANS = {(2,): 12, (4,): 3, (2, 2): 4}
+pytestmark = pytest.mark.xdist_group("zoo")  # one worker: the zoo's traces and references are made once (`zoo_case`)
+
+# plans per model for each mesh: 8 models * (8 + 2 + 3) = 104 random plans (232 in the twenty-sixth session, 176
+# in the twenty-seventh, 152 in the twenty-eighth: the suite's 10 minutes, where a gloo all-reduce among 4 ranks
+# on 2 cores takes 5 ms; the tests of single features add random plans of their own)
+PLANS = {(2,): 8, (4,): 2, (2, 2): 3}
 THREE_STEP_PLANS = 1  # the first plan of each model and mesh trains 3 steps, the rest 1
-
-
-@functools.lru_cache(maxsize=None)
-def _model(name: str):
-    """Model, sample, trace and references, once per model for all meshes (the smallest batch every mesh splits)."""
-    model, sample = load_zoo(name).build(batch_size=4, seq_len=8, size="tiny", device="cpu")
-    return model, sample, trace_model(model, sample), {1: reference(model, sample, 1), 3: reference(model, sample, 3)}
 
 
 def _cases(mesh_shape: tuple[int, ...], per_model: int, seed: int) -> list[tuple]:
@@ -39,15 +34,16 @@ def _cases(mesh_shape: tuple[int, ...], per_model: int, seed: int) -> list[tuple
     mesh = cpu_mesh(mesh_shape)
     cases = []
     for name in ZOO:
-        model, sample, traced, refs = _model(name)
+        model, sample, traced, ref = zoo_case(name)
         strategies = enumerate_strategies(traced, mesh)
         for i in range(per_model):
             steps = 3 if i < THREE_STEP_PLANS else 1
             plan = random_plan(traced, mesh, rng, strategies)
-            cases.append((f"{name} plan {i} on {mesh_shape}", model, sample, traced, plan, refs[steps], steps))
+            cases.append((f"{name} plan {i} on {mesh_shape}", model, sample, traced, plan, ref, steps))
     return cases
 
 
+@pytest.mark.long
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("mesh_shape", list(PLANS), ids=lambda s: "x".join(map(str, s)))
 def test_random_plans_match_single_device(mesh_shape):
@@ -63,6 +59,7 @@ def test_random_plans_match_single_device(mesh_shape):
             assert worst["loss"] < 1e-5, label
 
 
+@pytest.mark.long
 @pytest.mark.timeout(240)
 def test_frozen_parameters_stay_frozen():
     """Fine-tuning a model whose embeddings and attention are frozen (`requires_grad=False`, as with adapters):

@@ -108,6 +108,7 @@ def test_hugging_face_family_trains_like_one_device(name):
         assert use_cache == cache  # the model's config is as the user left it
 
 
+@pytest.mark.long
 @pytest.mark.timeout(300)
 def test_mixtral_experts_split_under_a_tight_budget():
     """Near the least memory any plan needs, the experts' matmuls (`transformers::grouped_mm_fallback`)

@@ -85,6 +85,7 @@ def test_the_ratio_interval_says_whether_a_miss_is_beyond_noise():
     assert "beyond noise" in explain_miss(result2, budget_rows(result2)[0])
 
 
+@pytest.mark.long
 @pytest.mark.timeout(120)
 def test_benchmark_core_two_ranks():
     case = Case("gpt2", "tiny", batch=2, seq=16, steps=2, max_budgets=1)

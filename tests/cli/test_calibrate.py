@@ -19,6 +19,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+@pytest.mark.long
 @pytest.mark.timeout(150)
 def test_calibrate_under_torchrun_saves_a_mesh_that_plans(tmp_path, capsys):
     out = tmp_path / "mesh.json"

@@ -186,6 +186,7 @@ def test_corrupt_plan(capsys, plans, tmp_path):
     assert code == 1 and "bad.json: missing field 'nodes[3].strategy'" in err and "Traceback" not in err
 
 
+@pytest.mark.long
 def test_subprocess_exit_codes(plans):
     d, _, _ = plans
     ok = subprocess.run([sys.executable, "-m", "autopar.cli", "show", str(d / "a.json")], capture_output=True, text=True, timeout=60)

@@ -8,6 +8,7 @@ batch and compares gathered gradients and parameters with the reference.
 from __future__ import annotations
 
 import copy
+import functools
 import logging
 import math
 import random
@@ -27,7 +28,7 @@ from autopar.runtime.mesh import ProcessMesh
 from autopar.solver.plan import Plan
 from autopar.solver.strategies import enumerate_strategies
 from autopar.tracer import TracedGraph, split_sample_input, trace
-from tests.codegen.plans import cpu_mesh, greedy_plan, random_plan
+from tests.codegen.plans import cpu_mesh, greedy_plan, load_zoo, random_plan
 
 LR = 1e-3
 # Some gradients are exactly zero in exact arithmetic (ViT's key bias: softmax ignores it) and fp noise
@@ -55,6 +56,15 @@ def call(model: torch.nn.Module, sample: Any) -> Any:
 
 def trace_model(model: torch.nn.Module, sample: Any) -> TracedGraph:
     return trace(*capture_copy(model, sample, "cpu"))
+
+
+@functools.lru_cache(maxsize=None)
+def zoo_case(name: str) -> tuple[torch.nn.Module, Any, TracedGraph, Reference]:
+    """A zoo model at the smallest batch every test mesh splits, its sample, its trace and its reference over 3
+    steps (the first steps of it are those of fewer). Once per process: the random-plan and the solver-plan tests,
+    which xdist runs on one worker (their `xdist_group`), share it."""
+    model, sample = load_zoo(name).build(batch_size=4, seq_len=8, size="tiny", device="cpu")
+    return model, sample, trace_model(model, sample), reference(model, sample, 3)
 
 
 def reference(model: torch.nn.Module, sample: Any, steps: int) -> Reference:

@@ -112,6 +112,7 @@ def _measure(rank, world, model, sample, traced, plans):
     return out
 
 
+@pytest.mark.long
 @pytest.mark.timeout(150)
 def test_zero_and_recompute_memory_is_real():
     model, sample = _gpt2()

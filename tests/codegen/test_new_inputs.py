@@ -46,6 +46,7 @@ def _train_steps(rank, world, mesh_shape, model, sample, traced, plans, ref, sam
         check_plan(model, sample, traced, plan, ref, len(samples), mesh, label, samples=samples)
 
 
+@pytest.mark.long
 @pytest.mark.timeout(240)
 def test_other_shapes_train_like_one_device():
     """Batch 8 x 16 traced; steps at 4 x 16 (a smaller last batch), 8 x 8 (shorter sequences) and 8 x 16
@@ -130,6 +131,7 @@ def _train_freezing(rank, world, mesh_shape, model, sample, traced, plans, ref):
         check_plan(model, sample, traced, plan, ref, 3, mesh, label, before_step=_freeze_schedule)
 
 
+@pytest.mark.long
 @pytest.mark.timeout(240)
 def test_freezing_and_unfreezing_after_parallelize():
     """Parameters frozen and unfrozen between steps, after `parallelize`: each change lowers the plan again with
@@ -208,6 +210,7 @@ def _other_arguments(rank, world, mesh_shape, model, sample, traced, plans, ref,
         return logits, str(e)
 
 
+@pytest.mark.long
 @pytest.mark.timeout(240)
 def test_other_arguments_than_the_samples_get_a_graph_of_their_own():
     """Training steps alternating (input_ids, labels) with input_ids alone (the model then predicts the next
@@ -251,6 +254,7 @@ def _converted_step(rank, world, model, sample, traced, plans, want_grads):
     return out
 
 
+@pytest.mark.long
 @pytest.mark.timeout(240)
 def test_parameters_converted_after_parallelize_run_in_their_dtype():
     """`pm.to(torch.bfloat16)` after `parallelize` gets a graph traced with bf16 parameters: HF Llama's RMSNorm

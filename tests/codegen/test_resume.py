@@ -162,6 +162,7 @@ def _from_meta(rank, world, meta_model, sample, path, buffers, ref):
     return sum(p.zero for p in pm.plan.params), records.messages
 
 
+@pytest.mark.long
 @pytest.mark.timeout(240)
 def test_a_model_built_on_meta_trains_from_a_checkpoint(tmp_path):
     """The flow for a model larger than one device: HF Llama built on meta, parallelized on 4 ranks under a tight

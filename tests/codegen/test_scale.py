@@ -28,6 +28,9 @@ from autopar.tracer import trace
 MESH = (8, 8)
 
 
+pytestmark = pytest.mark.xdist_group("scale")  # one worker builds the 64-device plan (a 20 s fixture) once
+
+
 @pytest.fixture(scope="module")
 def planned():
     zoo = load_zoo("gpt2")
@@ -39,6 +42,7 @@ def planned():
     return model, sample, traced, plan
 
 
+@pytest.mark.long
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("rank", [0, 27, 63])
 def test_64_device_plan_lowers_and_runs_on_any_rank(planned, rank):
