@@ -37,6 +37,7 @@ from autopar.solver.mesh import Mesh, make_mesh
 from autopar.solver.plan import Plan
 from autopar.solver.plan_io import check_plan, load_plan, plan_from_json, plan_to_json
 from autopar.tracer import TracedGraph, trace
+from autopar.tracer.batch_dims import BatchDim, BatchDimError
 
 log = logging.getLogger(__name__)
 
@@ -107,6 +108,7 @@ def parallelize(
     optimizer: str = "adamw",
     input_layout: Literal["shard", "replicate"] = "shard",
     time_limit_s: float = 30.0,
+    batch_dim: BatchDim = 0,
 ) -> ParallelModule:
     """Return `model` parallelized over `device_mesh` as a `ParallelModule` (local shards, same FQNs).
 
@@ -120,11 +122,19 @@ def parallelize(
       (global_batch / world_size rows, ranks in row-major mesh order; `autopar.runtime.batch`), the
       same for every plan, and gets non-loss outputs back sliced the same way; "replicate": every
       rank feeds (and gets back) the whole batch. The loss is always the global loss on every rank.
+    batch_dim: which dim of each input holds the batch, for input_layout "shard" (`autopar.tracer.batch_dims`):
+      0, or 1 for a sequence-first model's `(seq, batch)` inputs (nn.LSTM's and nn.Transformer's default), or
+      one per input shaped as `sample_input` (`(1, 0)` for `(x, labels)` with labels `(batch,)`; None for an
+      input fed whole). Each rank then feeds its slice along those dims, as a DDP loop does; a non-loss output
+      comes back cut along the first batched input's dim (or dim 0) where it has the batch's size there.
     """
+    if input_layout == "replicate" and batch_dim != 0:
+        raise BatchDimError(f"batch_dim={batch_dim!r} says along which dims the ranks split the batch, but with "
+                            "input_layout='replicate' every rank feeds the whole batch: leave batch_dim out, or use 'shard'")
     start = time.perf_counter()
     pmesh = ProcessMesh(device_mesh)
     device = _capture_device(pmesh)
-    traced = trace(*capture_copy(model, sample_input, device))
+    traced = trace(*capture_copy(model, sample_input, device), batch_dim=batch_dim)
     if plan is None:
         plan = _solve_on_rank0(traced, pmesh, memory_budget, hardware, optimizer, time_limit_s)
     else:
@@ -150,7 +160,7 @@ def parallelize(
             log.warning("parallelize: forward hooks on %s ran once, while tracing (what they changed in the outputs is "
                         "in the graph), and do not run in the parallel module's forward, which calls ops, not modules: "
                         "read activations from the module's outputs instead", hooked[:5])
-    pm = ParallelModule(gm, traced, pmesh, plan, make_retracer(model, sample_input, device, optimizer, time_limit_s))
+    pm = ParallelModule(gm, traced, pmesh, plan, make_retracer(model, sample_input, device, optimizer, time_limit_s, batch_dim))
     dress_like(pm, model)  # submodules of the model's classes: code that sorts parameters by module type
     replaced(model, pm)  # an optimizer made from the model's parameters is refused at its first step
     _warn_when_read_stale(model, pm)
@@ -196,7 +206,8 @@ def _warn_when_read_stale(model: nn.Module, pm: ParallelModule) -> None:
 _stale_warned: list[bool] = []  # the warning was given in this process
 
 
-def make_retracer(model: nn.Module, sample_input: Any, device: str, optimizer: str = "adamw", time_limit_s: float = 30.0) -> Retracer:
+def make_retracer(model: nn.Module, sample_input: Any, device: str, optimizer: str = "adamw", time_limit_s: float = 30.0,
+                  batch_dim: BatchDim = 0) -> Retracer:
     """How a `ParallelModule` of `model` traces it again (on `device`, as it was first) for inputs it was not
     lowered for, and plans a graph with other ops than its plan's (on rank 0: every rank calls it at once).
     The model's code is kept with its parameters on `meta`."""
@@ -204,12 +215,12 @@ def make_retracer(model: nn.Module, sample_input: Any, device: str, optimizer: s
 
     def traced(batch: Any, training: bool, autocast: torch.dtype | None, dtypes: Mapping[str, torch.dtype]) -> TracedGraph:
         if autocast is None:
-            return trace(*capture_copy(shape_only, batch, device, dtypes), training=training)
+            return trace(*capture_copy(shape_only, batch, device, dtypes), training=training, batch_dim=batch_dim)
         # autocast casts the tensors of its device type, so on GPUs the model is traced on fake CUDA tensors
         # (meta ones it would leave alone)
         cast_device = "cpu" if device == "cpu" else "cuda"
         with torch.autocast(cast_device, dtype=autocast):
-            return trace(*capture_copy(shape_only, batch, cast_device, dtypes), training=training)
+            return trace(*capture_copy(shape_only, batch, cast_device, dtypes), training=training, batch_dim=batch_dim)
 
     return Retracer(
         trace=traced,

@@ -48,7 +48,8 @@ from autopar.codegen.schedule import start_collectives_early
 from autopar.codegen.shapes import LoweringError, local_block, localize_call
 from autopar.codegen.zero import regather_zero_params
 from autopar.runtime import collectives as C
-from autopar.runtime.batch import batch_size_of, check_divisible, fed_spec
+from autopar.runtime.batch import check_divisible, fed_spec
+from autopar.tracer.batch_dims import batch_size
 from autopar.runtime.deferred_loss import deferred_all_reduce, deferred_mean, start_count
 from autopar.runtime.mesh import ProcessMesh
 from autopar.solver.plan import Plan
@@ -115,6 +116,7 @@ class _Lowerer:
         self.full_params = params
         self.full_buffers = None if buffers is None else {**traced.constants, **buffers}  # a lifted constant is no buffer of the model
         self.input_layout = input_layout
+        self.fed_dims = dict(zip(traced.input_names, traced.input_batch_dims, strict=True))  # each input's batch dim
         self.device = device or _device_of(mesh)
         self.decisions = {d.node: d for d in plan.nodes}
         self.param_decisions = {d.node: d for d in plan.params}
@@ -423,7 +425,18 @@ class _Lowerer:
         val = node.meta.get("val")
         if self.input_layout == "replicate" or not isinstance(val, torch.Tensor):
             return Spec.replicate(len(self.mesh.shape))
-        return fed_spec(tuple(val.shape), self.batch, len(self.mesh.shape))
+        dim = self.fed_dims[node.name] if node.name in self.fed_dims else self.output_batch_dim(val)
+        return fed_spec(dim, len(self.mesh.shape))
+
+    def output_batch_dim(self, val: torch.Tensor) -> int | None:
+        """An output comes back cut as the inputs were fed: along the first batched input's batch dim where it has
+        the batch's size there (a sequence-first model's `(seq, batch, vocab)` logits), else along dim 0 where it has
+        it there (its `(batch, classes)` logits), else whole."""
+        first = next((d for d in self.fed_dims.values() if d is not None), None)
+        for dim in dict.fromkeys((first, 0)):
+            if dim is not None and val.dim() > dim and int(val.shape[dim]) == self.batch:
+                return dim
+        return None
 
     def emit_buffer_updates(self) -> None:
         """Write the values a forward computes for its buffers (BatchNorm's running statistics and batch
@@ -446,16 +459,18 @@ class _Lowerer:
             self.graph.call_function(aten.copy_.default, (self.fed_inputs[input_name], value))
 
     def data_parallel_axes(self) -> tuple[int, ...]:
-        """Mesh axes on which the plan shards the first user input's dim 0 (the DDP convention's axes)."""
-        if not self.traced.input_names:
+        """Mesh axes on which the plan shards the first batched input along its batch dim (the DDP convention's axes)."""
+        name, dim = next(((n, d) for n, d in self.fed_dims.items() if d is not None), (None, None))
+        if name is None:
             return ()
-        spec = self.src_spec(self.nodes[self.traced.input_names[0]])
-        return tuple(k for k, p in enumerate(spec.placements) if p == Shard(0))
+        spec = self.src_spec(self.nodes[name])
+        return tuple(k for k, p in enumerate(spec.placements) if p == Shard(dim))
 
     def global_batch(self) -> int | None:
-        """The global batch size (dim 0 of the first tensor input), checked to split over the world with layout 'shard'."""
+        """The global batch size (the first batched input's, `tracer.batch_dims`), checked to split over the world
+        with layout 'shard'."""
         vals = [self.nodes[n].meta.get("val") for n in self.traced.input_names]
-        batch = batch_size_of([tuple(v.shape) for v in vals if isinstance(v, torch.Tensor)])
+        batch = batch_size(vals, self.traced.input_batch_dims)
         if batch is not None and self.input_layout == "shard":
             check_divisible(batch, math.prod(self.mesh.shape))
         return batch

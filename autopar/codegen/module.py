@@ -47,7 +47,8 @@ from autopar.codegen.lower import LoweringInfo, lower, share_tree
 from autopar.codegen.shapes import LoweringError
 from autopar.errors import AlreadyParallelError, TraceError
 from autopar.runtime.arrival import all_ranks_make
-from autopar.runtime.batch import batch_slice, global_like
+from autopar.runtime.batch import batch_slice, global_like, slice_leaves
+from autopar.tracer.batch_dims import batch_dims
 from autopar.runtime.deferred_loss import grads_scaled_by, other_output
 from autopar.runtime.grad_norm import track
 from autopar.runtime.optimizers import watch_optimizers
@@ -240,15 +241,16 @@ class ParallelModule(nn.Module):
     def local_batch(self, batch: Any) -> Any:
         """This rank's part of a GLOBAL batch, as the module's input layout wants it fed.
 
-        'shard': its contiguous slice of dim 0 (`autopar.runtime.batch.batch_slice`), ranks in
-        row-major mesh order; 'replicate': the whole batch.
+        'shard': its contiguous slice along each input's batch dim (dim 0 unless `parallelize`'s
+        `batch_dim` says otherwise; `autopar.runtime.batch.batch_slice`), ranks in row-major mesh
+        order; 'replicate': the whole batch.
         """
         if self.info.input_layout == "replicate":
             return batch
         index = 0
         for c, n in zip(self.mesh.coordinate, self.mesh.shape):
             index = index * n + c
-        return batch_slice(batch, index, math.prod(self.mesh.shape))
+        return batch_slice(batch, index, math.prod(self.mesh.shape), self._traced.batch_dim)
 
     @property
     def code(self) -> str:
@@ -393,10 +395,12 @@ class ParallelModule(nn.Module):
     def _global_batch(self, flat: list[Any], spec: Any, shapes: list[Any]) -> Any:
         """The global batch whose slices these local inputs are (meta tensors), as a sample input is given
         (`tracer.split_sample_input`); logged when it holds more than the sample the plan was solved for."""
-        batch_flat = flat if self.info.input_layout == "replicate" else global_like(flat, math.prod(self.mesh.shape))
+        world = math.prod(self.mesh.shape)
         planned_vals = [self._traced.node(n).meta["val"] for n in self._traced.input_names]
+        batch_flat = flat
         if self.info.input_layout == "shard":
-            _refuse_split_along_other_dim(planned_vals, flat, math.prod(self.mesh.shape))
+            _refuse_split_along_other_dim(planned_vals, self._traced.input_batch_dims, flat, world)
+            batch_flat = global_like(flat, batch_dims(*pytree.tree_unflatten(flat, spec), self._traced.batch_dim), world)
         planned = _numel(planned_vals)
         if _numel(batch_flat) > planned and torch.distributed.get_rank() == 0:
             whole = self.info.input_layout == "shard" and _numel(flat) == planned  # a global batch fed on every rank?
@@ -662,7 +666,7 @@ def _local_inputs(traced: TracedGraph, input_layout: str, world: int) -> list[An
     """The inputs (flattened, as `forward` gets them) each rank feeds for the batch `traced` was traced on."""
     vals = [traced.node(name).meta["val"] for name in traced.input_names]
     vals = [torch.empty(v.shape, dtype=v.dtype, device="meta") if isinstance(v, torch.Tensor) else v for v in vals]
-    return vals if input_layout == "replicate" else batch_slice(vals, 0, world)
+    return vals if input_layout == "replicate" else slice_leaves(vals, traced.input_batch_dims, 0, world)
 
 
 def _ops_difference(planned: TracedGraph, traced: TracedGraph) -> str | None:
@@ -675,27 +679,29 @@ def _ops_difference(planned: TracedGraph, traced: TracedGraph) -> str | None:
 
 
 
-def _refuse_split_along_other_dim(planned: list[Any], fed: list[Any], world: int) -> None:
-    """Raise when every tensor this rank fed is the planned global batch with one dim other than 0 cut by the
-    number of ranks: the ranks split the batch along that dim (a sequence-first model, `(T, B)`, fed as DDP
-    feeds it), where the module reads each rank's inputs as its slice of dim 0 (its rows). Read so, the
-    slices would make another global batch (`(ranks * T, B / ranks)`: sequences joined end to end), and the
-    step would train on it without an error."""
-    tensors = [(tuple(p.shape), tuple(f.shape)) for p, f in zip(planned, fed)
-               if isinstance(p, torch.Tensor) and isinstance(f, torch.Tensor) and p.dim() == f.dim() and p.dim() > 1]
+def _refuse_split_along_other_dim(planned: list[Any], dims: tuple[int | None, ...], fed: list[Any], world: int) -> None:
+    """Raise when every batched tensor this rank fed is the planned global batch with one dim other than its batch
+    dim cut by the number of ranks: the ranks split the batch along that dim (a sequence-first model, `(T, B)`,
+    fed as DDP feeds it, its batch columns, where the module takes rows), and the module, reading each rank's
+    inputs as its slices along the batch dims, would take the slices for another batch (`(ranks * T, B / ranks)`:
+    sequences joined end to end) and train on it without an error."""
+    tensors = [(tuple(p.shape), tuple(f.shape), d) for p, f, d in zip(planned, fed, dims)
+               if d is not None and isinstance(p, torch.Tensor) and isinstance(f, torch.Tensor) and p.dim() == f.dim() > 1]
     if world == 1 or not tensors:
         return
-    cut = {next((d for d, (a, b) in enumerate(zip(p, f)) if a != b), None) for p, f in tensors}
-    if len(cut) != 1 or None in cut or 0 in cut:
+    cuts = [next((k for k, (a, b) in enumerate(zip(p, f)) if a != b), None) for p, f, _ in tensors]
+    cut = cuts[0]
+    if cut is None or any(c != cut for c in cuts) or any(d == cut for _, _, d in tensors):
         return
-    (d,) = cut
-    if all(f[d] * world == p[d] and p[:d] + p[d + 1:] == f[:d] + f[d + 1:] for p, f in tensors):
+    if all(f[cut] * world == p[cut] and p[:cut] + p[cut + 1:] == f[:cut] + f[cut + 1:] for p, f, _ in tensors):
+        takes = sorted({d for _, _, d in tensors})
         raise LoweringError(
-            f"each rank fed inputs {[f for _, f in tensors]}: the batch the plan was solved for, "
-            f"{[p for p, _ in tensors]}, cut along dim {d} over the {world} ranks. This module takes each rank's "
-            f"slice of dim 0 (its rows, in rank order) and would read these as slices of another batch. Feed "
-            f"pm.local_batch(global_batch) on every rank, or make dim 0 the batch dim (a sequence-first model: "
-            f"nn.LSTM(..., batch_first=True), nn.TransformerEncoderLayer(..., batch_first=True), inputs (batch, seq))")
+            f"each rank fed inputs {[f for _, f, _ in tensors]}: the batch the plan was solved for, "
+            f"{[p for p, _, _ in tensors]}, cut along dim {cut} over the {world} ranks. This module takes each rank's "
+            f"slice along the batch dim ({'dims' if len(takes) > 1 else 'dim'} {', '.join(map(str, takes))}, in rank "
+            f"order) and would read these as slices of another batch. Feed pm.local_batch(global_batch) on every rank, "
+            f"or build the module with autopar.parallelize(..., batch_dim={cut}) to feed each rank its slice along dim "
+            f"{cut}, as this loop does")
 
 
 def _numel(values: list[Any]) -> int:

@@ -1,15 +1,15 @@
 """The plan-independent input convention: each rank feeds its slice of the global batch.
 
-    local = batch_slice(global_batch, rank, world_size)   # one equal part per rank, as DistributedSampler splits data
-    loss = pm(**local)
+    local = batch_slice(global_batch, rank, world_size)                # the batch along dim 0
+    local = batch_slice(global_batch, rank, world_size, batch_dim=1)   # (seq, batch) inputs
 
-With `input_layout="shard"` rank r feeds the contiguous rows [r*B/W, (r+1)*B/W) of the global batch
-(B rows, W ranks) along dim 0 of every batched input, ranks in row-major mesh order.
-On the mesh that is `Shard(0)` on every axis (`fed_spec`), whatever the plan: the
-generated module reshards from there to the layout its plan wants, so a data loader
-never depends on the plan. A tensor input is *batched* when its dim 0 equals the
-batch size (dim 0 of the first tensor input with at least one dim); other inputs
-(scalars, a shared position table) are fed whole on every rank.
+With `input_layout="shard"` rank r feeds the contiguous part [r*B/W, (r+1)*B/W) of the global batch
+(B samples, W ranks) along each batched input's batch dim, ranks in row-major mesh order: dim 0
+unless `parallelize(..., batch_dim=...)` says otherwise (`autopar.tracer.batch_dims`, which also
+says which inputs are batched: by default those whose dim 0 is the batch size, dim 0 of the first
+tensor input; other inputs, scalars or a shared position table, are fed whole on every rank).
+On the mesh that is `Shard(dim)` on every axis (`fed_spec`), whatever the plan: the generated
+module reshards from there to the layout its plan wants, so a data loader never depends on the plan.
 """
 from __future__ import annotations
 
@@ -21,19 +21,12 @@ from torch.utils import _pytree as pytree
 
 from autopar.errors import AutoparError
 from autopar.solver.spec import Replicate, Shard, Spec
+from autopar.tracer import split_sample_input
+from autopar.tracer.batch_dims import BatchDim, batch_dims, batch_size
 
 
 class BatchError(AutoparError):
     """The global batch cannot be split evenly over the ranks."""
-
-
-def batch_size_of(shapes: Sequence[Sequence[int]]) -> int | None:
-    """Dim 0 of the first shape with at least one dim (None: no batched input)."""
-    return next((int(s[0]) for s in shapes if len(s) >= 1), None)
-
-
-def is_batched(shape: Sequence[int], batch: int | None) -> bool:
-    return batch is not None and len(shape) >= 1 and int(shape[0]) == batch
 
 
 def check_divisible(batch: int, world_size: int) -> None:
@@ -45,36 +38,47 @@ def check_divisible(batch: int, world_size: int) -> None:
         )
 
 
-def fed_spec(shape: Sequence[int], batch: int | None, mesh_ndim: int) -> Spec:
-    """How a rank feeds a tensor of the global `shape`: its batch slice = Shard(0) on every mesh axis."""
-    placement = Shard(0) if is_batched(shape, batch) else Replicate()
-    return Spec((placement,) * mesh_ndim)
+def fed_spec(dim: int | None, mesh_ndim: int) -> Spec:
+    """How a rank feeds a tensor whose batch runs along `dim` (None: fed whole): `Shard(dim)` on every mesh axis."""
+    return Spec(((Replicate() if dim is None else Shard(dim)),) * mesh_ndim)
 
 
-def batch_slice(batch: Any, rank: int, world_size: int) -> Any:
+def batch_slice(batch: Any, rank: int, world_size: int, batch_dim: BatchDim = 0) -> Any:
     """This rank's slice of every batched tensor of `batch` (a tensor, tuple, dict...): the DistributedSampler split.
     A mapping other than a dict (a tokenizer's `BatchEncoding`, which pytree does not open) comes back a dict."""
     if isinstance(batch, Mapping) and not isinstance(batch, dict):
         batch = dict(batch)
     flat, treespec = pytree.tree_flatten(batch)
-    size = batch_size_of([t.shape for t in flat if isinstance(t, torch.Tensor)])
+    dims = batch_dims(*split_sample_input(batch), batch_dim)
+    size = batch_size(flat, dims)
     if size is None:
         return batch
     check_divisible(size, world_size)
-    rows = size // world_size
-    out = [t[rank * rows:(rank + 1) * rows] if isinstance(t, torch.Tensor) and is_batched(t.shape, size) else t for t in flat]
-    return pytree.tree_unflatten(out, treespec)
+    return pytree.tree_unflatten(slice_leaves(flat, dims, rank, world_size), treespec)
 
 
-def global_like(local: Any, world_size: int) -> Any:
-    """Meta tensors shaped as the global batch whose `batch_slice` each rank fed as `local` (the inverse of
-    the split, in shapes and dtypes only: for tracing the model at the batch's sizes)."""
-    flat, treespec = pytree.tree_flatten(local)
-    rows = batch_size_of([t.shape for t in flat if isinstance(t, torch.Tensor)])
+def slice_leaves(leaves: Sequence[Any], dims: Sequence[int | None], rank: int, world_size: int) -> list[Any]:
+    """Rank `rank`'s part of each leaf along its batch dim (None: the leaf whole). A part cut from any dim but
+    the first is copied to its own contiguous storage, as a data loader would hand it over."""
     out = []
-    for t in flat:
-        if isinstance(t, torch.Tensor):
-            shape = (t.shape[0] * world_size, *t.shape[1:]) if is_batched(t.shape, rows) else t.shape
-            t = torch.empty(shape, dtype=t.dtype, device="meta")
-        out.append(t)
-    return pytree.tree_unflatten(out, treespec)
+    for leaf, dim in zip(leaves, dims, strict=True):
+        if dim is not None:
+            part = leaf.shape[dim] // world_size
+            leaf = leaf.narrow(dim, rank * part, part)
+            leaf = leaf if dim == 0 else leaf.contiguous()
+        out.append(leaf)
+    return out
+
+
+def global_like(leaves: Sequence[Any], dims: Sequence[int | None], world_size: int) -> list[Any]:
+    """Meta tensors shaped as the global batch whose slices each rank fed as `leaves`, batched along `dims` (the
+    inverse of the split, in shapes and dtypes only: for tracing the model at the batch's sizes)."""
+    out = []
+    for leaf, dim in zip(leaves, dims, strict=True):
+        if isinstance(leaf, torch.Tensor):
+            shape = list(leaf.shape)
+            if dim is not None:
+                shape[dim] *= world_size
+            leaf = torch.empty(shape, dtype=leaf.dtype, device="meta")
+        out.append(leaf)
+    return out

@@ -323,6 +323,7 @@ class _Pricer:
     def __init__(self, traced: TracedGraph, profile: ConcreteProfile, mesh: Mesh, strategies):
         self.traced, self.mesh, self.strategies = traced, mesh, strategies
         self.nodes = {n.name: n for n in traced.graph.nodes}
+        self.fed_dims = dict(zip(traced.input_names, traced.input_batch_dims, strict=True))
         self.costs = profile.nodes
         self.facts = storage_facts(traced, profile)  # which node owns the storage each tensor views
         self.params = {p.node: p for p in profile.params.values()}
@@ -410,13 +411,13 @@ class _Pricer:
                 and layer_key(module_path(source)) != layer_key(module_path(consumer)))
 
     def _fed(self, node) -> tuple:
-        """(global shape, itemsize) of a user input as fed: each rank its rows, Shard(0) on every mesh
-        axis (`input_layout="shard"`); () when its dim 0 does not split that way (fed whole)."""
+        """(global shape, itemsize, batch dim) of a user input as fed: each rank its slice along the input's batch
+        dim, Shard(dim) on every mesh axis (`input_layout="shard"`, `runtime.batch`); () when it is fed whole."""
         vals = output_vals(node)  # none for a Python number the model takes (`temperature=2.0`)
-        val = vals[0] if vals else None
-        if not isinstance(val, torch.Tensor) or val.ndim == 0 or _ints(val.shape)[0] % self.mesh.num_devices:
+        val, dim = (vals[0] if vals else None), self.fed_dims.get(node.name)
+        if not isinstance(val, torch.Tensor) or dim is None or _ints(val.shape)[dim] % self.mesh.num_devices:
             return ()
-        return (_ints(val.shape), val.element_size())
+        return (_ints(val.shape), val.element_size(), dim)
 
     def _price(self, role, cost, strat: Strategy, outs, ins, param) -> Option:
         mesh = self.mesh
@@ -437,9 +438,9 @@ class _Pricer:
                 return Option(str(spec), param_bytes=sum(cost.output_bytes) / shard)
             saved = sum(b for b, s in zip(cost.output_bytes, cost.saved_outputs) if s) / shard
             comm = 0.0
-            if ins:  # resharding the fed rows to the chosen spec: forward only (inputs get no gradient)
-                shape, itemsize = ins
-                comm = reshard_cost(Spec((Shard(0),) * len(mesh.shape)), spec, shape, itemsize, mesh, with_backward=False)
+            if ins:  # resharding the fed slices to the chosen spec: forward only (inputs get no gradient)
+                shape, itemsize, dim = ins
+                comm = reshard_cost(Spec((Shard(dim),) * len(mesh.shape)), spec, shape, itemsize, mesh, with_backward=False)
             return Option(str(spec), comm_s=comm, saved_bytes=saved)
         in_bytes, bucketed, held = ins
         compute_s, comm_s = strategy_cost(cost, strat, outs, mesh, in_bytes, bucketed)

@@ -18,7 +18,7 @@ import os
 import time
 import traceback
 import warnings
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Iterator, Mapping
 
 import sympy
@@ -35,6 +35,7 @@ from autopar.gc_pause import gc_paused
 from autopar.tracer import custom_backward, data_sizes
 from autopar.tracer.attention import canonicalize_attention
 from autopar.tracer.bags import split_equal_bags
+from autopar.tracer.batch_dims import BatchDim, batch_dims
 from autopar.tracer.checks import localize_checks
 from autopar.tracer.copies import copy_decomposition
 from autopar.tracer.cse import eliminate_common_subexpressions
@@ -82,6 +83,10 @@ class TracedGraph:
     # `buffer_fqns`' values, not the model's) -> the value, as export lifted it
     constants: Mapping[str, torch.Tensor] = field(default_factory=dict)
     nonpersistent_buffers: frozenset[str] = frozenset()  # buffers the model's state_dict leaves out (RoPE's inv_freq)
+    # which dim of each input holds the batch, as the caller gave it (`tracer.batch_dims`: 0, another int, or one
+    # per input), and as it reads on the sample: per user input (`input_names`), its dim or None (fed whole)
+    batch_dim: BatchDim = 0
+    input_batch_dims: tuple[int | None, ...] = ()
 
     @property
     def graph(self) -> fx.Graph:
@@ -130,6 +135,7 @@ def trace(
     sample_input: Any,
     dynamic_dims: Mapping[str, int] | None = None,
     training: bool = True,
+    batch_dim: BatchDim = 0,
 ) -> TracedGraph:
     """Capture `model`'s training forward on `sample_input` as a core-ATen graph.
 
@@ -139,11 +145,16 @@ def trace(
     fine-tuning loop keeps in eval mode stays so); a model in eval mode as `model.train()` leaves it.
     Either way every module's mode is as it was afterwards.
 
+    batch_dim: which dim of each input holds the batch (`tracer.batch_dims`): dim 0 by default, 1 for a
+    sequence-first model's `(seq, batch)` inputs, or one per input (`(1, 0)` for `(x, labels)`). The graph
+    does not depend on it; how ranks feed their parts of the batch does (`runtime.batch`).
+
     dynamic_dims: e.g. {"batch": 0, "seq": 1}: every input tensor dimension with
     that index whose size equals the first input's size there becomes the named
     symbol (sizes must be >= 2; export specialises 0 and 1).
     """
     args, kwargs = split_sample_input(sample_input)
+    dims = batch_dims(args, kwargs, batch_dim)  # before the capture: a batch_dim that does not fit fails at once
     modes = {m: m.training for m in model.modules()}
     if not (training and model.training):
         model.train(training)
@@ -170,6 +181,7 @@ def trace(
     masks_as_where(ep.graph_module)
     data_sizes.refuse_data_dependent_sizes(ep.graph_module, type(model).__name__)
     traced = _from_exported(ep, args, kwargs, dynamic_dims or {}, _canonical_param_names(model))
+    traced = replace(traced, batch_dim=batch_dim, input_batch_dims=dims)
     log.info("tracer: %d ops in %.2f s", traced.num_ops(), time.perf_counter() - start)
     return traced
 

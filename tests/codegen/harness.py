@@ -46,6 +46,9 @@ class Reference:
 
 
 def loss_of(out: Any) -> torch.Tensor:
+    """The loss a model returns: alone, first of a tuple (`(loss, logits)`), or as a Hugging Face output's `.loss`."""
+    if isinstance(out, tuple):
+        return out[0]
     return out if isinstance(out, torch.Tensor) else out.loss
 
 
@@ -91,8 +94,10 @@ def reference_steps(model: torch.nn.Module, samples: Sequence[Any], before_step:
 
 
 def local_sample(sample: Any, pm: ParallelModule) -> Any:
-    """(args, kwargs) this rank feeds: its contiguous slice of the global batch in rank order, whatever the plan."""
-    return batch_slice(split_sample_input(sample), torch.distributed.get_rank(), torch.distributed.get_world_size())
+    """(args, kwargs) this rank feeds: its contiguous slice of the global batch in rank order, whatever the plan
+    (along the batch dims the module was traced with: dim 0 unless `batch_dim` said otherwise)."""
+    rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
+    return split_sample_input(batch_slice(sample, rank, world, pm._traced.batch_dim))
 
 
 def train(pm: ParallelModule, sample: Any, steps: int) -> list[float]:

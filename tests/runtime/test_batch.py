@@ -18,9 +18,10 @@ def test_slices_are_contiguous_rows_in_rank_order_and_cover_the_batch():
     assert all(p["scale"] is batch["scale"] and p["table"] is batch["table"] and p["flag"] for p in parts)
 
 
-def test_fed_spec_is_shard0_on_every_mesh_axis():
-    assert fed_spec((8, 3), 8, 2) == Spec.parse("S(0)S(0)")
-    assert fed_spec((5, 3), 8, 2) == Spec.parse("RR")
+def test_fed_spec_is_the_batch_dim_split_on_every_mesh_axis():
+    assert fed_spec(0, 2) == Spec.parse("S(0)S(0)")
+    assert fed_spec(1, 2) == Spec.parse("S(1)S(1)")
+    assert fed_spec(None, 2) == Spec.parse("RR")
 
 
 def test_uneven_batch_names_sizes_and_fix():
