@@ -127,21 +127,28 @@ def test_the_solver_prices_the_inputs_from_the_layout_they_are_fed_in():
         assert want > 0 and pricer.option(ids, specs.index(moved)).comm_s == pytest.approx(want)
 
 
-def _ddp_fed_steps(rank, world, model, batches, batch_dim, dims):
-    """Two AdamW steps of the parallel module, each rank fed its columns as a DDP loop feeds them."""
-    pm = autopar.parallelize(copy.deepcopy(model), batches[0], (world,), batch_dim=batch_dim)
-    opt = torch.optim.AdamW(pm.parameters(), lr=LR, eps=EPS)
-    losses, outputs = [], []
+def _train(module: nn.Module, batches: list[tuple]) -> tuple[list[float], list[torch.Tensor | None]]:
+    """AdamW steps of `module`, one per batch: the losses, and the logits where the model returns them.
+    (eps as the harness's: attention's key bias gets zero gradients, up to rounding, which eps=1e-8 amplifies.)"""
+    opt = torch.optim.AdamW(module.parameters(), lr=LR, eps=EPS)
+    losses, logits = [], []
     for batch in batches:
-        local = _columns(batch, dims, rank, world)
-        assert all(torch.equal(a, b) for a, b in zip(pm.local_batch(batch), local))
         opt.zero_grad()
-        out = pm(*local)
+        out = module(*batch)
         loss = out[0] if isinstance(out, tuple) else out
         loss.backward()
         opt.step()
         losses.append(loss.item())
-        outputs.append(out[1].detach() if isinstance(out, tuple) else None)
+        logits.append(out[1].detach() if isinstance(out, tuple) else None)
+    return losses, logits
+
+
+def _ddp_fed_steps(rank, world, model, batches, batch_dim, dims):
+    """Two AdamW steps of the parallel module, each rank fed its columns as a DDP loop feeds them."""
+    pm = autopar.parallelize(copy.deepcopy(model), batches[0], (world,), batch_dim=batch_dim)
+    fed = [_columns(batch, dims, rank, world) for batch in batches]
+    assert all(torch.equal(a, b) for batch, local in zip(batches, fed) for a, b in zip(pm.local_batch(batch), local))
+    losses, outputs = _train(pm, fed)
     rows = tuple(t.narrow(0, rank * t.shape[0] // world, t.shape[0] // world) for t in batches[0])
     with pytest.raises(LoweringError) as refused:  # rows, where the module takes columns
         pm(*rows)
@@ -159,16 +166,7 @@ def test_sequence_first_models_train_like_one_device_fed_as_ddp_feeds_them(case)
     else:
         model, batches, batch_dim, dims = SequenceFirstClassifier(), [_classifier_batch(1), _classifier_batch(2)], (1, 0), (1, 0)
     single = copy.deepcopy(model)
-    opt = torch.optim.AdamW(single.parameters(), lr=LR, eps=EPS)  # (eps: attention's key bias gets zero gradients, up to rounding)
-    want_losses, want_logits = [], []
-    for batch in batches:
-        opt.zero_grad()
-        out = single(*batch)
-        loss = out[0] if isinstance(out, tuple) else out
-        loss.backward()
-        opt.step()
-        want_losses.append(loss.item())
-        want_logits.append(out[1].detach() if isinstance(out, tuple) else None)
+    want_losses, want_logits = _train(single, batches)
     for rank, (losses, outputs, state, refused) in enumerate(run_ranks(_ddp_fed_steps, 2, model, batches, batch_dim, dims, timeout_s=200)):
         assert losses == pytest.approx(want_losses, rel=1e-5)
         for got, want in zip(outputs, want_logits):
