@@ -4,8 +4,11 @@ A MODEL.py defines either `model` and `sample_input` (a tensor, a tuple of
 positional args or a dict of kwargs), or `build(batch_size, seq_len, ...)`
 returning both. The model should live on the `meta` device so planning a 70B
 model needs no 70B of memory: `build` receives `device="meta"` when it accepts
-a `device` argument. `--hf-config gpt2|llama` builds Hugging Face models from
-transformers' own config classes with random weights (nothing is downloaded).
+a `device` argument. A model whose batch is not dim 0 of its inputs (a sequence-first
+model's `(seq, batch)`) sets `batch_dim` too, as `parallelize(..., batch_dim=)` takes it, so
+that the plan prices the inputs as the ranks will feed them. `--hf-config gpt2|llama` builds
+Hugging Face models from transformers' own config classes with random weights (nothing is
+downloaded).
 
 Unlike a plan file, a model file is Python and is executed: it is the user's code.
 """
@@ -27,6 +30,11 @@ from autopar.errors import ModelFileError
 log = logging.getLogger(__name__)
 
 HF_PRESETS = ("gpt2", "llama")
+
+
+def model_file_batch_dim(path: str | Path) -> Any:
+    """The `batch_dim` a MODEL.py sets (`autopar.tracer.batch_dims`), 0 when it sets none."""
+    return getattr(import_model_file(path), "batch_dim", 0)
 
 
 def import_model_file(path: str | Path) -> Any:

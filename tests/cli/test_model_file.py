@@ -26,6 +26,20 @@ def test_fixed_model_file(tmp_path):
         load_model_file(f, batch_size=2)
 
 
+def test_a_model_files_batch_dim_reaches_the_trace_the_cli_plans(tmp_path):
+    """A sequence-first model file sets `batch_dim = 1`: the CLI traces (and so prices) its input as fed along
+    dim 1; without it, along dim 0."""
+    from autopar.report.commands import _trace_and_profile
+    from autopar.solver.plan import PlanSource
+
+    text = "import torch\nmodel = torch.nn.Linear(4, 2)\nsample_input = torch.randn(6, 8, 4)\n"
+    for name, extra, want in (("first.py", "batch_dim = 1\n", (1,)), ("default.py", "", (0,))):
+        f = tmp_path / name
+        f.write_text(text + extra)
+        traced, _ = _trace_and_profile(PlanSource(str(f), "", None, None, "", "adamw"), "cpu")
+        assert traced.input_batch_dims == want
+
+
 @pytest.mark.parametrize("text, message", [
     ("def build(batch_size, seq_len=4):\n    return 1\n", r"build\(\) in .* returned int, not \(model, sample_input\)"),
     ("def build(batch_size):\n    raise RuntimeError('boom')\n", r"build\(batch_size=2\) in .* raised RuntimeError: boom"),
