@@ -475,6 +475,9 @@ class ParallelModule(nn.Module):
         `pm.apply(model._init_weights)` initialises as one device does (a model built on meta, after
         `pm.to_empty`). On the blocks alone every rank would draw its block from the same random numbers: a split
         weight's blocks would be copies of one another, silently. A collective: call it on every rank."""
+        if self._on_meta:  # (every rank alike: raised before meeting the others)
+            raise LoweringError("pm.apply(fn) gathers each module's tensors whole, and the parameters are on the meta "
+                                "device (the model was built on meta): call pm.to_empty(device=...) first, then pm.apply(fn)")
         all_ranks_make("pm.apply(fn)")
         self._apply_whole(self, "", fn, self._specs())
         return self

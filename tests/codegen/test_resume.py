@@ -154,6 +154,8 @@ def _from_meta(rank, world, meta_model, sample, path, buffers, ref):
     pm = autopar.parallelize(meta_model, sample, (world,), memory_budget=1.5e6)  # tight: some ZeRO storage
     with pytest.raises(LoweringError, match="on the meta device"):
         pm(**sample)
+    with pytest.raises(LoweringError, match=r"on the meta device .* pm.to_empty\(device=...\) first, then pm.apply"):
+        pm.apply(lambda module: None)  # (it gathered meta tensors, and the ranks hung until the timeout)
     pm.to_empty(device="cpu")
     pm.load_checkpoint(path)
     pm.load_state_dict(buffers, strict=False)  # the non-persistent ones the log names
