@@ -49,13 +49,13 @@ from autopar.codegen.shapes import LoweringError, local_block, localize_call
 from autopar.codegen.zero import regather_zero_params
 from autopar.runtime import collectives as C
 from autopar.runtime.batch import check_divisible, fed_spec
-from autopar.tracer.batch_dims import batch_size
 from autopar.runtime.deferred_loss import deferred_all_reduce, deferred_mean, start_count
 from autopar.runtime.mesh import ProcessMesh
 from autopar.solver.plan import Plan
 from autopar.solver.regions import layer_key
 from autopar.solver.spec import Partial, Replicate, Shard, Spec
 from autopar.tracer import TracedGraph, tensor_args
+from autopar.tracer.batch_dims import batch_size
 from autopar.tracer.nodes import is_tensor_node as _is_tensor_node
 from autopar.tracer.nodes import differentiable, grad_carrying, is_differentiable, is_dropout_clone, module_path
 
