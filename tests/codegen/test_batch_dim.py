@@ -59,14 +59,14 @@ class SequenceFirstClassifier(nn.Module):
         return nn.functional.cross_entropy(self.head(hidden.mean(0)), labels)
 
 
-def _lm_batch(seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _lm_batch(seed: int, seq: int = SEQ) -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
-    return torch.randint(0, VOCAB, (SEQ, BATCH), generator=g), torch.randint(0, VOCAB, (SEQ, BATCH), generator=g)
+    return torch.randint(0, VOCAB, (seq, BATCH), generator=g), torch.randint(0, VOCAB, (seq, BATCH), generator=g)
 
 
-def _classifier_batch(seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _classifier_batch(seed: int, seq: int = SEQ) -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
-    return torch.randn(SEQ, BATCH, 4, generator=g), torch.randint(0, 3, (BATCH,), generator=g)
+    return torch.randn(seq, BATCH, 4, generator=g), torch.randint(0, 3, (BATCH,), generator=g)
 
 
 def _columns(batch: tuple, dims: tuple, rank: int, world: int) -> tuple:
@@ -143,12 +143,16 @@ def _train(module: nn.Module, batches: list[tuple]) -> tuple[list[float], list[t
     return losses, logits
 
 
-def _ddp_fed_steps(rank, world, model, batches, batch_dim, dims):
-    """Two AdamW steps of the parallel module, each rank fed its columns as a DDP loop feeds them."""
+def _ddp_fed_steps(rank, world, model, batches, longer, batch_dim, dims):
+    """AdamW steps of the parallel module, each rank fed its columns as a DDP loop feeds them, then the loss of
+    a batch of longer sequences (a graph of its own, traced for the global batch the columns make up)."""
     pm = autopar.parallelize(copy.deepcopy(model), batches[0], (world,), batch_dim=batch_dim)
     fed = [_columns(batch, dims, rank, world) for batch in batches]
     assert all(torch.equal(a, b) for batch, local in zip(batches, fed) for a, b in zip(pm.local_batch(batch), local))
     losses, outputs = _train(pm, fed)
+    with torch.no_grad():
+        out = pm(*_columns(longer, dims, rank, world))
+    losses.append((out[0] if isinstance(out, tuple) else out).item())
     rows = tuple(t.narrow(0, rank * t.shape[0] // world, t.shape[0] // world) for t in batches[0])
     with pytest.raises(LoweringError) as refused:  # rows, where the module takes columns
         pm(*rows)
@@ -159,15 +163,20 @@ def _ddp_fed_steps(rank, world, model, batches, batch_dim, dims):
 @pytest.mark.parametrize("case", ["lm", "classifier"])
 def test_sequence_first_models_train_like_one_device_fed_as_ddp_feeds_them(case):
     """The solver's plan, two ranks each fed its batch columns: losses, the logits' columns and the parameters
-    after two AdamW steps match one device; rows are refused, naming the batch dim the module takes."""
+    after two AdamW steps match one device, and so does the loss of longer sequences fed after; rows are
+    refused, naming the batch dim the module takes."""
     torch.manual_seed(0)
     if case == "lm":
-        model, batches, batch_dim, dims = SequenceFirstLM(), [_lm_batch(1), _lm_batch(2)], 1, (1, 1)
+        model, make, batch_dim, dims = SequenceFirstLM(), _lm_batch, 1, (1, 1)
     else:
-        model, batches, batch_dim, dims = SequenceFirstClassifier(), [_classifier_batch(1), _classifier_batch(2)], (1, 0), (1, 0)
+        model, make, batch_dim, dims = SequenceFirstClassifier(), _classifier_batch, (1, 0), (1, 0)
+    batches, longer = [make(1), make(2)], make(3, seq=SEQ + 2)
     single = copy.deepcopy(model)
     want_losses, want_logits = _train(single, batches)
-    for rank, (losses, outputs, state, refused) in enumerate(run_ranks(_ddp_fed_steps, 2, model, batches, batch_dim, dims, timeout_s=200)):
+    with torch.no_grad():
+        out = single(*longer)
+    want_losses.append((out[0] if isinstance(out, tuple) else out).item())
+    for rank, (losses, outputs, state, refused) in enumerate(run_ranks(_ddp_fed_steps, 2, model, batches, longer, batch_dim, dims, timeout_s=200)):
         assert losses == pytest.approx(want_losses, rel=1e-5)
         for got, want in zip(outputs, want_logits):
             if want is not None:
