@@ -48,7 +48,6 @@ from autopar.codegen.shapes import LoweringError
 from autopar.errors import AlreadyParallelError, TraceError
 from autopar.runtime.arrival import all_ranks_make
 from autopar.runtime.batch import batch_slice, global_like, slice_leaves
-from autopar.tracer.batch_dims import batch_dims
 from autopar.runtime.deferred_loss import grads_scaled_by, other_output
 from autopar.runtime.grad_norm import track
 from autopar.runtime.optimizers import watch_optimizers
@@ -71,6 +70,7 @@ from autopar.solver.plan import Plan
 from autopar.solver.plan_io import op_name
 from autopar.solver.spec import Spec
 from autopar.tracer import CallArguments, TracedGraph
+from autopar.tracer.batch_dims import batch_dims
 
 log = logging.getLogger(__name__)
 

@@ -58,7 +58,7 @@ def _matching(leaves: list[Any], dim: int) -> tuple[int | None, ...]:
     if dim < 0:
         raise BatchDimError(f"batch_dim={dim}: give the batch dim counted from the front (0 for (batch, ...), 1 for (seq, batch, ...))")
     size = next((int(t.shape[dim]) for t in tensors if t.dim() > dim), None)
-    if size is None and tensors:
+    if size is None and tensors and dim > 0:  # (dim 0 and only scalars: nothing is batched, every input fed whole)
         raise BatchDimError(f"batch_dim={dim}, but no input has {dim + 1} dims (shapes {[tuple(t.shape) for t in tensors]})")
     return tuple(dim if isinstance(t, torch.Tensor) and t.dim() > dim and int(t.shape[dim]) == size else None for t in leaves)
 

@@ -84,6 +84,7 @@ def test_batch_dims_are_read_per_input():
     assert batch_dims((x, labels), {}, (1, 0)) == (1, 0)
     assert batch_dims((), {"x": x, "labels": labels, "temperature": 2.0}, {"x": 1, "labels": 0}) == (1, 0, None)
     assert batch_dims((x, labels), {}, (1, None)) == (1, None)
+    assert batch_dims((torch.tensor(2.0), 3), {}, 0) == (None, None)  # only scalars: nothing batched, as before
     refused = {
         (1, 1): "positional input 1 batch dim 1, but its shape is (8,)",
         (1,): "shape batch_dim as the sample input",
