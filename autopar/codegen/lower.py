@@ -116,7 +116,7 @@ class _Lowerer:
         self.full_params = params
         self.full_buffers = None if buffers is None else {**traced.constants, **buffers}  # a lifted constant is no buffer of the model
         self.input_layout = input_layout
-        self.fed_dims = dict(zip(traced.input_names, traced.input_batch_dims, strict=True))  # each input's batch dim
+        self.fed_dims = traced.batch_dim_of()
         self.device = device or _device_of(mesh)
         self.decisions = {d.node: d for d in plan.nodes}
         self.param_decisions = {d.node: d for d in plan.params}

@@ -323,7 +323,7 @@ class _Pricer:
     def __init__(self, traced: TracedGraph, profile: ConcreteProfile, mesh: Mesh, strategies):
         self.traced, self.mesh, self.strategies = traced, mesh, strategies
         self.nodes = {n.name: n for n in traced.graph.nodes}
-        self.fed_dims = dict(zip(traced.input_names, traced.input_batch_dims, strict=True))
+        self.fed_dims = traced.batch_dim_of()
         self.costs = profile.nodes
         self.facts = storage_facts(traced, profile)  # which node owns the storage each tensor views
         self.params = {p.node: p for p in profile.params.values()}

@@ -23,6 +23,7 @@ import torch
 from torch.utils import _pytree as pytree
 
 from autopar.errors import AutoparError
+from autopar.tracer.call_arguments import split_sample_input
 
 BatchDim = Any  # int, or a structure of ints and Nones shaped as the sample input (module docstring)
 
@@ -73,8 +74,6 @@ def _dim_of(leaf: Any, dim: int, path: str) -> int:
 
 def _as_call(batch_dim: BatchDim) -> tuple[Any, Any]:
     """The structure in `(args, kwargs)` form, as `tracer.split_sample_input` turns the sample input."""
-    from autopar.tracer.capture import split_sample_input  # capture imports this module
-
     return (None, None) if batch_dim is None else split_sample_input(batch_dim)
 
 

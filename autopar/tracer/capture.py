@@ -36,6 +36,7 @@ from autopar.tracer import custom_backward, data_sizes
 from autopar.tracer.attention import canonicalize_attention
 from autopar.tracer.bags import split_equal_bags
 from autopar.tracer.batch_dims import BatchDim, batch_dims
+from autopar.tracer.call_arguments import split_sample_input
 from autopar.tracer.checks import localize_checks
 from autopar.tracer.copies import copy_decomposition
 from autopar.tracer.cse import eliminate_common_subexpressions
@@ -88,6 +89,10 @@ class TracedGraph:
     batch_dim: BatchDim = 0
     input_batch_dims: tuple[int | None, ...] = ()
 
+    def batch_dim_of(self) -> dict[str, int | None]:
+        """User input placeholder name -> its batch dim (None: fed whole)."""
+        return dict(zip(self.input_names, self.input_batch_dims, strict=True))
+
     @property
     def graph(self) -> fx.Graph:
         return self.gm.graph
@@ -104,29 +109,6 @@ class TracedGraph:
     def frozen_params(self) -> frozenset[str]:
         """Placeholders of parameters that take no gradient (`requires_grad=False`: a frozen base model)."""
         return frozenset(ph for ph in self.param_fqns if not self.node(ph).meta["val"].requires_grad)
-
-
-@dataclass(frozen=True)
-class CallArguments:
-    """A sample input of positional and keyword arguments at once: `model(*args, **kwargs)`."""
-
-    args: tuple
-    kwargs: dict
-
-
-pytree.register_dataclass(CallArguments, serialized_type_name="autopar.CallArguments")
-
-
-def split_sample_input(sample_input: Any) -> tuple[tuple, dict]:
-    """A sample input is a tensor, a tuple/list of positional args, a mapping of kwargs (a dict, or a tokenizer's
-    `BatchEncoding`, which export takes only as a dict), or `CallArguments`."""
-    if isinstance(sample_input, CallArguments):
-        return tuple(sample_input.args), dict(sample_input.kwargs)
-    if isinstance(sample_input, Mapping):
-        return (), dict(sample_input)
-    if isinstance(sample_input, (tuple, list)):
-        return tuple(sample_input), {}
-    return (sample_input,), {}
 
 
 @gc_paused
