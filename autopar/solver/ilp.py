@@ -35,14 +35,17 @@ Constraint families (each PuLP constraint is named after its family):
   shared_sync_{k}_{j} m[k] >= sum_s t[j,s] x[v_j,s]   (a parameter k several nodes' prices send to the bucketed
                       sync, node v_j's part t[j,s]; the objective adds m[k] - sum_j t[j,.] x: paid once, the
                       largest; `Problem.shared_syncs`, `_add_shared_syncs`)
-  rerun_{k}           w[k] >= sum_{a,b} forward[k,a,b] e[k,a,b] - M (1 - sum_g y[dst,g])   (`_add_reruns`:
-                      a recomputed node runs its input reshards again in backward; M = max forward[k])
+  An edge k into a node that may be recomputed gets f[k,g] = e AND "dst recomputed", per group g of its pairs
+  (a,b) with equal amounts (forward, kept, buffers) (`_add_recomputed_edges`):
+  recomputed_edge_{k}_{g}  f[k,g] <= sum of e[k,a,b] over the pairs of group g
+  recomputed_edge_{k}  sum_g f[k,g] = sum_g y[dst,g]   (exact at integral points, no big-M)
+                      The objective adds forward[k,g] f[k,g] (a recomputed node runs its input reshards again in
+                      backward); the memory row adds kept[k,a,b] e[k,a,b] - kept[k,g] f[k,g] (a consumer that saves
+                      a resharded input keeps the resharded copy unless it is recomputed; an edge into a node never
+                      recomputed adds kept . e alone)
   replaced_{k}        r[k] >= sum_{a,b} replaced[k,a,b] e[k,a,b] - M (1 - sum_g y[src,g]) - M sum_g y[dst,g]
                       (`_add_replaced_outputs`: a recomputed producer's output is not kept, so a consumer that
                       keeps its resharded copy holds the part `kept` counts as the producer's too)
-  saved_reshard_{k}   s[k] >= sum_{a,b} kept[k,a,b] e[k,a,b] - M sum_g y[dst,g]   (`_add_saved_reshards`:
-                      a consumer that saves a resharded input keeps the resharded copy unless recomputed;
-                      without recompute variables for dst the terms enter the memory row directly)
   temp_{v}            T >= sum_s temp[v,s] x[v,s]                    (`_add_temp`)
   gather_{v}          T >= sum_g gathered[v,g] z[v,g]
   reshard_buffers_{k} T >= sum_{a,b} buffers[k,a,b] e[k,a,b]        (a reshard's buffers, `Edge.buffer_bytes`;
@@ -63,17 +66,13 @@ Constraint families (each PuLP constraint is named after its family):
                       inputs v saved again, and the gradients of the step: the one arriving and those v makes for
                       its activation inputs (a gated MLP's product makes two of its own size beside the one arriving)
   rebuild_{r}         T >= C_last: the whole rebuilt layer
-                      with f = e * "dst recomputed" as
-  rebuilt_reshard_{k}_{g}  f[k,g] <= sum of e[k,a,b] over the pairs (a,b) of equal (kept, buffers), group g
-                      (`_rebuilt_reshards`)
-  rebuilt_reshard_{k}  sum of f[k,..] = sum_g y[dst,g]   (exact at integral points, no big-M)
   memory              sum_{v,s} static[v,s] x - sum_g (1 - 1/f[v,g]) static[v,g] z
-                      + saved[v,s] x - sum_g (saved[v,g] - held[v,g]) y + sum_k (s[k] + r[k]) + T <= budget
+                      + saved[v,s] x - sum_g (saved[v,g] - held[v,g]) y + sum_k (kept . e - kept . f + r[k]) + T <= budget
                       (`add_memory_limit`; held: a recomputed region's inputs from other layers)
 Objective (time of one step):
   sum (compute + comm)[v,s] x + zero_comm[v,g] z + recompute[v,g] y + sum cost[k,a,b] e[k,a,b] - sum_k zs[k]
   + sum_g sync_latency[g] u[g]   (one gradient bucket's latency per group used, `cost.sync_latency_s`)
-  + sum_k w[k] + sum_r region_s copies[r] R_r   (one checkpoint region per layer with recomputed nodes)
+  + sum_k forward . f[k] + sum_r region_s copies[r] R_r   (one checkpoint region per layer with recomputed nodes)
   + sum_v region_s copies[v] o[v]   (and one more per node that opens another, in each layer it stands for)
   + 1 us per GiB of the memory expression (a tie-break: equally fast plans -> the leaner one)
 For the infeasible report the same model minimises the memory expression instead.
@@ -291,8 +290,7 @@ class _Model:
         self._add_strategy_vars()
         self._add_edges()
         self._add_recompute()
-        self._add_reruns()
-        self._add_saved_reshards()
+        self._add_recomputed_edges()
         self._add_replaced_outputs()
         self._add_zero()
         self._add_zero_savings()
@@ -395,38 +393,53 @@ class _Model:
         """Node v's recompute binaries (one per option group; their sum is 1 when v is recomputed)."""
         return _node_vars(self.y, v)
 
-    def _add_reruns(self) -> None:
-        for k, ev in self.e.items():
-            e = self.problem.edges[k]
-            recomputed = self._recomputed(e.dst)
-            if e.forward_s is None or not recomputed:
-                continue
-            terms = _pair_terms(ev, e.forward_s, _MS)
-            if not terms:
-                continue
-            # one variable per edge (big-M on the recompute flag), not one per class pair: ILP size
-            big_m = max(c for _, c in terms)
-            w = pulp.LpVariable(f"w_{k}", lowBound=0)
-            self.prob += w >= pulp.LpAffineExpression(terms) - big_m * (1 - pulp.lpSum(recomputed)), f"rerun_{k}"
-            self.time_terms.append((w, 1.0))
+    def _add_recomputed_edges(self) -> None:
+        """What an edge into a recomputed node v costs or holds, on f = e[k,a,b] AND "v recomputed": the recompute
+        runs the edge's reshard again (`Edge.forward_s`, in time); a kept v keeps the resharded copy it saves
+        (`Edge.saved_bytes`), a recomputed one does not (memory: kept . e - saved . f); and backward's rebuild of
+        v's layer saves that copy again and runs the reshard's buffers (`_add_rebuilds`, from `self.rebuilt`).
 
-    def _add_saved_reshards(self) -> None:
-        """A consumer that saves a resharded input keeps the resharded copy (unless it is recomputed)."""
+        Linearised without a big-M: per distinct (forward, saved, buffers) amount one f <= the sum of the e of
+        the pairs with that amount, the f's summing to v's recompute flag. Equal to the product at integral
+        points, and as tight as the product's own polytope projected: a fractional recompute flag takes the
+        amounts of the pairs e actually weighs, where a big-M row (w >= forward . e - M (1 - y)) let a half
+        recomputed node rerun its reshards for nothing. (Most pairs share a few amounts: far fewer variables
+        than one per pair. A big-M row per edge for the rebuild's terms had stalled an 8x8 solve past 30 s.)
+        An edge into a node that is never recomputed keeps its saved copy outright."""
+        self.rebuilt_saves: dict[int, list[tuple[pulp.LpVariable, float]]] = {}  # v -> (f, copy saved again)
+        self.rebuilt_holds: dict[int, list[list[tuple[pulp.LpVariable, float]]]] = {}  # v -> per edge (f, buffers)
         for k, ev in self.e.items():
             e = self.problem.edges[k]
-            if e.saved_bytes is None:
-                continue
-            terms = _pair_terms(ev, e.saved_bytes, self.per_byte)
+            node = self.problem.nodes[e.dst]
+            kept = _pair_terms(ev, e.saved_bytes, self.per_byte) if e.saved_bytes is not None else []
             recomputed = self._recomputed(e.dst)
-            if not terms:  # no pair of the edge's options saves a copy
-                continue
             if not recomputed:
-                self.memory_terms.extend(terms)
+                self.memory_terms.extend(kept)
                 continue
-            big_m = max(c for _, c in terms)
-            w = pulp.LpVariable(f"s_{k}", lowBound=0)
-            self.prob += w >= pulp.LpAffineExpression(terms) - big_m * pulp.lpSum(recomputed), f"saved_reshard_{k}"
-            self.memory_terms.append((w, 1.0))
+            if e.forward_s is None and not kept and (e.buffer_bytes is None or node.region is None):
+                continue
+            self.memory_terms.extend(kept)
+            amounts: dict[tuple[float, float, float], list[pulp.LpVariable]] = {}
+            for a, row in enumerate(ev):
+                for b, var in enumerate(row):
+                    amount = tuple(0.0 if table is None else table[a][b] for table in (e.forward_s, e.saved_bytes, e.buffer_bytes))
+                    amounts.setdefault(amount, []).append(var)
+            fs, held = [], []
+            for g, ((forward_s, saved, buffers), members) in enumerate(amounts.items()):
+                f = pulp.LpVariable(f"recomputed_edge_{k}_{g}", lowBound=0)
+                self.prob += f <= pulp.lpSum(members), f"recomputed_edge_{k}_{g}"
+                fs.append(f)
+                if forward_s > 0:
+                    self.time_terms.append((f, forward_s * _MS))
+                if saved > 0:
+                    self.memory_terms.append((f, -saved * self.per_byte))
+                    if node.region is not None:
+                        self.rebuilt_saves.setdefault(e.dst, []).append((f, saved / node.copies * self.per_byte))
+                if buffers > 0 and node.region is not None:
+                    held.append((f, buffers * self.per_byte))
+            self.prob += pulp.lpSum(fs) == pulp.lpSum(recomputed), f"recomputed_edge_{k}"
+            if held:
+                self.rebuilt_holds.setdefault(e.dst, []).append(held)
 
     def _add_replaced_outputs(self) -> None:
         """A recomputed producer's output is not kept; a consumer that keeps its resharded copy (not recomputed)
@@ -529,7 +542,7 @@ class _Model:
         for v in sorted({v for v, _ in self.y}):
             if self.problem.nodes[v].region is not None:
                 layers.setdefault(self.problem.nodes[v].region, []).append(v)
-        saves, holds = self._rebuilt_reshards()
+        saves, holds = self.rebuilt_saves, self.rebuilt_holds
         gathered: dict[str, list[tuple[pulp.LpVariable, float]]] = {}  # layer -> its parameters' (z, gathered GiB)
         for v, zs in self.gathered.items():
             gathered.setdefault(self.problem.nodes[v].region, []).extend(zs)
@@ -562,45 +575,6 @@ class _Model:
                     self.prob += c >= _affine(before + made), f"rebuilt_{r}_upto_{v}"
                     before = [(c, 1.0)]
             self.prob += self.temp >= _affine(before), f"rebuild_{r}"
-
-    def _rebuilt_reshards(self) -> tuple[dict[int, list[tuple[pulp.LpVariable, float]]],
-                                         dict[int, list[list[tuple[pulp.LpVariable, float]]]]]:
-        """Per recomputed consumer v, (1) the resharded inputs (an all-gathered activation or weight) it saves
-        again while backward rebuilds its layer: codegen reshards inside the checkpoint region, so nothing
-        resharded is kept through the step (`_add_saved_reshards`), but the rebuild makes each copy again and
-        saves it; and (2) per edge into v, the buffers of the reshard the rebuild runs again (`Edge.buffer_bytes`).
-
-        The term is e[k,a,b] * "dst recomputed", linearised without a big-M: per distinct amount one f <= the sum
-        of the e of the pairs with that amount, the f's summing to dst's recompute flag. Equal to the product at
-        integral points; a big-M row per edge instead stalled an 8x8 solve past 30 s."""
-        saves: dict[int, list[tuple[pulp.LpVariable, float]]] = {}
-        holds: dict[int, list[list[tuple[pulp.LpVariable, float]]]] = {}
-        for k, ev in self.e.items():
-            e, node = self.problem.edges[k], self.problem.nodes[self.problem.edges[k].dst]
-            recomputed = self._recomputed(e.dst)
-            if (e.saved_bytes is None and e.buffer_bytes is None) or not recomputed or node.region is None:
-                continue
-            # one f per distinct (saved, buffers) amount, on the sum of the pairs that have it: the same polytope
-            # projected, with far fewer variables than one per pair (most pairs share a few amounts)
-            pairs: dict[tuple[float, float], list[pulp.LpVariable]] = {}
-            for a, row in enumerate(ev):
-                for b, var in enumerate(row):
-                    saved = e.saved_bytes[a][b] if e.saved_bytes is not None else 0.0
-                    buffers = e.buffer_bytes[a][b] if e.buffer_bytes is not None else 0.0
-                    pairs.setdefault((saved, buffers), []).append(var)
-            fs, held = [], []
-            for g, ((saved, buffers), members) in enumerate(pairs.items()):
-                f = pulp.LpVariable(f"rebuilt_reshard_{k}_{g}", lowBound=0)
-                self.prob += f <= pulp.lpSum(members), f"rebuilt_reshard_{k}_{g}"
-                fs.append(f)
-                if saved > 0:
-                    saves.setdefault(e.dst, []).append((f, saved / node.copies * self.per_byte))
-                if buffers > 0:
-                    held.append((f, buffers * self.per_byte))
-            self.prob += pulp.lpSum(fs) == pulp.lpSum(recomputed), f"rebuilt_reshard_{k}"
-            if held:
-                holds.setdefault(e.dst, []).append(held)
-        return saves, holds
 
     def add_memory_limit(self) -> None:
         """The budget row (kept out of the model until the unconstrained optimum is known not to fit)."""
