@@ -29,6 +29,14 @@ class BulkHighs(pulp.HiGHS):
         super().__init__(*args, **kwargs)
         self.warm_start = warm_start
 
+    def callSolver(self, lp: pulp.LpProblem) -> None:
+        # HiGHS keeps one thread scheduler per process, made by the first solve with that solve's thread count:
+        # after any HiGHS run with another count in this process (pulp's own HiGHS class defaults to the cores),
+        # a solve asking for one thread refused to start ("the scheduler has already been initialized") and the
+        # caller saw "no plan in time". Made again for this solve's count (cheap: one thread has no workers).
+        highspy.Highs.resetThreadScheduler(True)
+        super().callSolver(lp)
+
     def buildSolverModel(self, lp: pulp.LpProblem) -> None:
         """pulp's model transfer in three bulk calls instead of one call per column and row (0.2 s of a 2 s
         solve at 35k columns); sets the same `index` attributes pulp's solution readback uses."""

@@ -9,9 +9,12 @@ import dataclasses
 import itertools
 import random
 
+import highspy
+import pulp
 import pytest
 
 from autopar.errors import AutoparError, InfeasibleError
+from autopar.solver.backends import make_solver
 from autopar.solver.ilp import Restrictions, _Model, _need_and_budget, evaluate, infeasible_error, min_memory, solve_problem
 from autopar.solver.problem import Assignment, Edge, Node, Option, Problem, ZeroOption
 
@@ -550,3 +553,54 @@ def test_a_recomputed_node_pays_its_input_reshards_forward_again():
     assert sol.assignment.recompute == (False, True)
     assert sol.time.recompute_s == pytest.approx(1.5e-3) and sol.time.comm_s == pytest.approx(2e-3)
     assert evaluate(problem, Assignment.of([0, 0]))[1].recompute_s == 0.0
+
+
+def _relaxed_objective_ms(problem: Problem) -> float:
+    """The LP relaxation's optimum (every variable continuous), the bound branch and bound starts from, in ms."""
+    model = _Model(problem, Restrictions(), "time")
+    model.add_memory_limit()
+    for var in model.prob.variables():
+        var.cat = pulp.LpContinuous
+    model.prob.solve(make_solver("highs", 30.0, presolve=False, mip_rel_gap=1e-4)[0])
+    return pulp.value(model.prob.objective)
+
+
+def test_the_relaxation_charges_a_half_recomputed_node_half_its_rerun():
+    """To fit, b must be recomputed by half in the relaxation (100 MB saved, 50 MB of room). Its input reshard's
+    forward runs again in backward: 1 ms from a's first option, 3 ms from the other, which costs 5 ms more to
+    run. The relaxation's bound is then a0, b, the reshard, half of b's recompute and half of its rerun, by
+    hand. A big-M row (w >= forward . e - 3 ms (1 - y)) had let the half rerun go free: 0.5 ms lower."""
+    a = Node("a", (Option("a0"), Option("a1", compute_s=5e-3)))
+    b = Node("b", (Option("b", compute_s=1e-3, recompute_s=2e-3, saved_bytes=100 * MB),), recomputable=True)
+    edge = Edge(0, 1, (0, 1), (0,), ((2e-3,), (6e-3,)), ((1e-3,), (3e-3,)))
+    problem = Problem((a, b), (edge,), 50 * MB)
+    assert _relaxed_objective_ms(problem) == pytest.approx(1 + 2 + 0.5 * (2 + 1), rel=1e-3)
+    assert solve_problem(problem).time.total_s == pytest.approx(brute_force(problem)[0])
+
+
+def test_the_relaxation_frees_a_half_recomputed_nodes_copy_by_half():
+    """b keeps a resharded copy of a's output unless recomputed: 40 MB from a's first option, 120 MB from the
+    other (5 ms slower). Kept, the plan needs 150 MB (a's 100, b's 10, the copy's 40) against 120: recomputing b
+    frees 50 MB per unit (its own 10 and the copy's 40), so the relaxation recomputes it by 30 / 50, and its
+    bound is b's 1 ms and 0.6 of its 2 ms recompute, by hand. A big-M row (s >= kept . e - 120 MB y) had freed
+    the copy three times as fast: b recomputed by 0.23, a bound 0.74 ms lower."""
+    a = Node("a", (Option("a0", saved_bytes=100 * MB), Option("a1", compute_s=5e-3, saved_bytes=100 * MB)))
+    b = Node("b", (Option("b", compute_s=1e-3, recompute_s=2e-3, saved_bytes=10 * MB),), recomputable=True)
+    edge = Edge(0, 1, (0, 1), (0,), ((0.0,), (0.0,)), None, ((40 * MB,), (120 * MB,)))
+    problem = Problem((a, b), (edge,), 120 * MB)
+    assert _relaxed_objective_ms(problem) == pytest.approx(1 + 0.6 * 2, rel=1e-3)
+    assert solve_problem(problem).time.total_s == pytest.approx(brute_force(problem)[0])
+
+
+def test_a_process_that_ran_highs_on_other_threads_still_solves():
+    """HiGHS keeps one thread scheduler per process. pulp's own HiGHS class (all cores) solving first made every
+    later one-thread solve refuse to start, reported as "the ILP found no plan in 30.0 s"."""
+    other = pulp.LpProblem("other", pulp.LpMinimize)
+    x = pulp.LpVariable("x", 0, 1, cat=pulp.LpInteger)
+    other += x
+    other += x >= 1
+    highspy.Highs.resetThreadScheduler(True)  # as in a fresh process (this one's solves made a one-thread scheduler)
+    other.solve(pulp.HiGHS(msg=False, threads=2))
+    assert x.varValue == 1
+    p = chain_with_activations(budget_bytes=None)
+    assert solve_problem(p).time.total_s == pytest.approx(brute_force(p)[0])
