@@ -396,46 +396,47 @@ class _Model:
     def _add_recomputed_edges(self) -> None:
         """What an edge into a recomputed node v costs or holds, on f = e[k,a,b] AND "v recomputed": the recompute
         runs the edge's reshard again (`Edge.forward_s`, in time); a kept v keeps the resharded copy it saves
-        (`Edge.saved_bytes`), a recomputed one does not (memory: kept . e - saved . f); and backward's rebuild of
-        v's layer saves that copy again and runs the reshard's buffers (`_add_rebuilds`, from `self.rebuilt`).
+        (`Edge.saved_bytes`), a recomputed one does not (memory: kept . e - kept . f); and backward's rebuild of
+        v's layer saves that copy again and runs the reshard's buffers (`_add_rebuilds` reads `rebuilt_saves`
+        and `rebuilt_holds`).
 
-        Linearised without a big-M: per distinct (forward, saved, buffers) amount one f <= the sum of the e of
+        Linearised without a big-M: per distinct (forward, kept, buffers) amount one f <= the sum of the e of
         the pairs with that amount, the f's summing to v's recompute flag. Equal to the product at integral
         points, and as tight as the product's own polytope projected: a fractional recompute flag takes the
         amounts of the pairs e actually weighs, where a big-M row (w >= forward . e - M (1 - y)) let a half
         recomputed node rerun its reshards for nothing. (Most pairs share a few amounts: far fewer variables
-        than one per pair. A big-M row per edge for the rebuild's terms had stalled an 8x8 solve past 30 s.)
-        An edge into a node that is never recomputed keeps its saved copy outright."""
+        than one per pair. A big-M row per edge for the rebuild's terms had stalled an 8x8 solve past 30 s.)"""
         self.rebuilt_saves: dict[int, list[tuple[pulp.LpVariable, float]]] = {}  # v -> (f, copy saved again)
         self.rebuilt_holds: dict[int, list[list[tuple[pulp.LpVariable, float]]]] = {}  # v -> per edge (f, buffers)
         for k, ev in self.e.items():
             e = self.problem.edges[k]
             node = self.problem.nodes[e.dst]
-            kept = _pair_terms(ev, e.saved_bytes, self.per_byte) if e.saved_bytes is not None else []
+            if e.saved_bytes is not None:
+                self.memory_terms.extend(_pair_terms(ev, e.saved_bytes, self.per_byte))  # kept unless v is recomputed
             recomputed = self._recomputed(e.dst)
             if not recomputed:
-                self.memory_terms.extend(kept)
                 continue
-            if e.forward_s is None and not kept and (e.buffer_bytes is None or node.region is None):
-                continue
-            self.memory_terms.extend(kept)
+            rebuilt = node.region is not None  # backward rebuilds v's layer: its reshards' buffers count there
             amounts: dict[tuple[float, float, float], list[pulp.LpVariable]] = {}
             for a, row in enumerate(ev):
                 for b, var in enumerate(row):
-                    amount = tuple(0.0 if table is None else table[a][b] for table in (e.forward_s, e.saved_bytes, e.buffer_bytes))
+                    amount = tuple(0.0 if table is None else table[a][b]
+                                   for table in (e.forward_s, e.saved_bytes, e.buffer_bytes if rebuilt else None))
                     amounts.setdefault(amount, []).append(var)
+            if set(amounts) == {(0.0, 0.0, 0.0)}:
+                continue  # recomputing v changes nothing of this edge
             fs, held = [], []
-            for g, ((forward_s, saved, buffers), members) in enumerate(amounts.items()):
+            for g, ((forward_s, kept, buffers), members) in enumerate(amounts.items()):
                 f = pulp.LpVariable(f"recomputed_edge_{k}_{g}", lowBound=0)
                 self.prob += f <= pulp.lpSum(members), f"recomputed_edge_{k}_{g}"
                 fs.append(f)
                 if forward_s > 0:
                     self.time_terms.append((f, forward_s * _MS))
-                if saved > 0:
-                    self.memory_terms.append((f, -saved * self.per_byte))
-                    if node.region is not None:
-                        self.rebuilt_saves.setdefault(e.dst, []).append((f, saved / node.copies * self.per_byte))
-                if buffers > 0 and node.region is not None:
+                if kept > 0:
+                    self.memory_terms.append((f, -kept * self.per_byte))
+                    if rebuilt:
+                        self.rebuilt_saves.setdefault(e.dst, []).append((f, kept / node.copies * self.per_byte))
+                if buffers > 0:
                     held.append((f, buffers * self.per_byte))
             self.prob += pulp.lpSum(fs) == pulp.lpSum(recomputed), f"recomputed_edge_{k}"
             if held:
