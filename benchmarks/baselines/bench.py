@@ -47,7 +47,7 @@ class Case:
     batch: int = 8  # global batch
     seq: int = 128
     tp: int = 2  # tensor-parallel degree of the Megatron baseline (inner mesh axis)
-    steps: int = 30  # timed steps per system (after 2 warm-up steps)
+    steps: int = 90  # timed steps per system (after 2 warm-up steps): fewer leave the ratio's interval too wide to judge
     optimizer: str = "adamw"
     max_budgets: int = 0  # keep only the largest N budgets (0: all); the smoke test uses 1
 
