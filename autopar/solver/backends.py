@@ -17,6 +17,10 @@ except ImportError:  # CBC is the fallback (see `make_solver`)
 
 log = logging.getLogger(__name__)
 
+# HiGHS 1.16 names it resetThreadScheduler; older releases within `highspy>=1.7` have resetGlobalScheduler
+_reset_scheduler = None if highspy is None else (
+    getattr(highspy.Highs, "resetThreadScheduler", None) or highspy.Highs.resetGlobalScheduler)
+
 Backend = Literal["highs", "cbc"]
 
 
@@ -34,7 +38,7 @@ class BulkHighs(pulp.HiGHS):
         # after any HiGHS run with another count in this process (pulp's own HiGHS class defaults to the cores),
         # a solve asking for one thread refused to start ("the scheduler has already been initialized") and the
         # caller saw "no plan in time". Made again for this solve's count (cheap: one thread has no workers).
-        highspy.Highs.resetThreadScheduler(True)
+        _reset_scheduler(True)
         super().callSolver(lp)
 
     def buildSolverModel(self, lp: pulp.LpProblem) -> None:

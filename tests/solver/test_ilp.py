@@ -9,12 +9,11 @@ import dataclasses
 import itertools
 import random
 
-import highspy
 import pulp
 import pytest
 
 from autopar.errors import AutoparError, InfeasibleError
-from autopar.solver.backends import make_solver
+from autopar.solver.backends import _reset_scheduler, make_solver
 from autopar.solver.ilp import Restrictions, _Model, _need_and_budget, evaluate, infeasible_error, min_memory, solve_problem
 from autopar.solver.problem import Assignment, Edge, Node, Option, Problem, ZeroOption
 
@@ -599,7 +598,7 @@ def test_a_process_that_ran_highs_on_other_threads_still_solves():
     x = pulp.LpVariable("x", 0, 1, cat=pulp.LpInteger)
     other += x
     other += x >= 1
-    highspy.Highs.resetThreadScheduler(True)  # as in a fresh process (this one's solves made a one-thread scheduler)
+    _reset_scheduler(True)  # as in a fresh process (this one's solves made a one-thread scheduler)
     other.solve(pulp.HiGHS(msg=False, threads=2))
     assert x.varValue == 1
     p = chain_with_activations(budget_bytes=None)
