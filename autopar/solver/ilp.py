@@ -543,7 +543,6 @@ class _Model:
         for v in sorted({v for v, _ in self.y}):
             if self.problem.nodes[v].region is not None:
                 layers.setdefault(self.problem.nodes[v].region, []).append(v)
-        saves, holds = self.rebuilt_saves, self.rebuilt_holds
         gathered: dict[str, list[tuple[pulp.LpVariable, float]]] = {}  # layer -> its parameters' (z, gathered GiB)
         for v, zs in self.gathered.items():
             gathered.setdefault(self.problem.nodes[v].region, []).extend(zs)
@@ -563,14 +562,14 @@ class _Model:
                 before.append((both, b))
             for v in nodes:
                 node = self.problem.nodes[v]
-                for j, edge_terms in enumerate(holds.get(v, ())):  # the recompute reshards v's input
+                for j, edge_terms in enumerate(self.rebuilt_holds.get(v, ())):  # the recompute reshards v's input
                     self.prob += self.temp >= _affine(before + edge_terms), f"rebuild_reshard_{r}_{v}_{j}"
                 # backward's step through v: the layer rebuilt before v, what v saved again, its gradients (on v's y)
                 flow = [(y, o.grad_flow_bytes * self.per_byte) for y, o in ys[v].items() if o.grad_flow_bytes > 0]
                 if flow:
-                    self.prob += self.temp >= _affine(before + saves.get(v, []) + flow), f"rebuild_{r}_grad_{v}"
+                    self.prob += self.temp >= _affine(before + self.rebuilt_saves.get(v, []) + flow), f"rebuild_{r}_grad_{v}"
                 made = [(y, o.saved_bytes / node.copies * self.per_byte) for y, o in ys[v].items() if o.saved_bytes > 0]
-                made += saves.get(v, [])
+                made += self.rebuilt_saves.get(v, [])
                 if made:
                     c = pulp.LpVariable(f"rebuilt_{r}_upto_{v}", lowBound=0)
                     self.prob += c >= _affine(before + made), f"rebuilt_{r}_upto_{v}"
