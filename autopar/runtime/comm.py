@@ -28,6 +28,16 @@ from torch.distributed.distributed_c10d import _resolve_process_group
 _OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}
 
 
+def _allreduce_options(op: dist.ReduceOp) -> dist.AllreduceOptions:
+    opts = dist.AllreduceOptions()
+    opts.reduceOp = op
+    return opts
+
+
+# Made once: c10d reads them per call and keeps no reference.
+_ALLREDUCE_OPTIONS = {name: _allreduce_options(op) for name, op in _OPS.items()}
+
+
 class Started:
     """A collective in flight: its result buffer and the c10d work writing into it."""
 
@@ -53,8 +63,25 @@ def group_size_rank(group: str) -> tuple[int, int]:
 def all_reduce(x: torch.Tensor, group: str, op: str = "sum", async_op: bool = False) -> torch.Tensor | Started:
     """Elementwise `op` ("sum" or "max") of `x` over `group`, into a new tensor."""
     out = x.detach().clone(memory_format=torch.contiguous_format)  # one copy, dense whatever x's layout
-    work = dist.all_reduce(out, op=_OPS[op], group=_resolve_process_group(group), async_op=async_op)
-    return Started(out, work) if async_op else out
+    work = start_all_reduce(out, _resolve_process_group(group), op)
+    if async_op:
+        return Started(out, work)
+    work.wait()
+    return out
+
+
+def start_sum(buffer: torch.Tensor, group: str) -> Started:
+    """Sum the dense `buffer` over `group` in place, started now: for a buffer made for the purpose
+    (`all_reduce` copies its input first)."""
+    return Started(buffer, start_all_reduce(buffer, _resolve_process_group(group)))
+
+
+def start_all_reduce(buffer: torch.Tensor, pg: dist.ProcessGroup, op: str = "sum") -> dist.Work:
+    """Start summing (or `op`) the dense `buffer` in place over `pg`: c10d's own call, the one
+    `dist.all_reduce` ends in, without the ~20 us of Python checks it runs first on every call
+    (measured on 4 gloo ranks: 47 us against 25 us to issue a scalar's). A training step issues
+    up to three (the loss's count and sum, the gradient bucket), every step."""
+    return pg.allreduce([buffer], _ALLREDUCE_OPTIONS[op])
 
 
 def all_gather(flat: torch.Tensor, group: str, async_op: bool = False) -> torch.Tensor | Started:

@@ -198,7 +198,10 @@ def start_count(count: torch.Tensor, group: str, replicas: int = 1) -> Started:
     """The global number of a mean's terms: `count` (Partial, no gradient) summed over `group`, started
     now, in float64 (exact to 2**53). `replicas`: how many ranks of `group` hold each count term (the
     count is Partial over fewer axes than the mean's sum, Replicate over the rest): each sends count / replicas."""
-    return comm.all_reduce(count.detach().to(torch.float64) / replicas, group, async_op=True)
+    terms = count.detach().to(torch.float64, copy=True)  # the buffer summed in place: never the graph's tensor
+    if replicas != 1:
+        terms.div_(replicas)
+    return comm.start_sum(terms, group)
 
 
 def deferred_mean(total: torch.Tensor, count: Started, group: str) -> torch.Tensor:
@@ -210,7 +213,7 @@ def deferred_mean(total: torch.Tensor, count: Started, group: str) -> torch.Tens
 
 
 def _start_sum(total: torch.Tensor, group: str) -> Started:
-    return comm.all_reduce(total.detach().to(torch.float64), group, async_op=True)  # float64: the terms add exactly
+    return comm.start_sum(total.detach().to(torch.float64, copy=True), group)  # float64: the terms add exactly
 
 
 def _mean(summed: torch.Tensor, count: Started, dtype: torch.dtype) -> torch.Tensor:

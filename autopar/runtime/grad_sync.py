@@ -89,7 +89,7 @@ import torch.distributed as dist
 from torch.autograd.graph import get_gradient_edge
 from torch.distributed.distributed_c10d import _resolve_process_group
 
-from autopar.runtime.comm import Started
+from autopar.runtime.comm import Started, start_all_reduce
 from autopar.solver.cost import GRAD_BUCKET_BYTES
 from kernels import pack, unpack
 
@@ -318,7 +318,7 @@ class GradSync:
             b.buffer = torch._utils._flatten_dense_tensors(grads)
         else:
             b.buffer = pack(grads, dtype=b.dtype)  # cast for the wire in the same pass
-        b.work = dist.all_reduce(b.buffer, group=b.first_group, async_op=True)
+        b.work = start_all_reduce(b.buffer, b.first_group)
         self.launched += 1
 
     def finish(self) -> None:
