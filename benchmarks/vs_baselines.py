@@ -9,7 +9,9 @@ and the peak live-tensor bytes per rank of DDP, FSDP2 (`fully_shard`), Megatron 
 data parallel, each also with every block checkpointed, and of autopar's plan for a
 range of memory budgets: the baselines' predicted memories, from "everything fits
 replicated" down to "only the most sharded one fits". A system fits a budget when its
-measured peak is within it.
+measured peak is within it. Beside them, one reference that is not a baseline: DDP whose
+step also returns the global loss (`ddp+loss`), the value autopar's module returns where
+DDP returns each rank's own; a miss against DDP is set against it.
 
 Targets (a benchmark, not a test): autopar's step time <= the best baseline that fits,
 at every budget; Spearman rank correlation of predicted vs measured step time >= 0.9.

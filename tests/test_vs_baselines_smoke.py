@@ -16,7 +16,7 @@ from autopar.solver.ilp import MEMORY_SLACK_BYTES  # noqa: E402
 from benchmarks._common import load_example  # noqa: E402
 from benchmarks.baselines.bench import Case, run_model  # noqa: E402
 from benchmarks.baselines.measure import balanced_orders  # noqa: E402
-from benchmarks.baselines.report import budget_rows, explain_miss, format_model, ratio_interval, spearman, spread  # noqa: E402
+from benchmarks.baselines.report import budget_rows, candidates, explain_miss, format_model, ratio_interval, spearman, spread  # noqa: E402
 
 SYSTEMS = ("ddp", "ddp+ac", "fsdp", "fsdp+ac", "tp", "tp+ac")
 
@@ -65,6 +65,25 @@ def test_a_miss_is_explained_from_the_prices_and_the_spread():
     assert "runtime overhead" in explain_miss(same, budget_rows(same)[0]) and "ranked" not in explain_miss(same, budget_rows(same)[0])
 
 
+def test_a_miss_against_ddp_is_set_against_ddp_returning_the_global_loss():
+    """The reference (`ddp+loss`) is named with autopar's ratio to it, only when DDP is the best fit."""
+    from benchmarks.baselines.bench import BudgetResult, ModelResult, SystemResult
+
+    steps = (0.010, 0.011, 0.012, 0.013, 0.014)
+    ddp = SystemResult("ddp", (4,), 0.010, 5e6, 0.012, int(4.8e6), steps)
+    ref = SystemResult("ddp+loss", (4,), 0.010, 5e6, 0.013, int(4.8e6), tuple(t + 0.001 for t in steps))
+    plan = SystemResult("autopar#0", (4,), 0.010, 5e6, 0.0126, int(4.9e6), tuple(t + 0.0006 for t in steps))
+    result = ModelResult(Case("gpt2"), {}, (ddp,), {"autopar#0": plan}, (BudgetResult(6e6, "autopar#0"),), references=(ref,))
+    why = explain_miss(result, budget_rows(result)[0])
+    assert "(ddp+loss) 13.00 ms, autopar 0.97x of it" in why  # 12.6 / 13.0
+    assert "ddp+loss" in format_model(result) and "a reference, not a baseline" in format_model(result)
+    # the reference is not a baseline: not a budget's best fit, not a rank-correlation point
+    assert budget_rows(result)[0]["best_baseline"] == "ddp" and ref not in candidates(result)
+    fsdp = SystemResult("fsdp", (4,), 0.010, 3e6, 0.012, int(2.8e6), steps)
+    tight = ModelResult(Case("gpt2"), {}, (fsdp,), {"autopar#0": plan}, (BudgetResult(3e6, "autopar#0"),), references=(ref,))
+    assert "ddp+loss" not in explain_miss(tight, budget_rows(tight)[0])
+
+
 def test_the_ratio_interval_says_whether_a_miss_is_beyond_noise():
     """Bootstrap of the ratio of medians: identical steps give an interval around 1.0, steps all twice as long one
     around 2.0; a 5% gap under a 15% spread stays within noise, a doubling is beyond it."""
@@ -106,8 +125,11 @@ def test_benchmark_core_two_ranks():
     row = budget_rows(result)[0]
     assert row["budget_bytes"] == pytest.approx(max(s.predicted_bytes for s in result.baselines) + MEMORY_SLACK_BYTES)
     assert row["autopar_s"] > 0
+    # the reference, DDP returning the global loss, is measured beside them (same memory as DDP's)
+    assert [s.name for s in result.references] == ["ddp+loss"]
+    assert result.references[0].step_s > 0 and result.references[0].peak_bytes >= state_bytes
     table = format_model(result)
-    for name in (*SYSTEMS, "autopar#0", "spearman"):
+    for name in (*SYSTEMS, "autopar#0", "ddp+loss", "spearman"):
         assert name in table
 
 

@@ -33,7 +33,7 @@ from benchmarks._common import load_example
 from benchmarks.baselines.measure import Trainable, measure_interleaved
 from benchmarks.baselines.overheads import tp_module_overhead_s
 from benchmarks.baselines.predict import Predictor, scalar_reshard_s
-from benchmarks.baselines.systems import SYSTEMS, build_system
+from benchmarks.baselines.systems import SYSTEMS, build_system, global_loss_ddp
 
 log = logging.getLogger(__name__)
 
@@ -82,6 +82,8 @@ class ModelResult:
     budgets: tuple[BudgetResult, ...] = field(default=())
     plans: dict[str, str] = field(default_factory=dict)  # "autopar#k" -> its plan file (JSON), for `autopar show`
     mesh_files: dict[str, dict] = field(default_factory=dict)  # "1d"/"2d" -> the calibrated Mesh as JSON
+    # measured beside the baselines, not one of them (`systems.global_loss_ddp`): DDP returning the global loss
+    references: tuple[SystemResult, ...] = ()
 
 
 def _plan_key(plan: Plan) -> str:
@@ -202,12 +204,16 @@ def run_model(rank: int, world: int, case: Case, calibration: dict[str, Any] | N
     pred = payload[0]
     systems = [build_system(system, case.model, model, sample, ac=ac, tp=case.tp, optimizer=case.optimizer)
                for system in SYSTEMS for ac in (False, True)]
+    reference = global_loss_ddp(model, sample, case.optimizer)
     plans = {key: plan_from_json(text) for key, text in pred["plans"].items()}
-    systems += [_autopar_system(key, case, model, sample, plan) for key, plan in plans.items()]
+    systems += [reference, *(_autopar_system(key, case, model, sample, plan) for key, plan in plans.items())]
     measured = measure_interleaved(systems, steps=case.steps)
-    baselines, autopar = [], {}
+    baselines, autopar, references = [], {}, []
     for system, m in zip(systems, measured):
-        if system.name in plans:
+        if system is reference:  # priced as DDP: the cost model prices no loss all-reduce for the baselines
+            p_s, p_bytes, shape = pred["baselines"]["ddp"]
+            references.append(SystemResult(system.name, tuple(shape), p_s, p_bytes, m.step_s, m.peak_bytes, m.steps_s))
+        elif system.name in plans:
             plan = plans[system.name]
             autopar[system.name] = SystemResult(system.name, tuple(plan.mesh.shape), plan.time.total_s,
                                                 plan.memory.total_bytes, m.step_s, m.peak_bytes, m.steps_s,
@@ -220,4 +226,4 @@ def run_model(rank: int, world: int, case: Case, calibration: dict[str, Any] | N
         return None
     budgets = tuple(BudgetResult(b, key, note) for b, key, note in pred["budgets"])
     return ModelResult(case, {k: str(m) for k, m in meshes.items()}, tuple(baselines), autopar, budgets,
-                       dict(pred["plans"]), {k: m.to_json() for k, m in meshes.items()})
+                       dict(pred["plans"]), {k: m.to_json() for k, m in meshes.items()}, tuple(references))

@@ -112,7 +112,18 @@ def explain_miss(r: ModelResult, row: dict) -> str:
                      f"over the budget (measured {best.peak_bytes / MB:.2f} MB): the solver could not choose that plan")
     else:
         parts.append(f"the rest priced {predicted:.2f}x {best.name}, which fits the budget: the solver missed a faster plan")
+    if best.name == "ddp":
+        parts += [_against_global_loss_ddp(ap, ref) for ref in r.references if ref.name == "ddp+loss"]
     return "; ".join(parts)
+
+
+def _against_global_loss_ddp(ap: SystemResult, ref: SystemResult) -> str:
+    """autopar against DDP returning the global loss, the value autopar returns (DDP returns each rank's own)."""
+    text = f"DDP returning the global loss as autopar does (ddp+loss) {ref.step_s * 1e3:.2f} ms, autopar {ap.step_s / ref.step_s:.2f}x of it"
+    if len(ap.steps_s) >= 4 and len(ref.steps_s) >= 4:
+        lo, hi = ratio_interval(ap, ref)
+        text += f" ({lo:.2f}-{hi:.2f}x)"
+    return text
 
 
 def format_model(r: ModelResult) -> str:
@@ -120,7 +131,7 @@ def format_model(r: ModelResult) -> str:
     lines = [f"== {c.model}-{c.size} batch {c.batch} x seq {c.seq}, {c.optimizer}; meshes: "
              + "; ".join(f"{k}: {v}" for k, v in r.meshes.items())]
     lines.append(f"{'system':<12} {'mesh':>5} {'pred ms':>8} {'meas ms':>8} {'pred MB':>8} {'peak MB':>8}")
-    for s in candidates(r):
+    for s in (*candidates(r), *r.references):
         lines.append(f"{s.name:<12} {'x'.join(map(str, s.mesh)):>5} {s.predicted_s * 1e3:8.2f} {s.step_s * 1e3:8.2f} "
                      f"{s.predicted_bytes / MB:8.2f} {s.peak_bytes / MB:8.2f}")
     names = [s.name for s in r.baselines]
@@ -138,6 +149,8 @@ def format_model(r: ModelResult) -> str:
         best = f"{row['best_baseline']} {row['best_baseline_s'] * 1e3:.2f}" if row["best_baseline"] else "none fits"
         ratio = f"{row['ratio']:.2f}" if row["ratio"] is not None else "-"
         lines.append(f"{b.budget_bytes / MB:9.2f} " + " ".join(cells) + f" {ap_cell:>14} {best:>16} {ratio:>6}")
+    if r.references:
+        lines.append("ddp+loss: DDP whose step also returns the global loss, as autopar's does (a reference, not a baseline)")
     pts = candidates(r)
     lines.append(f"spearman(predicted, measured step time) over {len(pts)} candidates: "
                  f"{spearman([s.predicted_s for s in pts], [s.step_s for s in pts]):.3f}")

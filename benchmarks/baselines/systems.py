@@ -10,6 +10,11 @@
   all-reduce done by hand on one flat buffer (DDP itself does not take DTensor parameters).
 `ac=True` wraps every block in `torch.utils.checkpoint` first (full activation
 checkpointing, as torchtitan applies it: before sharding).
+
+One reference, not a baseline: `global_loss_ddp` is DDP whose step also gives every rank
+the global loss, the value autopar's module returns (DDP returns each rank's own): the
+mean of the ranks' losses, all-reduced in the background from the forward's end until
+backward ends, as autopar does it. It tells how much of a gap to DDP that one all-reduce is.
 """
 from __future__ import annotations
 
@@ -62,6 +67,27 @@ def _allreduce_grads(params: list[nn.Parameter], group: dist.ProcessGroup, size:
         g.copy_(synced)
 
 
+def global_loss_ddp(model: nn.Module, batch: Any, optimizer: str = "adamw") -> Trainable:
+    """DDP returning the global loss (the module docstring's reference). The mean of the ranks' mean losses
+    is the global mean when every rank counts the same number of terms, as the benchmark's batches do."""
+    module = DistributedDataParallel(copy.deepcopy(model))
+    world = dist.get_world_size()
+    local = slice_batch(batch, dist.get_rank(), world)
+
+    def step() -> None:
+        loss = _call(module, local)
+        total = loss.detach() / world
+        work = dist.all_reduce(total, async_op=True)
+        loss.backward()
+        work.wait()
+
+    return Trainable("ddp+loss", step, make_optimizer(module, optimizer), lambda: _live(module, local))
+
+
+def _live(module: nn.Module, local: Any) -> list[torch.Tensor]:
+    return [*module.parameters(), *module.buffers(), *(t for t in tree_leaves(local) if isinstance(t, torch.Tensor))]
+
+
 def build_system(name: str, family: str, model: nn.Module, batch: Any, ac: bool = False, tp: int = 2,
                  optimizer: str = "adamw") -> Trainable:
     """Wrap a private copy of `model` as system `name` on the default process group."""
@@ -100,7 +126,4 @@ def build_system(name: str, family: str, model: nn.Module, batch: Any, ac: bool 
         if sync is not None:
             sync()
 
-    def live() -> list[torch.Tensor]:
-        return [*module.parameters(), *module.buffers(), *(t for t in tree_leaves(local) if isinstance(t, torch.Tensor))]
-
-    return Trainable(f"{name}+ac" if ac else name, step, opt, live)
+    return Trainable(f"{name}+ac" if ac else name, step, opt, lambda: _live(module, local))
