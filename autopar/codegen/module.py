@@ -38,7 +38,9 @@ from typing import Any, Callable, Iterator, Mapping, NamedTuple
 
 import torch
 from torch import fx, nn
+from torch.distributed.algorithms.join import JoinHook, Joinable
 from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
+from torch.distributed.distributed_c10d import _resolve_process_group
 from torch.utils import _pytree as pytree
 
 from autopar.codegen.eval_mode import eval_difference, without_dropout
@@ -51,7 +53,7 @@ from autopar.runtime.batch import batch_slice, global_like, slice_leaves
 from autopar.runtime.deferred_loss import grads_scaled_by, other_output
 from autopar.runtime.grad_norm import track
 from autopar.runtime.optimizers import watch_optimizers
-from autopar.runtime import rng
+from autopar.runtime import join, rng
 from autopar.runtime.grad_sync import GradSync
 from autopar.runtime.mesh import ProcessMesh
 from autopar.runtime.same_inputs import agree
@@ -115,11 +117,12 @@ class _Graph(NamedTuple):
     casts: bool  # traced under autocast: it holds autocast's casts, and runs with autocast off
 
 
-class ParallelModule(nn.Module):
+class ParallelModule(nn.Module, Joinable):
     def __init__(self, gm: fx.GraphModule, traced: TracedGraph, mesh: ProcessMesh, plan: Plan, retracer: Retracer | None = None):
         """retracer: traces the model again for inputs the first graph was not lowered for: other shapes, eval
         mode, autocast, parameters frozen or unfrozen since (None: such inputs raise, naming them)."""
         super().__init__()
+        Joinable.__init__(self)  # torch's `Join` for ranks with different numbers of batches (`runtime.join`)
         info: LoweringInfo = gm.meta["autopar"]
         share_tree(self, gm)  # the graph's parameter tree, so FQNs are the original ones (no "graph." prefix)
         self.mesh, self.plan, self.info = mesh, plan, info
@@ -280,6 +283,20 @@ class ParallelModule(nn.Module):
             "that wraps every model in DDP (Hugging Face's Trainer, Accelerate's prepare(model), Lightning's DDP "
             "strategy) must leave this module out of that")
 
+    def join_hook(self, **kwargs: Any) -> JoinHook:
+        """torch's `Join([pm], optimizer=opt)`: a rank out of batches shadows the others' training steps
+        (`runtime.join`); `optimizer` (optional) is brought to the last rank's state when all have joined."""
+        return join.ShadowSteps(self, kwargs.get("optimizer"))
+
+    @property
+    def join_device(self) -> torch.device:
+        return self.device
+
+    @property
+    def join_process_group(self) -> torch.distributed.ProcessGroup:
+        """The group of every rank of the mesh (the one `Join` counts the ranks still training over)."""
+        return _resolve_process_group(self.mesh.flat_group_name(self.mesh.axis_names))
+
     @property
     def device(self) -> torch.device:
         """Where this rank's parameters live (what `batch.to(model.device)` in a Hugging Face loop wants)."""
@@ -294,13 +311,16 @@ class ParallelModule(nn.Module):
         if self._on_meta:
             raise LoweringError("the parameters are on the meta device (the model was built on meta): call "
                                 "pm.to_empty(device=...) and load them, e.g. pm.load_checkpoint(path)")
+        joined_context = self._join_config.enable  # inside torch's `Join`: the joined ranks shadow this step
+        if joined_context:
+            join.step_begins(self, self._syncing)
         flat, spec = pytree.tree_flatten((args, kwargs))
         autocast = torch.get_autocast_dtype(self._device_type) if torch.is_autocast_enabled(self._device_type) else None
         key = _signature(flat, spec, self.training, self._trainable(), autocast, self._state_dtypes)
         mode = (self.training, torch.is_grad_enabled())
         if self._inputs_must_agree:
             agree(_described(key), self.mesh.cpu_group, _mode_text(mode))
-        elif self._modes_must_agree and mode != self._mode:
+        elif self._modes_must_agree and mode != self._mode and not joined_context:  # a training step, checked above
             all_ranks_make(f"pm(...) in {_mode_text(mode)}")
             self._mode = mode
         if key != self._key:

@@ -51,6 +51,7 @@ in backward with the count started early still waited mid-step (above).
 from __future__ import annotations
 
 import contextlib
+import functools
 from contextvars import ContextVar
 from typing import Callable, Iterator, Protocol
 
@@ -131,8 +132,8 @@ class _DeferredAllReduce(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, group: str) -> DeferredSum:
-        ctx.pending = comm.all_reduce(x, group, async_op=True)
-        return DeferredSum(ctx.pending, x.detach())
+        ctx.pending = _start_sum(x, group)
+        return DeferredSum(ctx.pending, x.detach(), functools.partial(torch.Tensor.to, dtype=x.dtype))
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
@@ -186,11 +187,13 @@ def other_output(x: torch.Tensor, taker: ScaleTaker) -> torch.Tensor:
 
 def deferred_all_reduce(x: torch.Tensor, group: str) -> torch.Tensor:
     """P -> R whose result is waited when first read: the loss, returned without a synchronisation point.
+    Summed in float64, as every loss collective here (exact terms; and a rank that has joined torch's
+    `Join` shadows each as a 0-d float64 all-reduce, whatever the loss's dtype: `runtime.join`).
 
     Without autograd (no grad mode, or `x` needs none) there is no backward to overlap with: a plain
     all-reduce, waited now, keeps eval loops simple."""
     if not (torch.is_grad_enabled() and x.requires_grad):
-        return comm.all_reduce(x, group)
+        return _start_sum(x, group).wait().to(x.dtype)
     return _DeferredAllReduce.apply(x, group)
 
 
@@ -198,7 +201,7 @@ def start_count(count: torch.Tensor, group: str, replicas: int = 1) -> Started:
     """The global number of a mean's terms: `count` (Partial, no gradient) summed over `group`, started
     now, in float64 (exact to 2**53). `replicas`: how many ranks of `group` hold each count term (the
     count is Partial over fewer axes than the mean's sum, Replicate over the rest): each sends count / replicas."""
-    terms = count.detach().to(torch.float64, copy=True)  # the buffer summed in place: never the graph's tensor
+    terms = count.detach().to(torch.float64, memory_format=torch.contiguous_format, copy=True)  # summed in place
     if replicas != 1:
         terms.div_(replicas)
     return comm.start_sum(terms, group)
@@ -213,7 +216,8 @@ def deferred_mean(total: torch.Tensor, count: Started, group: str) -> torch.Tens
 
 
 def _start_sum(total: torch.Tensor, group: str) -> Started:
-    return comm.start_sum(total.detach().to(torch.float64, copy=True), group)  # float64: the terms add exactly
+    # float64: the terms add exactly; a dense copy of its own, summed in place
+    return comm.start_sum(total.detach().to(torch.float64, memory_format=torch.contiguous_format, copy=True), group)
 
 
 def _mean(summed: torch.Tensor, count: Started, dtype: torch.dtype) -> torch.Tensor:

@@ -369,6 +369,18 @@ class GradSync:
             b.ready.clear()
         self._next = 0
 
+    def shadow(self) -> None:
+        """Issue one synced backward's collectives with zeros for every gradient, in the same order: what a
+        rank with nothing to add sends while the others still train (torch's `Join`, `runtime.join`)."""
+        for b in self._buckets:
+            b.buffer = torch.zeros(b.numel, dtype=b.dtype, device=b.device)
+            b.work = start_all_reduce(b.buffer, b.first_group)
+        for b in self._buckets:
+            b.work.wait()
+            for g in b.groups[1:]:
+                dist.all_reduce(b.buffer, group=_resolve_process_group(g))
+            b.work, b.buffer = None, None
+
     def keep_marks(self, old: GradSync) -> None:
         """Take over `old`'s marks of the grads its last sync wrote, for the parameters both sync (a rebuilt
         sync: the next backward still adds each sum once)."""
