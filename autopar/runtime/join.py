@@ -51,6 +51,8 @@ logger = logging.getLogger(__name__)
 
 # The loss's all-reduces (`runtime.deferred_loss`), each a 0-d float64 sum, and the argument naming its group.
 _LOSS_COLLECTIVES = {C.start_count: 1, C.deferred_mean: 2, C.deferred_all_reduce: 1}
+# the runtime's collectives that send data (local_slice and replicate_to_partial only cut or relabel this rank's)
+_COMMUNICATING = frozenset(f for f in C.COLLECTIVES.values() if f not in (C.local_slice, C.replicate_to_partial, *_LOSS_COLLECTIVES))
 _BROADCAST_BUCKET_BYTES = 25 * 2**20  # DDP's final sync uses its bucket size for the same broadcast
 
 
@@ -76,22 +78,30 @@ def _any_syncs(pm: ParallelModule, syncing: bool) -> bool:
     return bool(flag.item())
 
 
-def loss_groups(gm: fx.GraphModule) -> list[str]:
-    """The group of each loss all-reduce a forward of `gm` issues, in its order (recomputed regions included).
-    Refuses a graph with any other collective: only the loss's scalars can be sent without this rank's data."""
+def loss_groups(pm: ParallelModule) -> list[str]:
+    """The group of each loss all-reduce a forward of `pm` issues, in its order. Refuses a plan whose forward
+    moves anything else between ranks: only the loss's scalars can be sent without this rank's data."""
+    if pm._inputs_must_agree:  # activations exchanged (`codegen.exchanges`: vocabulary parallel, batch norm's included)
+        raise _cannot_shadow("exchanges activations between ranks (tensor, sequence or vocabulary parallel)")
+    return _loss_groups(pm.graph_module)
+
+
+def _loss_groups(gm: fx.GraphModule) -> list[str]:
     groups = []
     for node in gm.graph.nodes:
         if node.op == "call_function" and node.target in _LOSS_COLLECTIVES:
             groups.append(node.args[_LOSS_COLLECTIVES[node.target]])
-        elif node.op == "call_function" and node.target in C.COLLECTIVES.values():
-            raise JoinError(
-                f"this plan's forward runs {node.target.__name__} ({node.name}), which moves this rank's activations "
-                "or parameter shards: a rank that has joined cannot stand in for it. torch's Join takes data-parallel "
-                "plans, whose forwards exchange only the loss's scalars: plan with the memory a replicated model "
-                "needs, or give every rank the same number of batches")
+        elif node.op == "call_function" and node.target in _COMMUNICATING:
+            raise _cannot_shadow(f"runs {node.target.__name__} ({node.name}), which gathers parameter shards")
         elif node.op == "get_attr" and isinstance(getattr(gm, node.target), fx.GraphModule):
-            groups += loss_groups(getattr(gm, node.target))
+            groups += _loss_groups(getattr(gm, node.target))  # a recomputed region
     return groups
+
+
+def _cannot_shadow(what: str) -> JoinError:
+    return JoinError(f"this plan's forward {what}: a rank that has joined has none of its own to send. torch's Join "
+                     "takes data-parallel plans, whose forwards exchange only the loss's scalars; plan with the memory "
+                     "a replicated model needs, or give every rank the same number of batches")
 
 
 class ShadowSteps(JoinHook):
@@ -99,7 +109,7 @@ class ShadowSteps(JoinHook):
 
     def __init__(self, pm: ParallelModule, optimizer: torch.optim.Optimizer | None):
         self.pm, self.optimizer = pm, optimizer
-        self.groups = loss_groups(pm.graph_module)
+        self.groups = loss_groups(pm)
 
     def main_hook(self) -> None:
         syncs = _any_syncs(self.pm, False)
@@ -115,12 +125,12 @@ class ShadowSteps(JoinHook):
         group = self.pm.join_process_group
         last = torch.tensor([dist.get_rank(group) if is_last_joiner else -1], device=self.pm.join_device)
         dist.all_reduce(last, op=dist.ReduceOp.MAX, group=group)
-        src = dist.get_global_rank(group, int(last.item()))
-        with torch.no_grad():  # torch's coalesced broadcast, as DDP's final sync after its join
+        src = int(last.item())  # a last joiner's rank in the group (the highest, if several ran out at the last step)
+        with torch.no_grad():  # torch's coalesced broadcast, as DDP's final sync after its join (a group rank)
             dist._broadcast_coalesced(group, [*self.pm.parameters(), *self.pm.buffers()], _BROADCAST_BUCKET_BYTES, src)
         if self.optimizer is not None:
             state = [self.optimizer.state_dict() if is_last_joiner else None]
-            dist.broadcast_object_list(state, src=src, group=group, device=self.pm.join_device)
+            dist.broadcast_object_list(state, group=group, group_src=src, device=self.pm.join_device)
             if not is_last_joiner:
                 self.optimizer.load_state_dict(state[0])
         elif not is_last_joiner:

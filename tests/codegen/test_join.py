@@ -148,4 +148,5 @@ def test_what_a_joined_rank_cannot_shadow_is_refused_on_every_rank(which):
     if which == "data_parallel":
         assert all("Evaluate outside the Join context" in s for s in said)
     else:
-        assert all("cannot stand in for it" in s and "same number of batches" in s for s in said)
+        what = {"split_weight": "gathers parameter shards", "tensor_parallel": "exchanges activations"}[which]
+        assert all(what in s and "none of its own to send" in s and "same number of batches" in s for s in said), said
