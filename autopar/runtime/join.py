@@ -24,11 +24,13 @@ others (the early ones stopped stepping), and the state of the optimizer passed 
 `Join([pm], optimizer=opt)`. Without it an early rank's optimizer keeps its old moments
 and the ranks' parameters would part at their next step: that rank says so.
 
-Only a plan whose forward exchanges nothing but the loss's scalars can be shadowed so: one
-that moves activations (tensor, sequence or vocabulary parallel) or gathers parameter
-shards would need this rank's inputs or shards, and `Join` refuses it when the context is
-made. Evaluation inside the context is refused as well: a joined rank shadows training
-steps only.
+Only a plan whose forward exchanges nothing but the loss's scalars can be shadowed so, and
+`Join` refuses any other when the context is made: one that moves activations (tensor,
+sequence or vocabulary parallel) would need this rank's inputs, and one that gathers
+parameters stored split would read the part a joined rank no longer updates. (A plan may
+split a parameter to save time, not only memory: the CPU preset splits GPT-2-tiny's
+position table on 2 ranks.) Evaluation inside the context is refused as well: a joined
+rank shadows training steps only.
 """
 from __future__ import annotations
 
@@ -82,7 +84,8 @@ def loss_groups(pm: ParallelModule) -> list[str]:
     """The group of each loss all-reduce a forward of `pm` issues, in its order. Refuses a plan whose forward
     moves anything else between ranks: only the loss's scalars can be sent without this rank's data."""
     if pm._inputs_must_agree:  # activations exchanged (`codegen.exchanges`: vocabulary parallel, batch norm's included)
-        raise _cannot_shadow("exchanges activations between ranks (tensor, sequence or vocabulary parallel)")
+        raise _cannot_shadow("exchanges activations between ranks (tensor, sequence or vocabulary parallel): a rank "
+                             "that has joined has no inputs to send")
     return _loss_groups(pm.graph_module)
 
 
@@ -92,16 +95,18 @@ def _loss_groups(gm: fx.GraphModule) -> list[str]:
         if node.op == "call_function" and node.target in _LOSS_COLLECTIVES:
             groups.append(node.args[_LOSS_COLLECTIVES[node.target]])
         elif node.op == "call_function" and node.target in _COMMUNICATING:
-            raise _cannot_shadow(f"runs {node.target.__name__} ({node.name}), which gathers parameter shards")
+            raise _cannot_shadow(f"gathers parameters stored split over the ranks ({node.target.__name__}, {node.name}): "
+                                 "a rank that has joined would stop updating its part while the others still read it")
         elif node.op == "get_attr" and isinstance(getattr(gm, node.target), fx.GraphModule):
             groups += _loss_groups(getattr(gm, node.target))  # a recomputed region
     return groups
 
 
-def _cannot_shadow(what: str) -> JoinError:
-    return JoinError(f"this plan's forward {what}: a rank that has joined has none of its own to send. torch's Join "
-                     "takes data-parallel plans, whose forwards exchange only the loss's scalars; plan with the memory "
-                     "a replicated model needs, or give every rank the same number of batches")
+def _cannot_shadow(why: str) -> JoinError:
+    return JoinError(f"torch's Join cannot shadow this plan: its forward {why}. Join takes plans whose forward "
+                     "exchanges only the loss's scalars (data parallel, every parameter whole on every rank). Give "
+                     "every rank the same number of batches (torch's DistributedSampler pads the ranks' shares to one "
+                     "count), or run a plan that keeps every parameter whole")
 
 
 class ShadowSteps(JoinHook):
