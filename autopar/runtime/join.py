@@ -53,8 +53,9 @@ logger = logging.getLogger(__name__)
 
 # The loss's all-reduces (`runtime.deferred_loss`), each a 0-d float64 sum, and the argument naming its group.
 _LOSS_COLLECTIVES = {C.start_count: 1, C.deferred_mean: 2, C.deferred_all_reduce: 1}
-# the runtime's collectives that send data (local_slice and replicate_to_partial only cut or relabel this rank's)
-_COMMUNICATING = frozenset(f for f in C.COLLECTIVES.values() if f not in (C.local_slice, C.replicate_to_partial, *_LOSS_COLLECTIVES))
+# the runtime's collectives that send data, forward or backward (replicate_to_partial only relabels this rank's;
+# local_slice does too, but its backward all-gathers the gradient)
+_COMMUNICATING = frozenset(f for f in C.COLLECTIVES.values() if f not in (C.replicate_to_partial, *_LOSS_COLLECTIVES))
 _BROADCAST_BUCKET_BYTES = 25 * 2**20  # DDP's final sync uses its bucket size for the same broadcast
 
 
@@ -95,8 +96,9 @@ def _loss_groups(gm: fx.GraphModule) -> list[str]:
         if node.op == "call_function" and node.target in _LOSS_COLLECTIVES:
             groups.append(node.args[_LOSS_COLLECTIVES[node.target]])
         elif node.op == "call_function" and node.target in _COMMUNICATING:
-            raise _cannot_shadow(f"gathers parameters stored split over the ranks ({node.target.__name__}, {node.name}): "
-                                 "a rank that has joined would stop updating its part while the others still read it")
+            raise _cannot_shadow(f"or its backward moves this rank's own part of a tensor ({node.target.__name__}, "
+                                 f"{node.name}): a parameter stored split, which a rank that has joined would stop "
+                                 "updating while the others still read it, or a gradient gathered in backward")
         elif node.op == "get_attr" and isinstance(getattr(gm, node.target), fx.GraphModule):
             groups += _loss_groups(getattr(gm, node.target))  # a recomputed region
     return groups

@@ -148,5 +148,20 @@ def test_what_a_joined_rank_cannot_shadow_is_refused_on_every_rank(which):
     if which == "data_parallel":
         assert all("Evaluate outside the Join context" in s for s in said)
     else:
-        what = {"split_weight": "gathers parameters stored split", "tensor_parallel": "exchanges activations"}[which]
+        what = {"split_weight": "a parameter stored split", "tensor_parallel": "exchanges activations"}[which]
         assert all(what in s and "same number of batches" in s for s in said), said
+
+
+def test_a_slice_whose_backward_gathers_is_refused():
+    """`local_slice` cuts this rank's rows without a collective, but its backward all-gathers the gradient (ViT's
+    class token expanded over the batch, under a data-parallel plan): a joined rank could not stand in for that."""
+    from torch import fx
+
+    from autopar.runtime import collectives as C
+    from autopar.runtime.join import _loss_groups
+
+    graph = fx.Graph()
+    x = graph.placeholder("x")
+    graph.output(graph.call_function(C.local_slice, (x, 0, "0")))
+    with pytest.raises(JoinError, match="local_slice.*a gradient gathered in backward"):
+        _loss_groups(fx.GraphModule(torch.nn.Module(), graph))
