@@ -24,13 +24,14 @@ others (the early ones stopped stepping), and the state of the optimizer passed 
 `Join([pm], optimizer=opt)`. Without it an early rank's optimizer keeps its old moments
 and the ranks' parameters would part at their next step: that rank says so.
 
-Only a plan whose forward exchanges nothing but the loss's scalars can be shadowed so, and
-`Join` refuses any other when the context is made: one that moves activations (tensor,
-sequence or vocabulary parallel) would need this rank's inputs, and one that gathers
-parameters stored split would read the part a joined rank no longer updates. (A plan may
-split a parameter to save time, not only memory: the CPU preset splits GPT-2-tiny's
-position table on 2 ranks.) Evaluation inside the context is refused as well: a joined
-rank shadows training steps only.
+Only a plan whose steps exchange nothing but the loss's scalars and the gradient buckets
+can be shadowed so, and `Join` refuses any other when the context is made: one that moves
+activations (tensor, sequence or vocabulary parallel) would need this rank's inputs, one
+that gathers parameters stored split would read the part a joined rank no longer updates
+(a plan may split a parameter to save time, not only memory: the CPU preset splits
+GPT-2-tiny's position table on 2 ranks), and a `local_slice` all-gathers its gradient in
+backward, at a point of backward the shadow does not replay. Evaluation inside the context
+is refused as well: a joined rank shadows training steps only.
 """
 from __future__ import annotations
 
@@ -82,8 +83,8 @@ def _any_syncs(pm: ParallelModule, syncing: bool) -> bool:
 
 
 def loss_groups(pm: ParallelModule) -> list[str]:
-    """The group of each loss all-reduce a forward of `pm` issues, in its order. Refuses a plan whose forward
-    moves anything else between ranks: only the loss's scalars can be sent without this rank's data."""
+    """The group of each loss all-reduce a forward of `pm` issues, in its order. Refuses a plan whose steps move
+    anything else between ranks besides the gradient buckets: nothing else can be sent without this rank's data."""
     if pm._inputs_must_agree:  # activations exchanged (`codegen.exchanges`: vocabulary parallel, batch norm's included)
         raise _cannot_shadow("exchanges activations between ranks (tensor, sequence or vocabulary parallel): a rank "
                              "that has joined has no inputs to send")
@@ -121,7 +122,7 @@ class ShadowSteps(JoinHook):
     def main_hook(self) -> None:
         syncs = _any_syncs(self.pm, False)
         for group in self.groups:
-            comm.all_reduce(torch.zeros((), dtype=torch.float64, device=self.pm.join_device), group)
+            comm.start_sum(torch.zeros((), dtype=torch.float64, device=self.pm.join_device), group).wait()
         if syncs:
             self.pm._sync.shadow()
 
