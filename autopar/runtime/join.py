@@ -22,7 +22,12 @@ rank needs no rescaling, unlike DDP's `divide_by_initial_world_size`.)
 When every rank has joined, the last one to join sends its parameters and buffers to the
 others (the early ones stopped stepping), and the state of the optimizer passed as
 `Join([pm], optimizer=opt)`. Without it an early rank's optimizer keeps its old moments
-and the ranks' parameters would part at their next step: that rank says so.
+and the ranks' parameters would part at their next step: that rank says so. The module's
+forwards are then plain ones again (torch leaves a joinable's config enabled after its
+context; DDP goes on announcing every forward), so an evaluation may follow. One `Join`
+object serves one `with` block, as torch's examples make it: torch enables the config
+only when the object is made, so a second block of the same object would not announce
+this module's steps.
 
 Only a plan whose steps exchange nothing but the loss's scalars and the gradient buckets
 can be shadowed so, and `Join` refuses any other when the context is made: one that moves
