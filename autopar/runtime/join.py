@@ -26,8 +26,9 @@ and the ranks' parameters would part at their next step: that rank says so. The 
 forwards are then plain ones again (torch leaves a joinable's config enabled after its
 context; DDP goes on announcing every forward), so an evaluation may follow. One `Join`
 object serves one `with` block, as torch's examples make it: torch enables the config
-only when the object is made, so a second block of the same object would not announce
-this module's steps.
+only when the object is made, so in a second block of the same object the module's steps
+go unannounced, and a rank that runs out of batches there meets mismatched collectives
+(gloo stops on the size mismatch: measured).
 
 Only a plan whose steps exchange nothing but the loss's scalars and the gradient buckets
 can be shadowed so, and `Join` refuses any other when the context is made: one that moves
