@@ -311,8 +311,8 @@ class ParallelModule(nn.Module, Joinable):
         if self._on_meta:
             raise LoweringError("the parameters are on the meta device (the model was built on meta): call "
                                 "pm.to_empty(device=...) and load them, e.g. pm.load_checkpoint(path)")
-        joined_context = self._join_config.enable  # inside torch's `Join`: the joined ranks shadow this step
-        if joined_context:
+        in_join = self._join_config.enable  # inside torch's `Join`: ranks that ran out of batches shadow this step
+        if in_join:
             join.step_begins(self, self._syncing)
         flat, spec = pytree.tree_flatten((args, kwargs))
         autocast = torch.get_autocast_dtype(self._device_type) if torch.is_autocast_enabled(self._device_type) else None
@@ -320,7 +320,7 @@ class ParallelModule(nn.Module, Joinable):
         mode = (self.training, torch.is_grad_enabled())
         if self._inputs_must_agree:
             agree(_described(key), self.mesh.cpu_group, _mode_text(mode))
-        elif self._modes_must_agree and mode != self._mode and not joined_context:  # a training step, checked above
+        elif self._modes_must_agree and mode != self._mode and not in_join:  # a training step, checked above
             all_ranks_make(f"pm(...) in {_mode_text(mode)}")
             self._mode = mode
         if key != self._key:
