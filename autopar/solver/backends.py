@@ -1,6 +1,7 @@
 """The ILP backends: HiGHS (through highspy) by default, CBC as the fallback.
 
-pulp drives both; this module only adds what pulp 3.3 lacks for HiGHS: a bulk model transfer.
+pulp drives both; this module only adds what pulp 3.3 lacks for HiGHS: a bulk model transfer, a MIP start,
+and a solver that prints nothing.
 """
 from __future__ import annotations
 
@@ -23,15 +24,39 @@ _reset_scheduler = None if highspy is None else (
 
 Backend = Literal["highs", "cbc"]
 
+if highspy is not None:
+    class _SilentFromBirth(highspy.Highs.__base__):
+        """Turns HiGHS' output off right after its C++ object exists. `highspy.Highs.__init__` then registers
+        its callback with a HiGHS call, which (output still on, HiGHS' default) printed the version banner
+        to stdout on every solve: inside `autopar plan`'s report and once per rank per `parallelize`."""
+
+        def __init__(self) -> None:
+            super().__init__()
+            self.setOptionValue("output_flag", False)
+
+    class _QuietHighs(highspy.Highs, _SilentFromBirth):
+        """`highspy.Highs`, whose `super().__init__()` now runs `_SilentFromBirth`'s first (the MRO puts it
+        between `Highs` and the C++ base)."""
+
 
 class BulkHighs(pulp.HiGHS):
-    """pulp's HiGHS class, handing the model over in bulk, and a MIP start when `warm_start` is set: the
+    """pulp's HiGHS class, silent, handing the model over in bulk, and a MIP start when `warm_start` is set: the
     variables given an initial value (`LpVariable.setInitialValue`), which HiGHS completes (pulp 3.3 has
     no MIP start for HiGHS)."""
 
     def __init__(self, *args, warm_start: bool = False, **kwargs):
         super().__init__(*args, **kwargs)
         self.warm_start = warm_start
+
+    def createAndConfigureSolver(self, lp: pulp.LpProblem) -> None:
+        """pulp's, on a `_QuietHighs` (pulp makes a plain `highspy.Highs`, which prints its banner), with the
+        options `make_solver` passes."""
+        lp.solverModel = _QuietHighs()
+        options = {"mip_rel_gap": self.gapRel, "mip_abs_gap": self.gapAbs, "threads": self.threads,
+                   "time_limit": None if self.timeLimit is None else float(self.timeLimit), **self.optionsDict}
+        for name, value in options.items():
+            if value is not None:
+                lp.solverModel.setOptionValue(name, value)
 
     def callSolver(self, lp: pulp.LpProblem) -> None:
         # HiGHS keeps one thread scheduler per process, made by the first solve with that solve's thread count:

@@ -603,3 +603,13 @@ def test_a_process_that_ran_highs_on_other_threads_still_solves():
     assert x.varValue == 1
     p = chain_with_activations(budget_bytes=None)
     assert solve_problem(p).time.total_s == pytest.approx(brute_force(p)[0])
+
+
+def test_a_solve_prints_nothing(capfd):
+    """HiGHS printed its version banner to stdout on every solve (highspy registers a callback before any
+    option can turn output off): in the middle of `autopar plan`'s report, once per rank per `parallelize`."""
+    p = chain_with_activations(budget_bytes=None)
+    capfd.readouterr()
+    assert solve_problem(p).time.total_s == pytest.approx(brute_force(p)[0])
+    out, err = capfd.readouterr()
+    assert (out, err) == ("", "")
