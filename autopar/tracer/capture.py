@@ -175,6 +175,10 @@ def _export(model: nn.Module, args: tuple, kwargs: dict, dynamic_dims: Mapping[s
         # torch 2.13's own deep copies of pytree specs warn about its own deprecated LeafSpec:
         # nothing a user can act on, printed once per trace.
         warnings.filterwarnings("ignore", message=r".*isinstance\(treespec, LeafSpec\)", category=FutureWarning)
+        # nn.LSTM / nn.GRU / nn.RNN set `_flat_weights` (views of their own parameters) in their forward, and
+        # export asks for them to be buffers: the module is torch's, so the user cannot, and the graph reads the
+        # parameters themselves (the RNN models train like one device: `benchmarks/torch_models.py`)
+        warnings.filterwarnings("ignore", message=r"The tensor attributes self\.\S*_flat_weights\[", category=UserWarning)
         name = type(model).__name__
         with stops_visible_to_export(name), _distributions_unchecked(), _sync_batch_norm_as_batch_norm(), python_draws_reported(name):
             ep = torch.export.export(model, args, kwargs, strict=False, dynamic_shapes=dynamic_shapes)

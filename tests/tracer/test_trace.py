@@ -3,10 +3,10 @@ from __future__ import annotations
 
 import collections
 import random
+import warnings
 from pathlib import Path
 
 import numpy
-
 import pytest
 import torch
 import torch.nn.functional as F
@@ -784,3 +784,13 @@ def test_a_packed_sequence_is_refused_with_the_padded_form_that_traces():
     padded.load_state_dict(packed.state_dict())
     torch.testing.assert_close(padded(x, lengths), packed(x, lengths))
     assert_eager_gradients(trace(padded, (x, lengths)), padded, (x, lengths))
+
+
+def test_an_rnn_traces_without_warnings():
+    """export warned on every trace of nn.GRU / nn.LSTM that "the tensor attributes self.gru._flat_weights[0], ...
+    were assigned during export" and must be buffers: torch's own modules, nothing the user can change."""
+    x, lengths = torch.randn(4, 6, 8), torch.tensor([6, 3, 5, 2])
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trace(PackedGRU(packed=False), (x, lengths))
+    assert [str(w.message)[:80] for w in caught] == []
