@@ -25,7 +25,7 @@ from autopar.report.summary import summarize
 from autopar.report.units import fmt_bytes, fmt_seconds, fmt_signed_bytes, fmt_signed_seconds
 from autopar.report.words import graph_layouts
 from autopar.solver.mesh import Mesh
-from autopar.solver.plan import BaselineResult, Plan, PlanSource
+from autopar.solver.plan import Plan, PlanSource
 
 
 
@@ -86,20 +86,17 @@ def _mesh(hardware: str, gpus: int, shape: tuple[int, ...] | None) -> Mesh:
 
 
 # ---------------------------------------------------------------- plan
-def _baselines(traced, prof, plan: Plan, budget: float | None, time_limit_s: float) -> tuple[BaselineResult, ...]:
-    from autopar.solver import baseline_plans
-
-    return baseline_plans(traced, prof, plan.mesh, memory_budget_bytes=budget, time_limit_s=time_limit_s)
-
-
 def _solve(args: Any, traced, prof, budget: float | None) -> tuple[Plan, list]:
-    """The plan, and what each mesh shape tried would give (empty when --mesh or a mesh file fixes the shape)."""
+    """The plan with the textbook baselines priced on its mesh, and what each mesh shape tried would give
+    (empty when --mesh or a mesh file fixes the shape)."""
     from autopar.solver import solve, solve_for_devices
 
-    with phase("solving"):
+    with phase("solving and pricing baselines"):
         if args.mesh or args.hardware.endswith(".json") or Path(args.hardware).is_file():
-            return solve(traced, prof, _mesh(args.hardware, args.gpus, args.mesh), memory_budget_bytes=budget, time_limit_s=args.time_limit), []
-        return solve_for_devices(traced, prof, args.gpus, hardware=args.hardware, memory_budget_bytes=budget, time_limit_s=args.time_limit)
+            return solve(traced, prof, _mesh(args.hardware, args.gpus, args.mesh), memory_budget_bytes=budget,
+                         time_limit_s=args.time_limit, baselines=True), []
+        return solve_for_devices(traced, prof, args.gpus, hardware=args.hardware, memory_budget_bytes=budget,
+                                 time_limit_s=args.time_limit, baselines=True)
 
 
 def _load_checked(args: Any, traced, budget: float | None) -> Plan:
@@ -125,8 +122,7 @@ def cmd_plan(args: Any) -> int:
         plan = _load_checked(args, traced, budget)
     else:
         plan, shapes = _solve(args, traced, prof, budget)
-        with phase("pricing baselines"):
-            plan = replace(plan, source=source, baselines=plan.baselines or _baselines(traced, prof, plan, budget, args.time_limit))
+        plan = replace(plan, source=source)
     if args.save:
         from autopar.solver.plan_io import save_plan
 

@@ -650,7 +650,8 @@ def solve_problem(
     integral); that optimum is the answer whenever it fits. Otherwise the memory row goes in
     and the model is solved again. Should that find no plan in time, two more searches of up to
     `time_limit_s` each: the leanest plan, and if it fits, the fastest again from it
-    (`_leanest_instead`). `mip_rel_gap`: stop once
+    (`_leanest_instead`). With `or_leanest` the leanest plan is searched for before the memory row's
+    solve, which it answers when it does not fit, and starts from when it does. `mip_rel_gap`: stop once
     the plan is provably within this fraction of the best possible step time (reported in
     SolverReport.gap when above HiGHS' default of 1e-4)."""
     began = time.perf_counter()
@@ -663,8 +664,18 @@ def solve_problem(
     memory, step = evaluate(problem, a)
     if problem.budget_bytes is not None and memory.total_bytes > problem.budget_bytes:
         model.add_memory_limit()
+        warm = False
+        if or_leanest:
+            # The leanest plan first: when even it needs more than the budget it is the answer, without the
+            # search that proves no plan fits (3.1 of the 8.9 s that pricing LLaMA-7B's data-parallel baseline
+            # on 8 devices took). When it fits, the search below starts from it.
+            leanest = min_memory(problem, time_limit_s, backend, restrictions, PRICING_GAP)
+            if _least_need_bytes(leanest) > problem.budget_bytes:
+                return leanest
+            model.start_from(leanest.assignment)
+            warm = True
         try:
-            out = _run(model, backend, max(time_limit_s - spent_s, 1.0), True, mip_rel_gap)
+            out = _run(model, backend, max(time_limit_s - spent_s, 1.0), True, mip_rel_gap, warm_start=warm)
         except AutoparError as no_plan:  # none in time
             return _leanest_instead(model, time_limit_s, backend, no_plan, began, mip_rel_gap, or_leanest, memory)
         spent_s += out.solve_s
@@ -729,6 +740,11 @@ def _leanest_instead(model: _Model, time_limit_s: float, backend: Backend, no_pl
     report = SolverReport(r.backend, status, time.perf_counter() - began, len(model.prob.variables()),
                           len(model.prob.constraints), gap)
     return Solution(a, memory, step, report)
+
+
+def _least_need_bytes(leanest: Solution) -> float:
+    """The least memory any plan needs, as far as the search for `leanest` proved it (its gap)."""
+    return leanest.memory.total_bytes * (1.0 - (leanest.report.gap or 0.0))
 
 
 def _leanest_gap(or_leanest: bool) -> float:

@@ -90,8 +90,16 @@ def solve(
     time_limit_s: float = 30.0,
     backend: Literal["highs", "cbc"] = "highs",
     sizes: Mapping[str, int] | None = None,
+    baselines: bool = False,
 ) -> Plan:
-    """The fastest plan on `mesh` within the budget (default: the device memory)."""
+    """The fastest plan on `mesh` within the budget (default: the device memory); with `baselines`, the
+    textbook plans priced on the same problem too (`Plan.baselines`)."""
+    plan, built = _solve_built(traced, profile, mesh, memory_budget_bytes, time_limit_s, backend, sizes)
+    return _with_baselines(plan, traced, profile, built, time_limit_s) if baselines else plan
+
+
+def _solve_built(traced, profile, mesh, memory_budget_bytes, time_limit_s, backend, sizes) -> tuple[Plan, BuiltProblem]:
+    """`solve`'s plan and the problem it solved (which the baselines are priced on)."""
     start = time.perf_counter()
     built = _build(traced, profile, mesh, _budget(mesh, memory_budget_bytes), sizes)
     log.debug("solver: problem built in %.2f s (%d graph nodes -> %d problem nodes)",
@@ -101,7 +109,12 @@ def solve(
         # its update reads whole parameters (`OptimizerCost.whole_params`): each is used and stored whole, so
         # its gradient is summed whole on every rank; activations may still be split
         restrictions = Restrictions(_params_allowed(traced, built, Spec.is_replicate), zero="never")
-    return to_plan(traced, mesh, built, solve_problem(built.problem, time_limit_s, backend, restrictions=restrictions))
+    return to_plan(traced, mesh, built, solve_problem(built.problem, time_limit_s, backend, restrictions=restrictions)), built
+
+
+def _with_baselines(plan: Plan, traced, profile, built: BuiltProblem, time_limit_s: float) -> Plan:
+    return dataclasses.replace(plan, baselines=baseline_plans(
+        traced, profile, plan.mesh, built.problem.budget_bytes, time_limit_s, built=built))
 
 
 def solve_for_devices(
@@ -113,15 +126,17 @@ def solve_for_devices(
     time_limit_s: float = 30.0,
     backend: Literal["highs", "cbc"] = "highs",
     sizes: Mapping[str, int] | None = None,
+    baselines: bool = False,
 ) -> tuple[Plan, list[ShapeResult]]:
-    """Try every logical shape of `num_devices` devices; keep the fastest plan."""
+    """Try every logical shape of `num_devices` devices; keep the fastest plan (`baselines`: priced on its shape)."""
     best: Plan | None = None
+    best_built: BuiltProblem | None = None
     results: list[ShapeResult] = []
     smallest: InfeasibleError | None = None
     for shape in candidate_shapes(num_devices):
         mesh = make_mesh(num_devices, shape, hardware)
         try:
-            plan = solve(traced, profile, mesh, memory_budget_bytes, time_limit_s, backend, sizes)
+            plan, built = _solve_built(traced, profile, mesh, memory_budget_bytes, time_limit_s, backend, sizes)
         except InfeasibleError as err:
             results.append(ShapeResult(shape, None, err.min_memory_bytes, str(err)))
             if smallest is None or (err.min_memory_bytes or 0) < (smallest.min_memory_bytes or 0):
@@ -129,13 +144,16 @@ def solve_for_devices(
             continue
         results.append(ShapeResult(shape, plan.time.total_s, plan.memory.total_bytes))
         if best is None or plan.time.total_s < best.time.total_s - 1e-12:
-            best = plan
+            best, best_built = plan, built
+        del built  # a large problem's strategies and rows: one kept at a time
     for r in results:
         log.info("solver: mesh %s: %s", "x".join(map(str, r.shape)),
                  f"{r.step_s * 1e3:.1f} ms" if r.step_s is not None else "no plan fits")
     if best is None:
         assert smallest is not None
         raise smallest
+    if baselines:
+        best = _with_baselines(best, traced, profile, best_built, time_limit_s)
     return best, results
 
 
@@ -313,11 +331,13 @@ def baseline_plans(
     memory_budget_bytes: float | None = None,
     time_limit_s: float = 30.0,
     sizes: Mapping[str, int] | None = None,
+    built: BuiltProblem | None = None,
 ) -> tuple[BaselineResult, ...]:
     """Pure data parallel, ZeRO-3/FSDP and Megatron TP+DP priced by the same model; for an optimizer that
-    reads whole parameters (Adafactor, Muon) pure data parallel alone, the one of them it can step."""
+    reads whole parameters (Adafactor, Muon) pure data parallel alone, the one of them it can step. `built`:
+    the problem for this mesh and budget when the caller has it (`solve(..., baselines=True)`)."""
     budget = _budget(mesh, memory_budget_bytes)
-    built = _build(traced, profile, mesh, budget, sizes)
+    built = built or _build(traced, profile, mesh, budget, sizes)
     out = []
     for name in ("data_parallel",) if optimizer_cost(profile.optimizer).whole_params else BASELINES:
         plan = baseline_plan(traced, profile, mesh, name, budget, time_limit_s, sizes, built)

@@ -87,6 +87,25 @@ def test_a_baseline_over_the_budget_is_priced_as_its_leanest_form():
     assert again["data_parallel"].memory.total_bytes == pytest.approx(dp.memory.total_bytes, rel=1e-6)
 
 
+def test_baselines_priced_with_the_plan_are_those_priced_alone():
+    """`solve(..., baselines=True)` and `solve_for_devices(..., baselines=True)` (the CLI) price the textbook plans
+    on the problem the plan was solved on, not on a second one built alike: the same numbers as `baseline_plans`."""
+    traced, prof = mlp(2, 1024, 4096, 32768)
+    mesh = slow_mesh(4, 50e9)
+    budget = 0.75 * {b.name: b for b in baseline_plans(traced, prof, mesh)}["data_parallel"].memory.total_bytes
+    alone = baseline_plans(traced, prof, mesh, memory_budget_bytes=budget)
+    assert not all(b.fits for b in alone)  # a baseline priced as its leanest form, over the budget
+    with_plan = solve(traced, prof, mesh, memory_budget_bytes=budget, baselines=True).baselines
+    assert [(b.name, b.fits) for b in with_plan] == [(b.name, b.fits) for b in alone]
+    for a, b in zip(with_plan, alone):
+        assert a.time.total_s == pytest.approx(b.time.total_s, rel=1e-6)
+        assert a.memory.total_bytes == pytest.approx(b.memory.total_bytes, rel=1e-6)
+    assert not solve(traced, prof, mesh, memory_budget_bytes=budget).baselines
+    best, _ = solve_for_devices(traced, prof, 4, hardware="h100", baselines=True)
+    assert [b.time.total_s for b in best.baselines] == pytest.approx(
+        [b.time.total_s for b in baseline_plans(traced, prof, best.mesh)], rel=1e-6)
+
+
 def test_two_level_mesh_puts_tensor_parallelism_on_the_fast_axis():
     traced, prof = mlp(2, 4096, 16384, 256, "sgd")  # weight-heavy (AdamW's step: the next test)
     mesh = make_mesh(4, (2, 2), "h100-ib")  # axis 0 InfiniBand, axis 1 NVLink
