@@ -259,7 +259,8 @@ def save_plan(plan: Plan, path: str | Path) -> None:
 def load_plan(path: str | Path) -> Plan:
     p = Path(path)
     if not p.is_file():
-        raise PlanFormatError(f"plan file {str(p)!r} does not exist")
+        raise PlanFormatError(f"plan file {str(p)!r} does not exist\n  fix: write one with `autopar plan MODEL.py --gpus N "
+                              f"--save {p}` or `autopar.save_plan(pm.plan, {str(p)!r})` after a parallelize that solved it")
     return plan_from_json(p.read_text(), source=p.name)
 
 
