@@ -153,6 +153,8 @@ def parallelize(
     if dist.get_rank() == 0:
         log.info("parallelize: %s on mesh %s in %.2f s (est. step %.1f ms)", type(model).__name__, pmesh.shape,
                  time.perf_counter() - start, plan.time.total_s * 1e3)
+        for note in plan.notes:  # what `autopar plan` prints under the plan (`solver.notes`)
+            log.info("parallelize: %s", note)
         # (weight_norm's pre-hook computes the weight, which the graph does too: nothing is lost there)
         hooked = [name or type(model).__name__ for name, m in model.named_modules()
                   if m._forward_hooks or any(not isinstance(h, WeightNorm) for h in m._forward_pre_hooks.values())]

@@ -21,6 +21,7 @@ from autopar.profiler.types import ConcreteProfile, GraphProfile
 from autopar.solver.comm_volume import comm_bytes_by_kind
 from autopar.solver.ilp import Restrictions, Solution, evaluate, solve_problem
 from autopar.solver.mesh import Mesh, candidate_shapes, make_mesh
+from autopar.solver.notes import plan_notes
 from autopar.solver.plan import BaselineResult, NodeDecision, ParamDecision, Plan, SolverReport
 from autopar.solver.problem import Assignment, BuiltProblem, build_problem
 from autopar.solver.spec import Replicate, Spec, Strategy
@@ -77,7 +78,7 @@ def to_plan(traced: TracedGraph, mesh: Mesh, built: BuiltProblem, sol: Solution)
             storage = built.storage[node.name, k] if a.zero[cls] else use
             params.append(ParamDecision(traced.param_fqns[node.name], node.name, use, storage))
     plan = Plan(fingerprint(traced, mesh, built.problem.budget_bytes), mesh, tuple(nodes), tuple(params),
-                sol.memory, sol.time, sol.report)
+                sol.memory, sol.time, sol.report, notes=plan_notes(traced, mesh))
     return dataclasses.replace(plan, comm_bytes_by_kind=comm_bytes_by_kind(traced, plan))
 
 
