@@ -1,5 +1,5 @@
-"""What a plan's report tells the user beyond the plan itself (`Plan.notes`): a limit of the model's shapes
-that the plan had to work around, and the change to the model that would lift it.
+"""What a plan's report tells the user beyond the plan itself (`Plan.notes`): limits of the model that the plan
+had to work around, and what would lift them.
 
     notes = plan_notes(traced, mesh)
 
@@ -8,6 +8,9 @@ of 50,257 rows divides by no axis, so its embedding, LM head and loss cannot be 
 Megatron pads the vocabulary to a multiple of 128 per tensor-parallel rank, nanoGPT pads GPT-2's to 50,304.
 autopar does not pad the model (that changes it: the extra rows' logits enter the softmax), so the report
 says so and names the size that would split.
+
+An op with no sharding rule (ours or DTensor's) runs replicated on every device, its inputs gathered: the log
+warns once a process, and the plan names the op and the user's line, so a saved plan shows it too.
 """
 from __future__ import annotations
 
@@ -16,7 +19,9 @@ import math
 import torch
 
 from autopar.solver.mesh import Mesh
+from autopar.solver.strategies import replicated_ops
 from autopar.tracer import TracedGraph
+from autopar.tracer.source_lines import node_line
 
 # A table smaller than this many rows per device is no vocabulary worth splitting (BERT's two token types)
 _MIN_ROWS_PER_DEVICE = 64
@@ -25,7 +30,16 @@ _PAD_ROWS = 128
 
 
 def plan_notes(traced: TracedGraph, mesh: Mesh) -> tuple[str, ...]:
-    return tuple(_uneven_vocabulary(traced, mesh))
+    """After `enumerate_strategies(traced, mesh)` (what the solver runs first)."""
+    return tuple(_uneven_vocabulary(traced, mesh) + _replicated(traced))
+
+
+def _replicated(traced: TracedGraph) -> list[str]:
+    notes = []
+    for op, (why, nodes) in replicated_ops(traced.graph).items():
+        where = node_line(nodes[0]) + (f" and {len(nodes) - 1} more" if len(nodes) > 1 else "")
+        notes.append(f"{op} ({where}) has {why}: it runs replicated, its inputs gathered whole on every device")
+    return notes
 
 
 def _uneven_vocabulary(traced: TracedGraph, mesh: Mesh) -> list[str]:

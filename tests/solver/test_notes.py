@@ -38,3 +38,28 @@ def test_a_vocabulary_no_mesh_axis_divides_is_named_with_the_size_that_would_spl
     assert len(notes) == 1 and f"has {vocab_size} rows" in notes[0] and f"padded to {padded} rows" in notes[0]
     assert padded % 128 == 0 and padded % 4 == 0 and padded - 128 < vocab_size <= padded
     assert plan_from_json(plan_to_json(plan)).notes == plan.notes  # saved with the plan, shown by `autopar show`
+
+
+class NearestCentroid(torch.nn.Module):
+    """`torch.cdist` has no sharding rule (ours or DTensor's)."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc, self.centroids = torch.nn.Linear(8, 8), torch.nn.Parameter(torch.randn(4, 8))
+
+    def forward(self, x):
+        distances = torch.cdist(self.fc(x), self.centroids)  # the line the note names
+        return distances.square().mean()
+
+
+def test_an_op_without_a_sharding_rule_is_named_with_the_users_line():
+    """An op no rule covers runs replicated, its inputs gathered: the log warned once a process (a plan made
+    later, or read back with `autopar show`, said nothing); the plan now names the op and the user's line."""
+    traced = trace(NearestCentroid(), (torch.randn(16, 8),))
+    plan = solve(traced, profile(traced), make_mesh(2, (2,), "cpu"))
+    line = next(i for i, text in enumerate(open(__file__).read().splitlines(), 1) if "the line the note names" in text)
+    notes = [n for n in plan.notes if "aten._cdist_forward.default" in n]
+    assert len(notes) == 1 and f"test_notes.py:{line}" in notes[0] and "runs replicated" in notes[0]
+    cdist = next(d for d in plan.nodes if d.op == "aten._cdist_forward.default")
+    assert all(s.is_replicate() for s in cdist.strategy.input_specs + cdist.strategy.output_specs)
+    assert not [n for n in solve(*_gpt2(1024), make_mesh(4, (4,), "h100")).notes if "runs replicated" in n]

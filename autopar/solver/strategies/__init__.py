@@ -41,13 +41,13 @@ from autopar.tracer import TracedGraph, output_vals, tensor_args
 
 log = logging.getLogger(__name__)
 
-__all__ = ["enumerate_strategies", "node_strategies", "strategy_inputs", "candidate_specs"]
+__all__ = ["enumerate_strategies", "node_strategies", "strategy_inputs", "candidate_specs", "replicated_ops"]
 
 _OUR_RULES: dict[Any, Callable[..., list[Rule] | None]] = {
     **rules_attention.RULES, **rules_batch_norm.RULES, **rules_checks.RULES, **rules_conv.RULES,
     **rules_cross_entropy.RULES, **rules_embedding.RULES, **rules_random.RULES, **rules_reduction.RULES}
 _CACHE: dict[tuple, tuple[Strategy, ...]] = {}
-_WARNED: set[str] = set()
+_WARNED: dict[str, str] = {}  # op -> why it has no strategy but replicate (warned once a process; `replicated_ops`)
 
 
 @gc_paused
@@ -194,5 +194,16 @@ def _replicate_only(n_in: int, n_out: int, mesh_ndim: int) -> tuple[Strategy, ..
 
 def _warn_once(op: str, why: str) -> None:
     if op not in _WARNED:
-        _WARNED.add(op)
+        _WARNED[op] = why
         log.warning("strategies: %s has %s; it will run replicated (all inputs gathered)", op, why)
+
+
+def replicated_ops(graph: fx.Graph) -> dict[str, tuple[str, list[fx.Node]]]:
+    """The ops of `graph` planned replicate-only for want of a rule: op -> (why, its nodes). Call it after
+    `enumerate_strategies` on the graph (the fallback records the ops it meets)."""
+    out: dict[str, tuple[str, list[fx.Node]]] = {}
+    for node in graph.nodes:
+        why = _WARNED.get(str(node.target)) if node.op == "call_function" else None
+        if why is not None:
+            out.setdefault(str(node.target), (why, []))[1].append(node)
+    return out
