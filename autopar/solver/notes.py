@@ -31,12 +31,12 @@ _PAD_ROWS = 128
 
 def plan_notes(traced: TracedGraph, mesh: Mesh) -> tuple[str, ...]:
     """After `enumerate_strategies(traced, mesh)` (what the solver runs first)."""
-    return tuple(_uneven_vocabulary(traced, mesh) + _replicated(traced))
+    return tuple(_uneven_vocabulary(traced, mesh) + _replicated(traced, mesh))
 
 
-def _replicated(traced: TracedGraph) -> list[str]:
+def _replicated(traced: TracedGraph, mesh: Mesh) -> list[str]:
     notes = []
-    for op, (why, nodes) in replicated_ops(traced.graph).items():
+    for op, (why, nodes) in replicated_ops(traced.graph, mesh.shape).items():
         where = node_line(nodes[0]) + (f" and {len(nodes) - 1} more" if len(nodes) > 1 else "")
         notes.append(f"{op} ({where}) has {why}: it runs replicated, its inputs gathered whole on every device")
     return notes

@@ -47,7 +47,8 @@ _OUR_RULES: dict[Any, Callable[..., list[Rule] | None]] = {
     **rules_attention.RULES, **rules_batch_norm.RULES, **rules_checks.RULES, **rules_conv.RULES,
     **rules_cross_entropy.RULES, **rules_embedding.RULES, **rules_random.RULES, **rules_reduction.RULES}
 _CACHE: dict[tuple, tuple[Strategy, ...]] = {}
-_WARNED: dict[str, str] = {}  # op -> why it has no strategy but replicate (warned once a process; `replicated_ops`)
+_WARNED: set[str] = set()
+_UNRULED: dict[tuple, str] = {}  # cache key of a node with no rule -> why (`replicated_ops`)
 
 
 @gc_paused
@@ -79,7 +80,10 @@ def node_strategies(node: fx.Node, mesh_shape: tuple[int, ...]) -> tuple[Strateg
     key = _cache_key(node, mesh_shape)
     hit = _CACHE.get(key)
     if hit is None:
-        hit = _CACHE[key] = _compute(node, mesh_shape)
+        hit, why = _compute(node, mesh_shape)
+        _CACHE[key] = hit
+        if why is not None:
+            _UNRULED[key] = why
     return hit
 
 
@@ -134,19 +138,21 @@ def _arg_key(x: Any) -> Any:
     return x if isinstance(x, (int, float, bool, str, type(None), torch.dtype)) else repr(x)
 
 
-def _compute(node: fx.Node, mesh_shape: tuple[int, ...]) -> tuple[Strategy, ...]:
+def _compute(node: fx.Node, mesh_shape: tuple[int, ...]) -> tuple[tuple[Strategy, ...], str | None]:
+    """The strategies, and why the op has none but replicate when no rule covers it (else None)."""
     n_in, outs = len(tensor_args(node)), output_vals(node)
     if node.op in ("placeholder", "get_attr"):
         val = _concrete(node)
         if not isinstance(val, torch.Tensor):
-            return (Strategy((), ()),)
-        return tuple(Strategy((), (s,)) for s in candidate_specs(val.shape, mesh_shape, partial=False))
+            return (Strategy((), ()),), None
+        return tuple(Strategy((), (s,)) for s in candidate_specs(val.shape, mesh_shape, partial=False)), None
     if node.op != "call_function" or not isinstance(node.target, torch._ops.OpOverload):
-        return _replicate_only(n_in, len(outs), len(mesh_shape))  # sym_size, operator.* on SymInts, ...
+        return _replicate_only(n_in, len(outs), len(mesh_shape)), None  # sym_size, operator.* on SymInts, ...
     op = node.target
     args = pytree.tree_map(_concrete, node.args)
     kwargs = pytree.tree_map(_concrete, node.kwargs)
     rules: list[Rule] | None = None
+    why = None
     try:
         if op in FACTORIES and outs and outs[0] is not None:
             rules = factory_rules(op, args, kwargs, mesh_shape, _concrete(outs[0]))
@@ -157,12 +163,12 @@ def _compute(node: fx.Node, mesh_shape: tuple[int, ...]) -> tuple[Strategy, ...]
         if rules is None:
             rules = dtensor_rules(op, args, kwargs, mesh_shape)
     except Exception as err:  # a rule that raises on unusual args must not stop planning
-        _warn_once(str(op), f"its sharding rule raised {type(err).__name__}: {err}")
-        rules = []
+        why, rules = f"its sharding rule raised {type(err).__name__}: {err}", []
     if rules is None:
-        _warn_once(str(op), "no sharding rule (ours or DTensor's)")
-        rules = []
-    return _finalize(rules, node, n_in, outs, mesh_shape)
+        why, rules = "no sharding rule (ours or DTensor's)", []
+    if why is not None:
+        _warn_once(str(op), why)
+    return _finalize(rules, node, n_in, outs, mesh_shape), why
 
 
 def _finalize(rules: list[Rule], node: fx.Node, n_in: int, outs: tuple, mesh_shape: tuple[int, ...]) -> tuple[Strategy, ...]:
@@ -194,16 +200,16 @@ def _replicate_only(n_in: int, n_out: int, mesh_ndim: int) -> tuple[Strategy, ..
 
 def _warn_once(op: str, why: str) -> None:
     if op not in _WARNED:
-        _WARNED[op] = why
+        _WARNED.add(op)
         log.warning("strategies: %s has %s; it will run replicated (all inputs gathered)", op, why)
 
 
-def replicated_ops(graph: fx.Graph) -> dict[str, tuple[str, list[fx.Node]]]:
-    """The ops of `graph` planned replicate-only for want of a rule: op -> (why, its nodes). Call it after
-    `enumerate_strategies` on the graph (the fallback records the ops it meets)."""
+def replicated_ops(graph: fx.Graph, mesh_shape: tuple[int, ...]) -> dict[str, tuple[str, list[fx.Node]]]:
+    """The ops of `graph` that no rule covers on `mesh_shape` (each node's own arguments: a rule may raise on
+    some only), so planned replicated: op -> (why, its nodes). After `enumerate_strategies(graph's, mesh)`."""
     out: dict[str, tuple[str, list[fx.Node]]] = {}
     for node in graph.nodes:
-        why = _WARNED.get(str(node.target)) if node.op == "call_function" else None
+        why = _UNRULED.get(_cache_key(node, mesh_shape)) if node.op == "call_function" else None
         if why is not None:
             out.setdefault(str(node.target), (why, []))[1].append(node)
     return out
