@@ -28,7 +28,7 @@ from torch.utils import _pytree as pytree
 from autopar.codegen.module_tree import dress_like
 from autopar.codegen import ParallelModule, lower
 from autopar.codegen.module import Retracer
-from autopar.errors import TraceError
+from autopar.errors import PARALLELIZE_KNOBS, InfeasibleError, TraceError
 from autopar.profiler import profile
 from autopar.runtime.mesh import ProcessMesh
 from autopar.runtime.optimizers import replaced
@@ -241,7 +241,11 @@ def _solve_on_rank0(traced: TracedGraph, pmesh: ProcessMesh, memory_budget: floa
         else:
             preset = hardware or ("h100" if torch.cuda.is_available() else "cpu")
             mesh = make_mesh(math.prod(pmesh.shape), pmesh.shape, preset, pmesh.axis_names)
-        return solve(traced, profile(traced, optimizer=optimizer), mesh, memory_budget_bytes=memory_budget, time_limit_s=time_limit_s)
+        try:
+            return solve(traced, profile(traced, optimizer=optimizer), mesh, memory_budget_bytes=memory_budget,
+                         time_limit_s=time_limit_s)
+        except InfeasibleError as err:  # its fix in parallelize's words: memory_budget=
+            raise err.worded_for(PARALLELIZE_KNOBS) from None
     return _on_rank0(solved)
 
 

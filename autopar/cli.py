@@ -23,7 +23,7 @@ from typing import Iterator, Sequence
 
 from rich.logging import RichHandler
 
-from autopar.errors import AutoparError, InfeasibleError, UsageError
+from autopar.errors import AutoparError, InfeasibleError, Knobs, UsageError
 from autopar.report.console import err_console
 from autopar.report.units import fmt_bytes, parse_bytes
 
@@ -82,7 +82,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--optimizer", default="adamw", help="optimizer whose state is budgeted: adamw, adam, sgd, sgd-momentum, adafactor, muon "
                    "(the last two read whole matrices: their plans keep every parameter whole)")
     p.add_argument("--time-limit", type=float, default=30.0,
-                   help="seconds per ILP search (a budget the first search finds no plan for gets two more: the leanest plan, then the fastest from it)")
+                   help="seconds the search may take in all, over every mesh shape it tries (stopped there, it answers with "
+                        "the best plan found, never slower than the fastest textbook plan that fits)")
     p.add_argument("--save", help="write the plan to this JSON file")
     p.add_argument("--load", help="reuse this plan file (checked against the model) instead of solving")
     p.add_argument("--html", help="write a self-contained HTML report here")
@@ -132,16 +133,17 @@ def _logging_to_stderr(debug: bool) -> Iterator[None]:
         logger.handlers[:], logger.level, logger.propagate = saved
 
 
+# how the CLI names what an infeasible budget's fix changes (`InfeasibleError.worded_for`)
+CLI_KNOBS = Knobs(lambda b: f"--memory {fmt_bytes(b, up=True).replace(' ', '')}", lambda s: f"--time-limit {s:g}",
+                  "plan for more --gpus")
+
+
 def _with_fix(err: AutoparError) -> str:
+    if isinstance(err, InfeasibleError):  # its fix in the CLI's words: --memory, --time-limit, --gpus
+        return str(err.worded_for(CLI_KNOBS)).strip()
     text = str(err).strip()
     if "fix:" in text:
         return text
-    if isinstance(err, InfeasibleError) and err.min_memory_bytes:
-        from autopar.solver.ilp import budget_that_fits
-
-        # rounded up: passed back as it is, the budget fits the leanest plan
-        need = fmt_bytes(budget_that_fits(err.min_memory_bytes), up=True).replace(" ", "")
-        return f"{text}\n  fix: pass --memory {need} or more, or plan for more --gpus"
     return f"{text}\n  fix: rerun with --debug for details"
 
 

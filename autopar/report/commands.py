@@ -91,12 +91,12 @@ def _solve(args: Any, traced, prof, budget: float | None) -> tuple[Plan, list]:
     (empty when --mesh or a mesh file fixes the shape)."""
     from autopar.solver import solve, solve_for_devices
 
-    with phase("solving and pricing baselines"):
+    with phase("solving and pricing baselines") as progress:
         if args.mesh or args.hardware.endswith(".json") or Path(args.hardware).is_file():
             return solve(traced, prof, _mesh(args.hardware, args.gpus, args.mesh), memory_budget_bytes=budget,
-                         time_limit_s=args.time_limit, baselines=True), []
+                         time_limit_s=args.time_limit, baselines=True, progress=progress), []
         return solve_for_devices(traced, prof, args.gpus, hardware=args.hardware, memory_budget_bytes=budget,
-                                 time_limit_s=args.time_limit, baselines=True)
+                                 time_limit_s=args.time_limit, baselines=True, progress=progress)
 
 
 def _load_checked(args: Any, traced, budget: float | None) -> Plan:

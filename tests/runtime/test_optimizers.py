@@ -19,7 +19,7 @@ from autopar.runtime.launch import run_ranks
 from autopar.runtime.mesh import ProcessMesh
 from autopar.runtime.optimizers import OptimizerError
 from autopar.solver.mesh import make_mesh
-from autopar.solver.search import baseline_plan, baseline_plans, solve
+from autopar.solver import baseline_plan, baseline_plans, solve
 from tests.codegen.harness import LogRecords, classifier_case, local_sample, loss_of, parallel_module, step, trace_model
 from tests.codegen.plans import cpu_mesh, load_zoo
 

@@ -11,7 +11,7 @@ from tests.zoo import load_zoo
 from autopar.errors import InfeasibleError
 from autopar.profiler import profile
 from autopar.solver import baseline_plans, fixed_plan, solve, solve_for_devices, solve_keeping_params
-from autopar.solver.ilp import budget_that_fits
+from autopar.solver.needs import budget_that_fits
 from autopar.solver.mesh import MeshAxis, make_mesh
 from autopar.solver.spec import Shard, Spec
 from autopar.tracer import trace
@@ -183,7 +183,8 @@ def test_zero_saves_the_gradient_all_reduce_only_where_a_consumer_pays_it():
     ZeRO axes (data parallel). A consumer computing replicated pays none, and ZeRO there only costs: it once
     came out as a saving (negative step times on a weight-heavy MLP with replicated compute)."""
     from autopar.solver.cost import bucketed_all_reduce_s, collective_time_s, optimizer_step_s
-    from autopar.solver.ilp import Restrictions, solve_problem
+    from autopar.solver.anytime import solve_problem
+    from autopar.solver.ilp import Restrictions
     from autopar.solver.problem import build_problem
     from autopar.solver.strategies import enumerate_strategies
 
