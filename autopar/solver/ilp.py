@@ -601,11 +601,13 @@ class _Model:
 
     def start_from(self, a: Assignment) -> None:
         """A MIP start: every integer variable as `a` sets it (the solver completes the continuous ones; what an
-        earlier solve left is cleared). `a` must be one the model can express: an option it allows, recomputed
-        and ZeRO-sharded only where it has the variables (`recomputable_options`, a ZeRO option)."""
+        earlier solve left is cleared). Where `a` takes an option the restrictions rule out, the node is left for
+        HiGHS to complete; recompute and ZeRO are set only where the model has their variables."""
         for var in self.variables:
             var.varValue = None
         for v, xs in enumerate(self.x):
+            if xs[a.choice[v]].upBound == 0:  # an option the restrictions rule out: HiGHS completes this node
+                continue
             for s, var in enumerate(xs):
                 var.setInitialValue(1 if s == a.choice[v] else 0)
         for table, flags in ((self.y, a.recompute), (self.z, a.zero)):
