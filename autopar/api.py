@@ -118,6 +118,8 @@ def parallelize(
     hardware: a preset name of `autopar.solver.mesh.PRESETS` (default "cpu", or "h100" on CUDA) or a `Mesh`
       whose numbers the solver uses; ignored when `plan` is given.
     plan: a `Plan` or the path of a JSON plan file; checked against the traced model.
+    time_limit_s: CPU seconds the plan search may take in all (`autopar.solver.clock`); stopped there, it answers
+      with the best plan found, never slower than the fastest textbook plan that fits.
     input_layout: "shard": each rank feeds its contiguous slice of the global batch along dim 0
       (global_batch / world_size rows, ranks in row-major mesh order; `autopar.runtime.batch`), the
       same for every plan, and gets non-loss outputs back sliced the same way; "replicate": every

@@ -41,7 +41,7 @@ class InfeasibleError(AutoparError):
     """No plan fits the memory budget; carries the minimum that would fit.
 
     `min_memory_bytes`: what the leanest plan found needs; `fits_bytes`: a budget under which the solver finds
-    that plan (a hair above the need: `ilp.budget_that_fits`), which the fix names. `lower_bound_bytes`: what
+    that plan (a hair above the need: `needs.budget_that_fits`), which the fix names. `lower_bound_bytes`: what
     every plan needs at least, as the solver proved it: the same number unless the search for the leanest
     plan stopped at its time limit. `cause` is the message without its fix, which names the settings of the entry
     point the user called (`worded_for`)."""

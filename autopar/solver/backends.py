@@ -26,9 +26,10 @@ _reset_scheduler = None if highspy is None else (
 # the points at which HiGHS asks whether to stop: inside simplex, interior point and branch and bound
 _INTERRUPTS = () if highspy is None else tuple(getattr(highspy.cb.HighsCallbackType, name) for name in (
     "kCallbackSimplexInterrupt", "kCallbackIpmInterrupt", "kCallbackMipInterrupt"))
-# HiGHS' own limit, in wall seconds, as a safety beside the CPU limit: this many times it, and this much more
-_WALL_PER_CPU = 10.0
-_WALL_EXTRA_S = 30.0
+# HiGHS' own limit, in wall seconds, a safety beside the CPU limit should the callback not be reached: this many
+# times it, and this much more (the 2-core test machines have run a solve at 1/16 of a core)
+_WALL_PER_CPU = 30.0
+_WALL_EXTRA_S = 60.0
 
 Backend = Literal["highs", "cbc"]
 
