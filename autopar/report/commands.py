@@ -133,7 +133,8 @@ def cmd_plan(args: Any) -> int:
         write_html(summary, memory_timeline(plan, prof.evaluate()), args.html)
     if shapes:
         summary["mesh_shapes_tried"] = [
-            {"shape": list(r.shape), "step_s": r.step_s, "memory_bytes": r.memory_bytes, "error": r.error} for r in shapes
+            {"shape": list(r.shape), "step_s": r.step_s, "memory_bytes": r.memory_bytes, "error": r.error,
+             "textbook_step_s": r.textbook_s} for r in shapes
         ]
     _emit(summary, args.json, saved=args.save, html=args.html)
     return 0

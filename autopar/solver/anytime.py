@@ -150,20 +150,23 @@ def solve_problem(
             return leanest
         raise infeasible_error(leanest.memory, budget, leanest.report.gap, proven=True)
     bound = max((b for b in (bound, out.bound) if b is not None), default=None)  # each a lower bound of the step
-    if out.found:
-        found = _found(problem, model, out, began)
-        if fits(problem, found) and (best is None or found.time.total_s <= best.time.total_s * (1 + 1e-9)):
-            best = found
+    found = _found(problem, model, out, began) if out.found else None
+    if found is not None and fits(problem, found) and (best is None or found.time.total_s <= best.time.total_s * (1 + 1e-9)):
+        best = found
     if best is None:
         if or_leanest and leanest is not None:
             return leanest
         raise timeout_error(time_limit_s, budget, leanest.memory if leanest else None, leanest.report.gap if leanest else None)
-    status = best.report.status if best.report.status in ("optimal", "leanest") else "time_limit"
-    if status == "leanest":
-        log.warning("solver: in time_limit_s=%g the search found no plan within the budget but the leanest one "
-                    "(est. step %.1f ms); more time may find a faster one", time_limit_s, best.time.total_s * 1e3)
-    report = SolverReport(out.backend, status, cpu_s() - began, len(model.variables),
-                          len(model.prob.constraints), None if status == "optimal" else _step_gap(best.time.total_s, bound))
+    # proven optimal (within mip_rel_gap) when the search within the budget proved it and nothing else beat its plan
+    if out.status == "optimal" and found is not None and best.time.total_s >= found.time.total_s * (1 - 1e-9):
+        status = "optimal"
+    else:
+        status = "leanest" if best.report.status == "leanest" else "time_limit"
+        log.info("solver: in time_limit_s=%g the search found a plan within the budget (est. step %.1f ms%s) without "
+                    "proving it within %.0f%% of the best; more time may find a faster one", time_limit_s,
+                    best.time.total_s * 1e3, ", the leanest" if status == "leanest" else "", 100 * mip_rel_gap)
+    report = SolverReport(out.backend, status, cpu_s() - began, len(model.variables), len(model.prob.constraints),
+                          _step_gap(best.time.total_s, bound))
     return _logged(replace(best, report=report))
 
 

@@ -61,6 +61,7 @@ class ShapeResult:
     step_s: float | None
     memory_bytes: float | None
     error: str = ""  # set when no plan fits this shape
+    textbook_s: float | None = None  # the fastest textbook plan that fits on this shape (None: none fits)
 
 
 @dataclass(frozen=True)
@@ -184,7 +185,9 @@ def solve_for_devices(
             results.append(ShapeResult(shape, None, err.min_memory_bytes, str(err)))
             errors.append(err)
             continue
-        results.append(ShapeResult(shape, search.solution.time.total_s, search.solution.memory.total_bytes))
+        books = [b.time.total_s for b in search.textbooks.values() if fits(search.tied.problem, b)]
+        results.append(ShapeResult(shape, search.solution.time.total_s, search.solution.memory.total_bytes,
+                                   textbook_s=min(books, default=None)))
         found.append(search)
         fastest_s = min(f.solution.time.total_s for f in found)
         # a shape no candidate of which can be chosen any more is let go (its problems are large)
@@ -224,16 +227,17 @@ def _chosen(traced: TracedGraph, found: list[MeshSearch], baselines: bool, margi
     choice, fastest = simplest_within(list(candidates), margin)
     search, built, sol = candidates[choice]
     searched = search.solution.report
-    # the report of the search that found it, with the gap against the bound that search proved
+    # the report of the search that found it, the gap against the bound that search proved no plan beats
     bound_s = search.solution.time.total_s * (1 - (searched.gap or 0.0))
-    gap = 1 - bound_s / sol.time.total_s if searched.status != "optimal" or choice.name != "searched" else searched.gap
-    sol = replace(sol, report=replace(searched, gap=gap if gap and gap > 1e-4 else None))
+    gap = 1 - bound_s / sol.time.total_s
+    sol = replace(sol, report=replace(searched, gap=gap if gap > 1e-4 else None))
     plan = to_plan(traced, search.mesh, built, sol)
     notes = list(plan.notes)
     if choice != fastest:
         notes.append(f"chose {_describe(choice, search.mesh)} ({choice.step_s * 1e3:.4g} ms a step) over "
-                     f"{_describe(fastest, candidates[fastest][0].mesh)}, predicted {choice.step_s / fastest.step_s:.3f}x "
-                     f"faster: inside the cost model's measured error of {margin:.0%} the simpler plan is the safer bet")
+                     f"{_describe(fastest, candidates[fastest][0].mesh)} ({fastest.step_s * 1e3:.4g} ms), which the cost "
+                     f"model predicts {choice.step_s / fastest.step_s:.3f}x faster: a gain inside its measured error "
+                     f"of {margin:.0%}, where the simpler plan is the safer bet")
     if sol.report.status in ("time_limit", "leanest"):
         notes.append(_worth(sol, search))
     if baselines:
@@ -248,11 +252,12 @@ def _describe(c: Candidate, mesh: Mesh) -> str:
 
 def _worth(sol: Solution, search: MeshSearch) -> str:
     """What a plan the time limit stopped the search at is worth: its gap, and its rank against the textbook plans."""
-    gap = f"within {sol.report.gap:.1%} of the best possible step" if sol.report.gap else "proven within 0.01% of the best"
+    gap = sol.report.gap or 0.0
+    worth = f"within {gap:.1%} of the best possible step" if gap < 1 else "not yet bounded by the search"
     fitting = {n: b.time.total_s for n, b in search.textbooks.items() if fits(search.tied.problem, b)}
     if not fitting:
         rank = "no textbook plan fits the budget"
     else:
         name, best_s = min(fitting.items(), key=lambda kv: kv[1])
         rank = f"{best_s / sol.time.total_s:.2f}x as fast as the fastest textbook plan that fits ({name})"
-    return f"the search stopped at its time limit: this plan is {gap} and {rank}; more time may find a faster one"
+    return f"the search stopped at its time limit: this plan is {worth} and {rank}; more time may find a faster one"
