@@ -156,10 +156,13 @@ class Solution:
     report: SolverReport
 
 
-def evaluate(problem: Problem, a: Assignment) -> tuple[MemoryBreakdown, TimeBreakdown]:
-    """Price an assignment with the same model the ILP optimises (independent of PuLP)."""
+def evaluate(problem: Problem, a: Assignment, saved_by_node: list[float] | None = None) -> tuple[MemoryBreakdown, TimeBreakdown]:
+    """Price an assignment with the same model the ILP optimises (independent of PuLP). `saved_by_node`: a list
+    of one zero per problem node, to which each node's part of the saved activations is added (the resharded
+    inputs a consumer keeps are the consumer's part): what `solver.timeline` draws."""
     compute_s = comm_s = recompute_s = update_s = 0.0
     params = grads = opt = act = temp = 0.0
+    saved = saved_by_node if saved_by_node is not None else [0.0] * len(problem.nodes)
     # backward rebuilds a recomputed layer in graph order: per recomputed node what it rebuilds (its saved bytes, the
     # resharded inputs it saves again) and the largest buffers of a reshard of its inputs run again before it
     rebuilds: dict[int, float] = {}  # its saved outputs
@@ -193,14 +196,17 @@ def evaluate(problem: Problem, a: Assignment) -> tuple[MemoryBreakdown, TimeBrea
                 raise ValueError(f"node {node.name!r} cannot be recomputed (a placeholder, or it saves nothing)")
             recompute_s += o.recompute_s
             act += o.held_input_bytes  # its region's inputs from other layers
+            saved[v] += o.held_input_bytes
             if v in kept:
                 act += o.saved_bytes
+                saved[v] += o.saved_bytes
             if node.region is not None:
                 rebuilds[v] = 0.0 if v in kept else o.saved_bytes / node.copies
                 resaved[v] = 0.0
                 flows[v] = o.grad_flow_bytes
         else:
             act += o.saved_bytes
+            saved[v] += o.saved_bytes
         temp = max(temp, o.temp_bytes)
     for e in problem.edges:
         i, j, dst = a.choice[e.src], a.choice[e.dst], problem.nodes[e.dst]
@@ -214,8 +220,10 @@ def evaluate(problem: Problem, a: Assignment) -> tuple[MemoryBreakdown, TimeBrea
                 reshards[e.dst] = max(reshards.get(e.dst, 0.0), e.buffers(i, j))
         else:
             act += e.saved(i, j)
+            saved[e.dst] += e.saved(i, j)
             if a.recompute[e.src]:  # the producer's output, which `saved` counts as the producer's, is not kept
                 act += e.replaced(i, j)
+                saved[e.dst] += e.replaced(i, j)
         if a.zero[e.src]:  # the ZeRO reduce-scatter takes over the consumer's bucketed all-reduce
             comm_s -= e.zero_saving(i, j)
     # a rebuilt layer holds its re-gathered ZeRO parameters and what it rebuilt so far, beside a reshard's buffers

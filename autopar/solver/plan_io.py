@@ -16,7 +16,7 @@ import json
 import math
 from dataclasses import replace
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, get_args
 
 import torch
 
@@ -36,6 +36,7 @@ from autopar.solver.plan import (
 )
 from autopar.solver.spec import Spec, Strategy
 from autopar.tracer import TracedGraph, output_vals
+from autopar.tracer.param_layouts import Layout
 
 _MAX_EXAMPLES = 3  # concrete differences named per category in a mismatch message
 
@@ -70,6 +71,7 @@ def plan_to_dict(plan: Plan) -> dict:
             "hardware": fp.hardware,
             "budget_bytes": fp.budget_bytes,
             "param_shapes": {fqn: list(shape) for fqn, shape in fp.param_shapes},
+            "model": fp.model,
         },
         "mesh": _mesh_dict(plan.mesh),
         "nodes": [
@@ -82,7 +84,7 @@ def plan_to_dict(plan: Plan) -> dict:
             }
             for d in plan.nodes
         ],
-        "params": [{"fqn": p.fqn, "node": p.node, "use": str(p.use), "storage": str(p.storage)} for p in plan.params],
+        "params": [{"fqn": p.fqn, "node": p.node, "use": str(p.use), "storage": str(p.storage), "layout": p.layout} for p in plan.params],
         "memory": _memory_dict(plan.memory),
         "time": _time_dict(plan.time),
         "solver": {k: getattr(plan.solver, k) for k in ("backend", "status", "solve_s", "num_variables", "num_constraints", "gap")},
@@ -98,6 +100,7 @@ def plan_to_dict(plan: Plan) -> dict:
             }
             for b in plan.baselines
         ],
+        "memory_timeline": [[where, nbytes] for where, nbytes in plan.memory_timeline],
     }
 
 
@@ -194,6 +197,14 @@ def _node_from(f: _Field) -> NodeDecision:
     return NodeDecision(f["node"].of(str), f["op"].of(str), strategy, f.get("recompute", False).of(bool), f.get("module", "").of(str))
 
 
+def _layout_from(f: _Field) -> Layout:
+    """A parameter's layout; "" (unknown) in files written before layouts were recorded."""
+    layout = f.of(str)
+    if layout not in get_args(Layout):
+        raise f.fail(f"field '{f.path}' should be one of {', '.join(map(repr, get_args(Layout)))}, got {layout!r}")
+    return layout  # type: ignore[return-value]
+
+
 def _source_from(f: _Field) -> PlanSource:
     return PlanSource(
         model_file=f.get("model_file", "").of(str),
@@ -220,10 +231,12 @@ def plan_from_dict(obj: Any, source: str = "plan") -> Plan:
         hardware=fp["hardware"].of(str),
         budget_bytes=fp["budget_bytes"].opt_num(),
         param_shapes=tuple((k, tuple(int(d) for d in v)) for k, v in fp.get("param_shapes", {}).of(dict).items()),
+        model=fp.get("model", "").of(str),  # "" in files written before it was recorded
     )
     sv = root["solver"]
     solver = SolverReport(sv["backend"].of(str), sv["status"].of(str), sv["solve_s"].num(), sv["num_variables"].of(int), sv["num_constraints"].of(int), sv.get("gap", None).opt_num())
-    params = tuple(ParamDecision(p["fqn"].of(str), p["node"].of(str), p["use"].spec(), p["storage"].spec()) for p in root["params"].items())
+    params = tuple(ParamDecision(p["fqn"].of(str), p["node"].of(str), p["use"].spec(), p["storage"].spec(), _layout_from(p.get("layout", "")))
+                   for p in root["params"].items())
     baselines = tuple(
         BaselineResult(b["name"].of(str), _optional(b["time"], _time_from), _optional(b["memory"], _memory_from), b["fits"].of(bool))
         for b in root.get("baselines", []).items()
@@ -241,6 +254,7 @@ def plan_from_dict(obj: Any, source: str = "plan") -> Plan:
         source=_optional(root.get("source", None), _source_from),
         comm_bytes_by_kind=tuple((k, float(v)) for k, v in root.get("comm_bytes_by_kind", {}).of(dict).items()),
         baselines=baselines,
+        memory_timeline=tuple((pt[0].of(str), pt[1].num()) for pt in root.get("memory_timeline", []).items()),
     )
 
 
@@ -301,6 +315,7 @@ def fingerprint(traced: TracedGraph, mesh: Mesh, budget_bytes: float | None) -> 
         hardware=mesh.hardware,
         budget_bytes=budget_bytes,
         param_shapes=param_shapes,
+        model=traced.model_name,
     )
 
 

@@ -88,6 +88,7 @@ class TracedGraph:
     # per input), and as it reads on the sample: per user input (`input_names`), its dim or None (fed whole)
     batch_dim: BatchDim = 0
     input_batch_dims: tuple[int | None, ...] = ()
+    model_name: str = ""  # the traced model's class name, for messages about it
 
     def batch_dim_of(self) -> dict[str, int | None]:
         """User input placeholder name -> its batch dim (None: fed whole)."""
@@ -163,7 +164,7 @@ def trace(
     masks_as_where(ep.graph_module)
     data_sizes.refuse_data_dependent_sizes(ep.graph_module, type(model).__name__)
     traced = _from_exported(ep, args, kwargs, dynamic_dims or {}, _canonical_param_names(model))
-    traced = replace(traced, batch_dim=batch_dim, input_batch_dims=dims)
+    traced = replace(traced, batch_dim=batch_dim, input_batch_dims=dims, model_name=type(model).__name__)
     log.info("tracer: %d ops in %.2f s", traced.num_ops(), time.perf_counter() - start)
     return traced
 
