@@ -22,7 +22,7 @@ import torch
 from autopar.errors import AutoparError
 from autopar.profiler.types import ConcreteProfile
 from autopar.report.layers import rollup, split_block
-from autopar.report.summary import memory_dict, plan_model, summarize, time_dict, unrecorded
+from autopar.report.summary import memory_dict, summarize, time_dict, unrecorded
 from autopar.report.tables import headline, mesh_line
 from autopar.report.units import fmt_bytes, fmt_seconds, fmt_signed_seconds
 from autopar.report.words import LAYOUT_WORDS, LEGEND, activation_words, param_words
@@ -283,8 +283,8 @@ def diff(a: Plan, b: Plan) -> dict[str, Any]:
     mesh_changed = a.mesh.shape != b.mesh.shape or a.mesh.axis_names != b.mesh.axis_names or a.mesh.hardware != b.mesh.hardware
     return {
         "mesh": {"a": str(a.mesh), "b": str(b.mesh), "changed": mesh_changed},
-        "model_a": plan_model(a),
-        "model_b": plan_model(b),
+        "model_a": a.made_for(),
+        "model_b": b.made_for(),
         "unrecorded": sorted(set(unrecorded(a)) | set(unrecorded(b))),
         "same_model": (a.fingerprint.ops_sha, a.fingerprint.params_sha) == (b.fingerprint.ops_sha, b.fingerprint.params_sha),
         "layers": layers,

@@ -72,8 +72,9 @@ def _svg(points: Sequence[Mapping[str, Any]], budget: float | None) -> str:
     return "\n".join(parts)
 
 
-def _cell_class(t: TableData, row: int, col: int) -> str:
-    return " ".join(name for name, on in (("num", col in t.right), ("alarm", (row, col) in t.alarm)) if on)
+def _cell(t: TableData, row: int, col: int, text: str) -> str:
+    classes = " ".join(name for name, on in (("num", col in t.right), ("alarm", (row, col) in t.alarm)) if on)
+    return f'<td class="{classes}">{_e(text)}</td>' if classes else f"<td>{_e(text)}</td>"
 
 
 def html_table(t: TableData) -> str:
@@ -82,7 +83,7 @@ def html_table(t: TableData) -> str:
     for r, row in enumerate(t.rows):
         style = f' style="background:{KIND_COLOUR.get(t.kinds[r], "#fff")}"' if t.kinds else ""
         cls = ' class="strong"' if r in t.strong else ""
-        cells = "".join(f'<td class="{_cell_class(t, r, c)}">{_e(v)}</td>' for c, v in enumerate(row))
+        cells = "".join(_cell(t, r, c, v) for c, v in enumerate(row))
         body.append(f"<tr{style}{cls}>{cells}</tr>")
     return f"<h2>{_e(t.title)}</h2>\n<table><thead><tr>{head}</tr></thead><tbody>{''.join(body)}</tbody></table>"
 

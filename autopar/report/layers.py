@@ -10,9 +10,10 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field
+
 from autopar.report.words import activation_words, param_words, placement_kind
 from autopar.solver.plan import Plan
-from autopar.solver.spec import Spec
+from autopar.solver.spec import Shard, Spec
 
 _NOT_OPS = ("placeholder", "output", "get_attr")
 TOP_LEVEL = "(top level)"
@@ -62,12 +63,11 @@ def _params_text(params: list[tuple[str, str]]) -> str:
 
 
 def _kind(entry: _Entry) -> str:
-    specs = entry.specs or ([entry.last_out] if entry.last_out is not None else [])
-    kinds = {placement_kind(s) for s in specs}
-    for k in ("tensor", "partial", "data", "replicated"):
-        if k in kinds:
-            return k
-    return "replicated"
+    """Tensor parallel when it splits a parameter (a parameter has no batch dim: any split of one is); else what
+    its output is (`placement_kind`): split by batch only, partial sums, replicated or split otherwise."""
+    if any(isinstance(p, Shard) for s in entry.specs for p in s.placements):
+        return "tensor"
+    return placement_kind(entry.last_out) if entry.last_out is not None else "replicated"
 
 
 def _entries(plan: Plan) -> list[_Entry]:

@@ -37,14 +37,6 @@ def time_dict(t: TimeBreakdown) -> dict[str, float]:
     return {"compute_s": t.compute_s, "update_s": t.update_s, "comm_s": t.comm_s, "recompute_s": t.recompute_s, "total_s": t.total_s}
 
 
-def plan_model(plan: Plan) -> str:
-    """The planned model as the plan records it: "GPT2LMHeadModel (examples/hf_gpt2.py)", "" when it records none."""
-    src = plan.source
-    where = "" if src is None else src.model_file or (f"--hf-config {src.hf_config}" if src.hf_config else "")
-    name = plan.fingerprint.model
-    return f"{name} ({where})" if name and where else name or where
-
-
 def unrecorded(plan: Plan) -> list[str]:
     """What a plan file written by an older autopar lacks, and so what its reports cannot tell."""
     out = []
@@ -69,7 +61,7 @@ def summarize(plan: Plan) -> dict[str, Any]:
             "plan_speedup": None if b.time is None or plan.time.total_s <= 0 else b.time.total_s / plan.time.total_s,
         })
     return {
-        "model": plan_model(plan),
+        "model": plan.made_for(),
         "mesh": {
             "axes": [{"name": a.name, "size": a.size} for a in plan.mesh.axes],
             "devices": plan.mesh.num_devices,

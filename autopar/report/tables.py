@@ -34,7 +34,9 @@ class TableData:
 
 
 def _pct(part: float, whole: float | None) -> str:
-    return f"{100 * part / whole:.0f}%" if whole else "-"
+    if not whole:
+        return "-"
+    return "<1%" if 0 < part / whole < 0.005 else f"{100 * part / whole:.0f}%"
 
 
 def mesh_line(s: dict[str, Any]) -> str:

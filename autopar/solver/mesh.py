@@ -201,6 +201,17 @@ def make_mesh(num_devices: int, shape: tuple[int, ...] | None = None, hardware: 
     return replace(preset, axes=tuple(axes))
 
 
+def parse_mesh_shape(text: str) -> tuple[int, ...]:
+    """'2x4' -> (2, 4), '8' -> (8,): the one way a mesh shape is written, on the CLI and in examples/train.py."""
+    try:
+        shape = tuple(int(x) for x in text.lower().split("x"))
+    except ValueError:
+        raise ValueError(f"cannot read mesh shape {text!r}; write sizes joined by x, e.g. 8 or 2x4") from None
+    if any(n < 1 for n in shape):
+        raise ValueError(f"mesh shape {text!r} needs positive sizes, e.g. 2x4")
+    return shape
+
+
 def candidate_shapes(n: int) -> list[tuple[int, ...]]:
     """Logical shapes worth trying for n devices: (n,) and every 2-D factorisation a x b with a, b > 1."""
     if n < 1:

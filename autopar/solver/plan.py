@@ -143,6 +143,14 @@ class Plan:
                 return d
         raise KeyError(f"plan has no decision for node {name!r}")
 
+    def made_for(self) -> str:
+        """The planned model as the plan records it: "GPT2LMHeadModel (examples/hf_gpt2.py)" (its file when the CLI
+        planned it), "" when it records none."""
+        src = self.source
+        where = "" if src is None else src.model_file or (f"--hf-config {src.hf_config}" if src.hf_config else "")
+        name = self.fingerprint.model
+        return f"{name} ({where})" if name and where else name or where
+
     def recomputed(self) -> tuple[str, ...]:
         return tuple(d.node for d in self.nodes if d.recompute)
 

@@ -371,14 +371,19 @@ def plan_differences(plan: Plan, traced: TracedGraph, mesh: Mesh, budget_bytes: 
 
 
 def check_plan(plan: Plan, traced: TracedGraph, mesh: Mesh, budget_bytes: float | None) -> None:
-    """Raise PlanMismatchError (with `.differences`) unless `plan` was made for exactly this model, mesh and budget."""
+    """Raise PlanMismatchError (with `.differences`) unless `plan` was made for exactly this model, mesh and budget.
+    A plan made for a model of another class says which it was made for, with the first difference only."""
     diffs = plan_differences(plan, traced, mesh, budget_bytes)
-    if diffs:
-        raise PlanMismatchError(
-            f"the plan does not match this model and mesh: {'; '.join(diffs)}\n"
-            f"  fix: plan again for this model (drop --load / plan=...), or load it with the mesh, hardware and budget it was made for",
-            differences=diffs,
-        )
+    if not diffs:
+        return
+    if plan.fingerprint.model and traced.model_name and plan.fingerprint.model != traced.model_name:
+        what = f"the plan was made for {plan.made_for()}, not this {traced.model_name} (first difference: {diffs[0]})"
+    else:
+        what = f"the plan does not match this model and mesh: {'; '.join(diffs)}"
+    raise PlanMismatchError(
+        f"{what}\n  fix: plan again for this model (drop --load / plan=...), or load it with the mesh, hardware and budget it was made for",
+        differences=diffs,
+    )
 
 
 def with_fingerprint(plan: Plan, traced: TracedGraph, mesh: Mesh, budget_bytes: float | None) -> Plan:

@@ -39,6 +39,7 @@ from autopar.tracer.batch_dims import BatchDim, batch_dims
 from autopar.tracer.call_arguments import split_sample_input
 from autopar.tracer.checks import localize_checks
 from autopar.tracer.copies import copy_decomposition
+from autopar.tracer.known_noise import known_noise_filtered
 from autopar.tracer.cse import eliminate_common_subexpressions
 from autopar.tracer.masked_writes import masks_as_where
 from autopar.tracer.no_grad import detach_no_grad_inputs, stops_visible_to_export
@@ -143,7 +144,7 @@ def trace(
         model.train(training)
     start = time.perf_counter()
     try:
-        with _without_kv_cache(model), custom_backward.recorded(type(model).__name__) as functions:
+        with _without_kv_cache(model), custom_backward.recorded(type(model).__name__) as functions, known_noise_filtered():
             ep = _export(model, args, kwargs, dynamic_dims)
     except TraceError:  # refused by a check of ours while export ran: it names the line already
         raise
