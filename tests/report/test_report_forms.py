@@ -10,58 +10,15 @@ from __future__ import annotations
 
 import json
 import re
-from dataclasses import replace
-from pathlib import Path
 
 import pytest
 
-from autopar.api import capture_copy, capture_device_for
 from autopar.cli import main
-from autopar.model_file import load_model_file
-from autopar.profiler import profile
 from autopar.report.units import fmt_bytes, fmt_seconds
-from autopar.solver import solve
-from autopar.solver.mesh import make_mesh
-from autopar.solver.plan_io import save_plan
-from autopar.solver.search import fixed_plan
-from autopar.solver.spec import Replicate, Shard, Spec, Strategy
-from autopar.tracer import trace
 from tests.cli.plans import EXAMPLES
+from tests.report.plans import MODELS
 
-SIZE = ["--size", "tiny", "--batch-size", "4", "--seq-len", "16"]
-MLP_WIDTH = 4 * 64  # examples' tiny GPT-2: n_embd 64
-MODELS = ("hf_gpt2", "gpt2")
-
-
-def _megatron_mlp(traced, plan, mesh) -> tuple:
-    """The solver's plan with every MLP weight split over tp (c_fc by outputs, c_proj by inputs), the rest as solved."""
-    choices = {d.node: d.strategy for d in plan.nodes if d.op != "output"}
-    for node, fqn in traced.param_fqns.items():
-        if fqn.endswith(("mlp.c_fc.weight", "mlp.c_proj.weight")):
-            shape = tuple(traced.node(node).meta["val"].shape)
-            width_dim = shape.index(MLP_WIDTH)  # c_fc: its outputs; c_proj: its inputs
-            choices[node] = Strategy((), (Spec((Replicate(), Shard(width_dim))),))
-    return choices
-
-
-def make_plans(d: Path) -> None:
-    """Per model: NAME-dp.json (the solver's plan) and NAME-tp.json (the MLP split over tp), on a 2x2 CPU mesh."""
-    mesh = make_mesh(4, (2, 2), "cpu")
-    for name in MODELS:
-        model, sample = load_model_file(EXAMPLES / f"{name}.py", 4, 16, size="tiny")
-        traced = trace(*capture_copy(model, sample, capture_device_for("cpu")))  # as `autopar plan --hardware cpu` traces
-        prof = profile(traced)
-        dp = solve(traced, prof, mesh, memory_budget_bytes=mesh.memory_bytes)
-        tp = fixed_plan(traced, prof, mesh, _megatron_mlp(traced, dp, mesh), memory_budget_bytes=mesh.memory_bytes)
-        save_plan(dp, d / f"{name}-dp.json")
-        save_plan(replace(tp, source=None), d / f"{name}-tp.json")  # no model file recorded: explain prices nothing
-
-
-@pytest.fixture(scope="module")
-def plans(tmp_path_factory) -> Path:
-    d = tmp_path_factory.mktemp("forms")
-    make_plans(d)
-    return d
+SIZE = ["--size", "tiny", "--batch-size", "4", "--seq-len", "16"]  # as `plans.make_plans` plans them
 
 
 def _run(capsys, *argv: str) -> str:
