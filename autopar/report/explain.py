@@ -186,8 +186,8 @@ def _why_not(plan: Plan, decision: NodeDecision, ctx: ExplainContext, rows: list
         if not fits:
             r["why"] = f"does not fit: the plan's peak would be {fmt_bytes(peak)}, over the {fmt_bytes(budget)} budget"
         elif step > plan.time.total_s * (1 + 1e-6):
-            r["why"] = (f"step {fmt_signed_seconds(step - plan.time.total_s)}: what it costs elsewhere (reshards, gradient sync) "
-                        f"outweighs the {fmt_seconds(-here)} it saves here")
+            saves = f"outweighs the {fmt_seconds(-here)} it saves here" if -here > 1e-9 else "where it is no cheaper here"
+            r["why"] = f"step {fmt_signed_seconds(step - plan.time.total_s)}: what it costs elsewhere (reshards, gradient sync) {saves}"
         else:
             r["why"] = (f"as fast ({fmt_signed_seconds(step - plan.time.total_s)}) and "
                         + ("as lean: a tie" if peak >= plan.memory.total_bytes else
