@@ -7,7 +7,7 @@
     autopar profile examples/gpt2.py --size tiny
     torchrun --nproc_per_node 4 -m autopar.cli calibrate --gpus 4 --save mesh.json
 
-A thin driver over trace -> profile -> solve (DESIGN.md section 1). Errors print
+A thin driver over trace -> profile -> solve (docs/design.md, section 1). Errors print
 one line of cause and one line of fix; exit code 2 for usage errors, 1 when no
 plan fits or anything else fails; tracebacks only with --debug. This module is
 the only place that configures logging handlers.

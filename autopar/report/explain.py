@@ -124,7 +124,7 @@ def alternatives(plan: Plan, decision: NodeDecision, ctx: ExplainContext) -> lis
     chosen_by_name = {d.node: d for d in plan.nodes}
     param = next((ctx.costs.params[p.fqn] for p in plan.params if p.node == decision.node and p.fqn in ctx.costs.params), None)
     rows = []
-    for k, strat in enumerate(ctx.strategies.get(decision.node, ())):
+    for strat in ctx.strategies.get(decision.node, ()):
         if param is not None:
             compute_s, comm_s = optimizer_step_s(param, strat.output_specs[0].shard_factor(mesh.shape), mesh), 0.0
         else:
@@ -152,48 +152,47 @@ def alternatives(plan: Plan, decision: NodeDecision, ctx: ExplainContext) -> lis
             "total_s": compute_s + comm_s + reshard_s,
             "saved_bytes": saved,
             "chosen": strat == decision.strategy,
-            "index": k,
         })
     _why_not(plan, decision, ctx, rows)
     return sorted(rows, key=lambda r: (r["total_s"], not r["chosen"]))
 
 
 def _why_not(plan: Plan, decision: NodeDecision, ctx: ExplainContext, rows: list[dict[str, Any]]) -> None:
-    """Each row's `why`: what the option would do to the whole plan. An option dearer here lost here; one cheaper
-    here is priced as the plan with this node changed and every other decision kept (step and peak, relative to
-    the plan's own): it does not fit, or what it costs elsewhere (its consumers' reshards, their gradient sync)
-    outweighs what it saves here."""
+    """Each row's whole-plan step and peak and its `why` (`rows` in the order of the node's strategies). An option
+    dearer at the node lost there; one cheaper there is priced as the plan with this node's option changed and
+    every other decision kept (relative to the plan's own numbers): it does not fit, or what it costs elsewhere (its consumers' reshards, their gradient
+    sync) outweighs what it saves at the node."""
     chosen = next((r for r in rows if r["chosen"]), None)
-    budget = plan.memory.budget_bytes
     base = None if ctx.planned is None else evaluate_plan(ctx)
-    for r in rows:
+    for k, r in enumerate(rows):
         r.update(step_s=None, peak_bytes=None, fits=None)
         if r["chosen"]:
             r.update(step_s=plan.time.total_s, peak_bytes=plan.memory.total_bytes, fits=True, why="chosen")
-            continue
-        if chosen is None:
+        elif chosen is None:
             r["why"] = "the plan's own strategy is not among these"
-            continue
-        here = r["total_s"] - chosen["total_s"]
-        if here > 0 or base is None:
-            r["why"] = f"costs {fmt_seconds(here)} more here" if here > 0 else "not priced on the whole plan"
-            continue
-        memory, time = _with_option(ctx, decision.node, r.pop("index"))
-        step = plan.time.total_s + time.total_s - base[1].total_s
-        peak = plan.memory.total_bytes + memory.total_bytes - base[0].total_bytes
-        fits = budget is None or peak <= budget * (1 + 1e-9)
-        r.update(step_s=step, peak_bytes=peak, fits=fits)
-        if not fits:
-            r["why"] = f"does not fit: the plan's peak would be {fmt_bytes(peak)}, over the {fmt_bytes(budget)} budget"
-        elif step > plan.time.total_s * (1 + 1e-6):
-            saves = f"outweighs the {fmt_seconds(-here)} it saves here" if -here > 1e-9 else "where it is no cheaper here"
-            r["why"] = f"step {fmt_signed_seconds(step - plan.time.total_s)}: what it costs elsewhere (reshards, gradient sync) {saves}"
+        elif r["total_s"] > chosen["total_s"]:
+            r["why"] = f"costs {fmt_seconds(r['total_s'] - chosen['total_s'])} more here"
+        elif base is None:
+            r["why"] = "not priced on the whole plan: the plan's strategies are not all the solver's"
         else:
-            r["why"] = (f"as fast ({fmt_signed_seconds(step - plan.time.total_s)}) and "
-                        + ("as lean: a tie" if peak >= plan.memory.total_bytes else
-                           f"leaner: the solver stopped ({plan.solver.status}) before it"))
-    for r in rows:
-        r.pop("index", None)
+            memory, time = _with_option(ctx, decision.node, k)
+            r.update(step_s=plan.time.total_s + time.total_s - base[1].total_s,
+                     peak_bytes=plan.memory.total_bytes + memory.total_bytes - base[0].total_bytes)
+            r.update(fits=plan.memory.budget_bytes is None or r["peak_bytes"] <= plan.memory.budget_bytes * (1 + 1e-9))
+            r["why"] = _why(plan, r, chosen["total_s"] - r["total_s"])
+
+
+def _why(plan: Plan, r: dict[str, Any], saved_here_s: float) -> str:
+    """Why an option no dearer at the node than the chosen one lost, from its whole-plan step and peak."""
+    if not r["fits"]:
+        return f"does not fit: the plan's peak would be {fmt_bytes(r['peak_bytes'])}, over the {fmt_bytes(plan.memory.budget_bytes)} budget"
+    extra_s = r["step_s"] - plan.time.total_s
+    if extra_s > plan.time.total_s * 1e-6:
+        saves = f"outweighs the {fmt_seconds(saved_here_s)} it saves here" if saved_here_s > 1e-9 else "where it is no cheaper here"
+        return f"step {fmt_signed_seconds(extra_s)}: what it costs elsewhere (reshards, gradient sync) {saves}"
+    if r["peak_bytes"] >= plan.memory.total_bytes:
+        return f"as fast ({fmt_signed_seconds(extra_s)}) and as lean: a tie"
+    return f"as fast ({fmt_signed_seconds(extra_s)}) and leaner: the solver stopped ({plan.solver.status}) before it"
 
 
 def evaluate_plan(ctx: ExplainContext) -> tuple[MemoryBreakdown, TimeBreakdown]:

@@ -10,8 +10,8 @@ import logging
 from typing import Iterator
 
 # (logger, start of the message). transformers warns on the first forward of a model class with no loss type of
-# its own (GPT2LMHeadModel, `from_pretrained` or built from a config) that it uses the causal-LM loss, which is
-# the loss such a model computes: tracing runs that forward, so every command on a Hugging Face model printed it.
+# its own (GPT2LMHeadModel, from `from_pretrained` or a config) that it uses the causal-LM loss, which is the
+# loss such a model computes: tracing runs that forward, so every command on such a model would print it.
 KNOWN_NOISE = (("transformers.modeling_utils", "`loss_type=None` was set in the config but it is unrecognized"),)
 
 
