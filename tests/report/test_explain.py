@@ -18,6 +18,8 @@ from autopar.solver.search import fixed_plan
 from autopar.tracer import trace
 from tests.cli.plans import EXAMPLES
 
+pytestmark = pytest.mark.xdist_group("report")  # one worker: the session's plans (conftest) are made once
+
 GPT2 = str(EXAMPLES / "gpt2.py")
 
 

@@ -16,8 +16,9 @@ from autopar.cli import main
 from autopar.report.html import KIND_COLOUR, LINE_COLOUR, PEAK_COLOUR
 
 CHROMIUM = next((p for p in map(shutil.which, ("chromium", "chromium-browser", "google-chrome")) if p), None)
-pytestmark = pytest.mark.skipif(CHROMIUM is None, reason="Chromium is not installed (apt-get install chromium): "
-                                                          "the HTML report is not checked in a browser")
+NO_CHROMIUM = "Chromium is not installed (apt-get install chromium): the HTML report is not checked in a browser"
+pytestmark = [pytest.mark.skipif(CHROMIUM is None, reason=NO_CHROMIUM),
+              pytest.mark.xdist_group("report")]  # one worker: the session's plans (conftest) are made once
 
 
 def _load(page: Path, profile_dir: Path) -> tuple[str, str, Path]:

@@ -10,6 +10,8 @@ from autopar.cli import main
 from autopar.errors import PlanFormatError
 from autopar.solver.plan_io import load_plan, plan_from_json, plan_to_json
 
+pytestmark = pytest.mark.xdist_group("report")  # one worker: the session's plans (conftest) are made once
+
 
 def _without_new_fields(text: str) -> str:
     obj = json.loads(text)

@@ -18,6 +18,8 @@ from autopar.report.units import fmt_bytes, fmt_seconds
 from tests.cli.plans import EXAMPLES
 from tests.report.plans import MODELS
 
+pytestmark = pytest.mark.xdist_group("report")  # one worker: the session's plans (conftest) are made once
+
 SIZE = ["--size", "tiny", "--batch-size", "4", "--seq-len", "16"]  # as `plans.make_plans` plans them
 
 
