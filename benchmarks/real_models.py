@@ -15,8 +15,10 @@ AdamW's normalisation turns into steps of +-lr, so AdamW would show a large diff
 is wrong, and a threshold loose enough to pass it could hide a real error. Under SGD a parameter
 moves by lr times its gradient, round-off stays round-off, and a wrong gradient shows in full. The
 table gives the largest difference of the loss over the 3 steps (relative) and of any parameter
-after them, divided by the learning rate (so in units of summed gradients), and the plan's predicted
-memory. A run that fails prints the last line of its error; a tight budget no plan meets says so.
+after them, divided by the learning rate (so in units of summed gradients), beside the same
+parameter difference between one device in float32 and one in float64 (`fp32 err`: how far float32
+round-off alone moves this model; batch norm over a batch of 4 at 1x1 spatial size is that
+ill-conditioned in MobileNetV3), and the plan's predicted memory. A run that fails prints the last line of its error; a tight budget no plan meets says so.
 """
 from __future__ import annotations
 
@@ -29,6 +31,7 @@ from typing import Any, Callable
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils import _pytree as pytree
 
 import autopar
 from autopar.runtime.launch import run_ranks
@@ -179,8 +182,10 @@ def _train(rank, world, model, sample, budget):
     return losses, state if rank == 0 else None, pm.plan.memory.total_bytes
 
 
-def _reference(model: nn.Module, sample: Any) -> tuple[list[float], dict[str, torch.Tensor]]:
-    ref = deep_copy(model)
+def _reference(model: nn.Module, sample: Any, dtype: torch.dtype = torch.float32) -> tuple[list[float], dict[str, torch.Tensor]]:
+    """One device's STEPS SGD steps, in `dtype`: (losses, parameters and buffers after)."""
+    ref = deep_copy(model).to(dtype)
+    sample = pytree.tree_map_only(torch.Tensor, lambda t: t.to(dtype) if t.is_floating_point() else t, sample)
     opt = torch.optim.SGD(ref.parameters(), lr=LR)
     losses = []
     for _ in range(STEPS):
@@ -192,9 +197,18 @@ def _reference(model: nn.Module, sample: Any) -> tuple[list[float], dict[str, to
     return losses, ref.state_dict()
 
 
-def _row(name: str, ranks: int, budget_text: str, result: Any) -> None:
+def _errors(losses: list[float], state: dict[str, torch.Tensor], ref: tuple) -> tuple[float, float]:
+    """(largest relative loss difference over the steps, largest parameter difference after them / LR)."""
+    ref_losses, ref_state = ref
+    loss_err = max(abs(a - b) / max(abs(b), 1e-12) for a, b in zip(losses, ref_losses))
+    step_err = max((state[k].double() - v.double()).abs().max().item() for k, v in ref_state.items() if v.is_floating_point())
+    return loss_err, step_err / LR
+
+
+def _row(name: str, ranks: int, budget_text: str, result: Any, noise: tuple[float, float]) -> None:
     print(f"{name:14} {ranks:>5} {budget_text:>16} " + (result if isinstance(result, str) else
-          "{:>9.1e} {:>9.1e} {:>10.2f} {:>6.0f}".format(result[0], result[1], result[2] / 2**20, result[3])), flush=True)
+          "{:>9.1e} {:>9.1e} {:>9.1e} {:>10.2f} {:>6.0f}".format(result[0], result[1], noise[1], result[2] / 2**20, result[3])),
+          flush=True)
 
 
 def _run(name: str, model: nn.Module, sample: Any, ref: tuple, ranks: int, budget: float | None) -> tuple[float, ...] | str:
@@ -204,10 +218,7 @@ def _run(name: str, model: nn.Module, sample: Any, ref: tuple, ranks: int, budge
     except Exception as err:  # a sweep reports every model: the error's last line is the row
         return "failed: " + str(err).strip().splitlines()[-1][:200]
     losses, state, need = results[0]
-    ref_losses, ref_state = ref
-    loss_err = max(abs(a - b) / max(abs(b), 1e-12) for a, b in zip(losses, ref_losses))
-    step_err = max((state[k].float() - v.float()).abs().max().item() for k, v in ref_state.items() if v.is_floating_point()) / LR
-    return loss_err, step_err, need, time.perf_counter() - start
+    return (*_errors(losses, state, ref), need, time.perf_counter() - start)
 
 
 def main() -> None:
@@ -217,7 +228,7 @@ def main() -> None:
     parser.add_argument("--tight", type=float, default=0.6, help="the tight budget, as a fraction of the ample plan's need")
     opts = parser.parse_args()
     names = opts.only.split(",") if opts.only else list(MODELS)
-    print(f"{'model':14} {'ranks':>5} {'budget':>16} {'loss err':>9} {'step err':>9} {'need MiB':>10} {'wall s':>6}")
+    print(f"{'model':14} {'ranks':>5} {'budget':>16} {'loss err':>9} {'step err':>9} {'fp32 err':>9} {'need MiB':>10} {'wall s':>6}")
     failed = 0
     for name in names:
         package, build = MODELS[name]
@@ -225,18 +236,19 @@ def main() -> None:
             torch.manual_seed(0)
             model, sample = build()
         except ImportError as err:
-            _row(name, 0, "", f"skipped: {err} (pip install {package}, or .[zoo])")
+            _row(name, 0, "", f"skipped: {err} (pip install {package}, or .[zoo])", (0.0, 0.0))
             continue
         ref = _reference(model, sample)
+        noise = _errors(*_reference(model, sample, torch.float64), ref)  # one device in float32 against float64
         for ranks in (int(r) for r in opts.ranks.split(",")):
             ample = _run(name, model, sample, ref, ranks, None)
-            _row(name, ranks, "ample", ample)
+            _row(name, ranks, "ample", ample, noise)
             failed += isinstance(ample, str)
             if isinstance(ample, str):
                 continue
             need = ample[2]
             tight = _run(name, model, sample, ref, ranks, opts.tight * need)
-            _row(name, ranks, f"{opts.tight:g}x = {opts.tight * need / 2**20:.2f} MiB", tight)
+            _row(name, ranks, f"{opts.tight:g}x = {opts.tight * need / 2**20:.2f} MiB", tight, noise)
             failed += isinstance(tight, str)
     print(provenance_line("real_models", ranks=opts.ranks, tight=opts.tight, lr=LR, steps=STEPS, failed=failed))
 

@@ -298,8 +298,10 @@ class _Lowerer:
         if full is None:
             full = self.traced.constants  # no tensors given: zeros but for the trace's own constants
         elif fqn not in full:
-            raise LoweringError(f"the traced model reads {fqn!r}, which the tensors passed to lower() do not hold; "
-                                "pass the model's named_parameters(remove_duplicate=False) and named_buffers()")
+            raise LoweringError(f"the traced model reads {fqn!r}, which the tensors given to lower() do not hold: give "
+                                "lower() every parameter and buffer of the model, by each of its names "
+                                "(params=dict(model.named_parameters(remove_duplicate=False)), buffers=dict("
+                                "model.named_buffers(remove_duplicate=False)))")
         if fqn in full and self.local:
             t, want = full[fqn], spec.local_shape(tuple(val.shape), self.mesh.shape)
             if tuple(t.shape) != tuple(want):

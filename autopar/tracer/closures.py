@@ -56,7 +56,7 @@ class _Rebinder:
         self.done: dict[int, Any] = {}  # id of an object visited -> what stands for it (cycles end here)
 
     def rebound(self, value: Any) -> Any:
-        value = self.memo.get(id(value), value) if id(value) != id(self.memo) else value
+        value = self.memo.get(id(value), value)  # the copy deepcopy made of it, if it made one
         key = id(value)
         if key in self.done:
             return self.done[key]

@@ -44,7 +44,7 @@ class Reference:
     grads: list[dict[str, torch.Tensor]]  # per step, by FQN
     params: list[dict[str, torch.Tensor]]  # after each step
     buffers: list[dict[str, torch.Tensor]]  # after each step (BatchNorm's running statistics)
-    requires_grad: dict[str, bool] = field(default_factory=dict)  # by FQN, as the model has them
+    requires_grad: list[dict[str, bool]] = field(default_factory=list)  # per step, by FQN, as the model had them
 
 
 def loss_of(out: Any) -> torch.Tensor:
@@ -80,7 +80,7 @@ def reference_steps(model: torch.nn.Module, samples: Sequence[Any], before_step:
     """One device's AdamW steps, one per sample (their shapes may differ); `before_step(model, step)` first."""
     ref = deep_copy(model)  # (a lambda stored on the model trains the copy's weights, as the model's own)
     opt = torch.optim.AdamW(ref.parameters(), lr=LR, eps=EPS)
-    out = Reference([], [], [], [], {n: p.requires_grad for n, p in ref.named_parameters()})
+    out = Reference([], [], [], [], [])
     for step, sample in enumerate(samples):
         if before_step:
             before_step(ref, step)
@@ -89,6 +89,7 @@ def reference_steps(model: torch.nn.Module, samples: Sequence[Any], before_step:
         loss.backward()
         out.losses.append(loss.item())
         out.grads.append({n: p.grad.clone() for n, p in ref.named_parameters() if p.grad is not None})  # none when frozen
+        out.requires_grad.append({n: p.requires_grad for n, p in ref.named_parameters()})
         opt.step()
         out.params.append({n: p.detach().clone() for n, p in ref.named_parameters()})
         out.buffers.append({n: b.clone() for n, b in ref.named_buffers()})
@@ -166,7 +167,7 @@ def check_steps(pm: ParallelModule, opt: torch.optim.Optimizer, ref: Reference, 
         for fqn, p in pm.named_parameters():
             if fqn not in ref.grads[step]:  # frozen in the model, or read by no op of this forward: no gradient
                 assert p.grad is None, f"{label}: step {step}: {fqn} got a gradient, where one device gets none"
-                assert p.requires_grad == ref.requires_grad[fqn], f"{label}: {fqn} requires_grad={p.requires_grad}, not as in the model"
+                assert p.requires_grad == ref.requires_grad[step][fqn], f"{label}: {fqn} requires_grad={p.requires_grad}, not as in the model"
                 continue
             if p.grad is None:
                 raise AssertionError(f"{label}: {fqn} got no gradient")
