@@ -20,20 +20,18 @@ from typing import Callable
 
 import torch
 from torch import fx
+from torch._prims_common import suggest_memory_format
 
 aten = torch.ops.aten
 
 
-_CHANNELS_LAST = {4: torch.channels_last, 5: torch.channels_last_3d}
-
-
 def in_own_format(x: torch.Tensor) -> torch.Tensor:
-    """`x` contiguous, or channels-last contiguous (group norm's kernels take either: they check the format the
-    tensor's strides suggest), else a contiguous copy."""
-    channels_last = _CHANNELS_LAST.get(x.dim())
-    if x.is_contiguous() or (channels_last is not None and x.is_contiguous(memory_format=channels_last)):
-        return x
-    return x.contiguous()
+    """`x` contiguous in the memory format its strides suggest (a channels-last tensor stays channels-last): what
+    group norm's kernels check. torch's own Python twin of `Tensor.suggest_memory_format` decides, as the kernel does:
+    a batch of one, whose dim 0 stride any value fits, can be channels-last contiguous and still suggest the plain
+    format (a 2x2 mesh feeding diffusers' UNet a batch of 4 raised so)."""
+    memory_format = suggest_memory_format(x)
+    return x if x.is_contiguous(memory_format=memory_format) else x.contiguous(memory_format=memory_format)
 
 
 def row_major(x: torch.Tensor) -> torch.Tensor:

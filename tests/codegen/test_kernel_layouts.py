@@ -67,3 +67,17 @@ def test_ops_needing_contiguous_inputs_run_under_random_plans():
     for met in run_ranks(_strided_inputs_met, 2, cases, timeout_s=180):
         # the plans did hand these kernels strided tensors (each raised on them before its layout was restored)
         assert met.get("aten.native_group_norm.default", 0) > 0 and met.get("aten.view_as_complex.default", 0) > 0, met
+
+
+def test_a_batch_of_one_laid_out_channels_last_is_laid_out_as_group_norm_checks():
+    """A local batch of one (batch 4 on 2x2) whose dim 0 stride is a slice's: contiguous in channels-last by
+    `is_contiguous`, yet its strides suggest the plain format, which the kernel checks."""
+    x = torch.empty_strided((1, 64, 8, 8), (64, 1, 512, 64)).normal_()
+    assert x.is_contiguous(memory_format=torch.channels_last)
+    with pytest.raises(RuntimeError, match="is_contiguous"):
+        torch.native_group_norm(x, None, None, 1, 64, 64, 8, 1e-5)
+    laid_out = kernel_layouts.in_own_format(x)
+    out = torch.native_group_norm(laid_out, None, None, 1, 64, 64, 8, 1e-5)[0]
+    torch.testing.assert_close(out, torch.native_group_norm(x.contiguous(), None, None, 1, 64, 64, 8, 1e-5)[0])
+    channels_last = torch.randn(2, 8, 4, 4).contiguous(memory_format=torch.channels_last)
+    assert kernel_layouts.in_own_format(channels_last) is channels_last  # no copy where the kernel takes it as it is
