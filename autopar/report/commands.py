@@ -54,17 +54,18 @@ def _build(source: PlanSource):
 
 def _trace_and_profile(source: PlanSource, hardware: str = ""):
     """`hardware`: the `Mesh.hardware` the plan runs on; traced as `parallelize` will trace it there."""
-    from autopar.api import capture_copy, capture_device_for
+    from autopar.api import capture_device_for, trace_copy
     from autopar.model_file import model_file_batch_dim
     from autopar.profiler import profile
     from autopar.tracer import trace
+    from autopar.tracer.lifted import link_lifted_state
 
     with phase("loading model"):
         model, sample = _build(source)
     with phase("tracing"):
         device = capture_device_for(hardware)
         batch_dim = model_file_batch_dim(source.model_file) if source.model_file else 0
-        traced = trace(*capture_copy(model, sample, device), batch_dim=batch_dim) if device != "meta" else trace(model, sample, batch_dim=batch_dim)
+        traced = trace_copy(model, sample, device, batch_dim=batch_dim) if device != "meta" else link_lifted_state(trace(model, sample, batch_dim=batch_dim), model)
     with phase("profiling"):
         prof = profile(traced, optimizer=source.optimizer)
     return traced, prof
