@@ -47,6 +47,8 @@ def memory_table(s: dict[str, Any]) -> Table:
     budget = m["budget_bytes"]
     t.add_row(Text("peak", style="bold"), Text(fmt_bytes(m["total_bytes"]), style="bold"), _pct(m["total_bytes"], budget) + " of budget" if budget else "")
     t.add_row("budget", fmt_bytes(budget), "")
+    if m.get("overhead_bytes"):  # the default budget is the device's memory less these
+        t.add_row("device overheads (CUDA context, cuBLAS, NCCL)", fmt_bytes(m["overhead_bytes"]), "beside the budget")
     return t
 
 

@@ -55,7 +55,8 @@ def summarize(plan: Plan, layouts: Mapping[str, Layout] | None = None) -> dict[s
             {"module": r.module, "count": r.count, "params": r.params, "output": r.output, "recompute": r.recompute, "kind": r.kind}
             for r in rows
         ],
-        "memory": memory_dict(plan.memory),
+        # the device's fixed overheads (CUDA context, cuBLAS workspace, NCCL buffers) beside the step's tensors
+        "memory": {**memory_dict(plan.memory), "overhead_bytes": plan.mesh.overhead_bytes()},
         "time": time_dict(plan.time),
         "comm_bytes_by_kind": dict(plan.comm_bytes_by_kind),
         "baselines": baselines,
