@@ -9,6 +9,7 @@ asks for torch's version itself, so that dropping a release is deleting its line
 """
 from __future__ import annotations
 
+import functools
 import re
 
 import torch
@@ -44,3 +45,20 @@ def check_torch(version: str = torch.__version__) -> None:
 # `reduce_scatter_tensor` -> `reduce_scatter_single`) and deprecated the old names; 2.11 has only the old ones.
 all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+@functools.cache
+def settle_autograd_engine() -> None:
+    """Start autograd's engine with a backward on a plain CPU tensor, before any on fake tensors (`import
+    autopar` does, first).
+
+    torch 2.11 and 2.12: the engine sets up its device threads at a process's first backward, and a first one on
+    fake tensors (the profiler's probes) counts a device; the engine then marks every process forked later
+    as unable to run any backward ("Unable to handle autograd's threading in combination with fork-based
+    multiprocessing"), so `run_ranks` after planning in the same process failed. Set up by a CPU backward, on a
+    host with no GPU, it counts none, and later backwards on fake tensors leave it so. (2.13 counts none either
+    way.) Where GPUs are visible the engine counts them whatever runs first: ranks forked after a backward fail
+    there on every release, which is why `run_ranks` spawns on a parent that has used CUDA."""
+    if TORCH_RELEASE < (2, 13) and torch.cuda.device_count() == 0:
+        x = torch.zeros((), requires_grad=True)
+        torch.autograd.grad(x * 1.0, x)
