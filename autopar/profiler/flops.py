@@ -35,9 +35,10 @@ def register_flop_formulas() -> None:
         flop_counter.register_flop_formula(_CPU_SDPA_BWD, get_raw=True)(flop_counter.sdpa_backward_flop)
     if "transformers.integrations.moe" not in sys.modules:  # what registers the MoE ops, on import
         return
-    for op, formula in ((torch.ops.transformers.grouped_mm_fallback, grouped_mm_flop),
-                        (torch.ops.transformers.grouped_mm_fallback_backward, grouped_mm_backward_flop)):
-        if op not in flop_counter.flop_registry:
+    # transformers 5.17 (the GPU machines' release) differentiates the op in Python: it has no backward op
+    for name, formula in (("grouped_mm_fallback", grouped_mm_flop), ("grouped_mm_fallback_backward", grouped_mm_backward_flop)):
+        op = getattr(torch.ops.transformers, name, None)
+        if op is not None and op not in flop_counter.flop_registry:
             flop_counter.register_flop_formula(op)(formula)
 
 
