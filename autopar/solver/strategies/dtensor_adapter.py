@@ -20,7 +20,7 @@ only read the mesh shape, so no process group is created and a later real
 Tested on torch 2.11 through 2.13 (`autopar.compat.SUPPORTED_TORCH`): these
 private names changed in 2.5, 2.8 and since; `_check_features()` fails loudly
 at import when they move. What differs between those releases is handled here
-and named with its release (`_zipped`).
+and named with its release (`_zipped`, `_raises_on_partial`).
 """
 from __future__ import annotations
 
@@ -194,7 +194,7 @@ def _op_strategy_rules(op: Any, args: tuple, kwargs: dict, mesh_shape: tuple[int
     in_args = tuple(to_strategy(a) for a in args)
     in_kwargs = {k: to_strategy(v) for k, v in kwargs.items()}
     schema = OpSchema(op, in_args, in_kwargs)
-    if (_per_candidate(func) or _zipped(func)) and isinstance(in_args[0], OpStrategy):
+    if (_per_candidate(func) or _zipped(func) or _raises_on_partial(func)) and isinstance(in_args[0], OpStrategy):
         # A view rule maps each input candidate on its own, but prices a redistribution from
         # every candidate to each target (quadratic; ~90% of cold strategy time on GPT-2).
         # Asking once per candidate gives the same strategies, in the same order, in linear time.
@@ -245,6 +245,15 @@ _ZIPPED_NORM_RULES = ("layer_norm_strategy", "fused_rms_norm_strategy") if TORCH
 
 def _zipped(func: Any) -> bool:
     return func.__name__ in _ZIPPED_NORM_RULES and func.__module__.endswith("_ops._math_ops")
+
+
+# torch 2.11 and 2.12: the random ops' rule (`bernoulli(x)`, ...) raises on a Partial candidate of its input where
+# 2.13 leaves that candidate out; asked per candidate, the Partial one alone is dropped.
+_PARTIAL_RAISING_RULES = ("random_op_strategy",) if TORCH_RELEASE < (2, 13) else ()
+
+
+def _raises_on_partial(func: Any) -> bool:
+    return func.__name__ in _PARTIAL_RAISING_RULES and func.__module__.endswith("_ops._random_ops")
 
 
 def _first_candidate(x: Any) -> Any:
