@@ -16,8 +16,8 @@ a CPU rank on a GPU host makes no CUDA context.
 """
 from __future__ import annotations
 
-import logging
 import functools
+import logging
 import multiprocessing as mp
 import multiprocessing.connection
 import os
@@ -77,8 +77,8 @@ def _check_picklable(fn: Callable[..., Any], args: tuple) -> None:
         pickle.dumps((fn, args))
     except Exception as err:
         raise AutoparError(
-            f"run_ranks: this process has initialised CUDA, so its ranks start by spawn, which pickles fn and its "
-            f"arguments; {getattr(fn, '__qualname__', fn)!r} or an argument cannot be pickled ({err}). Define fn at a "
+            f"run_ranks: the ranks start by spawn (start_method='spawn', or this process has initialised CUDA), which "
+            f"pickles fn and its arguments; {getattr(fn, '__qualname__', fn)!r} or an argument cannot be pickled ({err}). Define fn at a "
             "module's top level and pass plain arguments, or start the ranks before this process uses CUDA") from err
 
 

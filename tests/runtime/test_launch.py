@@ -82,7 +82,7 @@ def test_spawn_runs_a_top_level_function():
 
 def test_a_parent_that_initialised_cuda_spawns_and_names_what_cannot_be_pickled(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
-    with pytest.raises(AutoparError, match="start by spawn.*cannot be pickled.*module's top level"):
+    with pytest.raises(AutoparError, match="start by spawn.*initialised CUDA.*cannot be pickled.*module's top level"):
         run_ranks(lambda rank, world_size: rank, 2)
 
 
