@@ -57,11 +57,6 @@ def _sync(device) -> None:
         torch.cuda.synchronize(device)
 
 
-def _peak_bytes(device) -> float | None:
-    import torch
-    return float(torch.cuda.max_memory_allocated(device)) if device.type == "cuda" else None
-
-
 def _reset_peak(device) -> None:
     import torch
     if device.type == "cuda":
@@ -141,17 +136,34 @@ def _gpt2(cpu: bool, device, dtype=None):
     return model, {k: v.to(device) for k, v in sample.items()}
 
 
-def _timed_steps(module, sample, optimizer, device, steps: int) -> float:
-    """Seconds per step (forward, backward, optimizer step) after one warm-up step, which makes the state."""
+def _measured_steps(module, sample, optimizer, device, steps: int) -> tuple[float, float]:
+    """Seconds per step (forward, backward, optimizer step) after one warm-up step, which makes the state, and
+    the steps' peak memory: `torch.cuda.max_memory_allocated` since `_reset_peak`, or on CPU the live tensor
+    storage of one more step (`LiveStorageTracker`: parameters, optimizer state and batch count throughout)."""
+    import torch
+    from torch.utils import _pytree as pytree
+
+    from autopar.profiler.measure import LiveStorageTracker
+
+    def step() -> None:
+        optimizer.zero_grad(set_to_none=True)
+        module(**sample).backward()
+        optimizer.step()
+
     for i in range(steps + 1):
         if i == 1:
             _sync(device)
             start = time.perf_counter()
-        optimizer.zero_grad(set_to_none=True)
-        module(**sample).backward()
-        optimizer.step()
+        step()
     _sync(device)
-    return (time.perf_counter() - start) / steps
+    step_s = (time.perf_counter() - start) / steps
+    if device.type == "cuda":
+        return step_s, float(torch.cuda.max_memory_allocated(device))
+    optimizer.zero_grad(set_to_none=True)
+    state = [t for s in optimizer.state.values() for t in pytree.tree_leaves(s) if isinstance(t, torch.Tensor)]
+    with LiveStorageTracker([*module.parameters(), *module.buffers(), *state, *sample.values()]) as tracker:
+        step()
+    return step_s, float(tracker.peak_bytes)
 
 
 def _world_of_one(rank: int, world: int, cpu: bool) -> dict:
@@ -197,9 +209,9 @@ def _world_of_one(rank: int, world: int, cpu: bool) -> dict:
         pm = autopar.parallelize(model, sample, (1,))
         del model
         _reset_peak(device)  # the step's peak, not parallelize's
-        step_s = _timed_steps(pm, sample, torch.optim.AdamW(pm.parameters(), lr=1e-4), device, 3 if cpu else 10)
+        step_s, peak = _measured_steps(pm, sample, torch.optim.AdamW(pm.parameters(), lr=1e-4), device, 3 if cpu else 10)
         out[name] = {"plan_precision": pm.plan.mesh.precision, "step_ms": step_s * 1e3,
-                     "predicted_step_ms": pm.plan.time.total_s * 1e3, "peak_bytes": _peak_bytes(device),
+                     "predicted_step_ms": pm.plan.time.total_s * 1e3, "peak_bytes": peak,
                      "predicted_peak_bytes": pm.plan.memory.total_bytes}
         del pm
     torch.set_float32_matmul_precision("highest")
@@ -238,10 +250,10 @@ def stage_fake_world(cpu: bool) -> dict:
         pm = autopar.parallelize(model, sample, mesh)
         del model
         _reset_peak(device)
-        step_s = _timed_steps(pm, pm.local_batch(sample), torch.optim.AdamW(pm.parameters(), lr=1e-4), device,
-                              2 if cpu else 5)
+        step_s, peak = _measured_steps(pm, pm.local_batch(sample), torch.optim.AdamW(pm.parameters(), lr=1e-4), device,
+                                       2 if cpu else 5)
         out["x".join(map(str, shape))] = {"step_ms": step_s * 1e3, "predicted_compute_ms": pm.plan.time.compute_s * 1e3,
-                                          "peak_bytes": _peak_bytes(device), "predicted_peak_bytes": pm.plan.memory.total_bytes}
+                                          "peak_bytes": peak, "predicted_peak_bytes": pm.plan.memory.total_bytes}
         del pm
     dist.destroy_process_group()
     return out
