@@ -43,7 +43,9 @@ class MemoryBreakdown:
     grads_bytes: float
     optimizer_bytes: float
     activations_bytes: float  # saved for backward, not recomputed
-    temp_bytes: float  # largest transient (temporaries, gathered ZeRO params, recompute regions)
+    # largest transient (temporaries, gathered ZeRO params, recompute regions), or what the optimizer step's scratch, held
+    # after backward beside the static bytes alone, exceeds the activations by: the total is the step's peak either way
+    temp_bytes: float
     budget_bytes: float | None
 
     @property
