@@ -48,11 +48,9 @@ Constraint families (each PuLP constraint is named after its family):
                       keeps its resharded copy holds the part `kept` counts as the producer's too)
   temp_{v}            T >= sum_s temp[v,s] x[v,s]                    (`_add_temp`)
   gather_{v}          T >= sum_g gathered[v,g] z[v,g]
-  optimizer_step      S >= c (sum_{v,s} param[v,s] x[v,s] - sum_g (1 - 1/f[v,g]) param[v,g] z[v,g]): the optimizer
+  optimizer_step      T >= c (sum_{v,s} param[v,s] x[v,s] - sum_g (1 - 1/f[v,g]) param[v,g] z[v,g]): the optimizer
                       step's scratch, c per byte of the stepped parameters' local blocks, summed over them under
                       foreach (one row), one row per parameter v otherwise (`optimizer_step_{v}`, `_add_optimizer_step`)
-  memory_optimizer_step  sum_{v,s} static[v,s] x - sum_g (1 - 1/f[v,g]) static[v,g] z + S <= budget: the step runs
-                      after backward, its scratch beside the parameters, gradients and state alone
   reshard_buffers_{k} T >= sum_{a,b} buffers[k,a,b] e[k,a,b]        (a reshard's buffers, `Edge.buffer_bytes`;
                       left out where no option pair exceeds the least temp some node must have)
   Backward rebuilds a recomputed layer r's activations together (a tied class counts one layer's share);
@@ -236,10 +234,9 @@ def evaluate(problem: Problem, a: Assignment) -> tuple[MemoryBreakdown, TimeBrea
     temp = max([temp, *held.values()])  # the whole layer rebuilt
     stepped = [node.options[c].param_bytes / (node.options[c].zero.factor if z else 1)
                for node, c, z in zip(problem.nodes, a.choice, a.zero) if node.options[c].optimizer_bytes > 0]
-    # the optimizer step's scratch, of every parameter at once under foreach, else of the largest alone: held after
-    # backward, beside the static bytes only, so the peak's transient is the larger of T and what it exceeds them by
+    # the optimizer step's scratch, of every parameter at once under foreach, else of the largest alone (`_add_optimizer_step`)
     step_bytes = problem.step_scratch_per_param_byte * (sum(stepped) if problem.step_scratch_foreach else max(stepped, default=0.0))
-    temp = max(temp, step_bytes - act)
+    temp = max(temp, step_bytes)
     recompute_s += problem.region_s * checkpoint_regions(problem, a.recompute)
     used = frozenset().union(*(node.options[c].sync_groups for node, c in zip(problem.nodes, a.choice)))
     comm_s += sum(latency_s for g, latency_s in problem.sync_latency_s if g in used)
@@ -298,8 +295,6 @@ class _Model:
         self.prob = pulp.LpProblem(f"autopar_{objective}", pulp.LpMinimize)
         self.time_terms: list[tuple[pulp.LpVariable, float]] = []
         self.memory_terms: list[tuple[pulp.LpVariable, float]] = []
-        # parameters, gradients and optimizer state: what the optimizer's step holds beside its scratch
-        self.static_terms: list[tuple[pulp.LpVariable, float]] = []
         self._add_strategy_vars()
         self._add_edges()
         self._add_recompute()
@@ -315,11 +310,8 @@ class _Model:
             # Tie terms under 1e-9 ms are left out: below HiGHS' tolerances they tell no plans apart, and such
             # costs (7e-12 on Qwen2-tiny 2x2 at 1.2 MB) stalled HiGHS in a restart past its time limit
             terms = self.time_terms + [(var, c * tie) for var, c in self.memory_terms if abs(c * tie) >= _LEAST_COST_MS]
-        else:  # the larger of the two phases' needs: backward's peak, and the optimizer step's after it
-            need = pulp.LpVariable("M", lowBound=0)
-            self.prob += need >= _affine(self.memory_terms), "need_backward"
-            self.prob += need >= _affine(self.static_terms + [(self.step, 1.0)]), "need_optimizer_step"
-            terms = [(need, 1.0)]
+        else:
+            terms = self.memory_terms
         self.prob += _affine(terms), "objective"
 
     def _add_strategy_vars(self) -> None:
@@ -336,7 +328,6 @@ class _Model:
                 xs.append(var)
                 self.time_terms.append((var, (o.compute_s + o.comm_s) * _MS))
                 self.memory_terms.append((var, (o.static_bytes + o.saved_bytes) * self.per_byte))
-                self.static_terms.append((var, o.static_bytes * self.per_byte))
             self.prob += pulp.lpSum(xs) == 1, f"onehot_{v}"
             self.x.append(xs)
 
@@ -497,7 +488,6 @@ class _Model:
                 self.z.update(((v, s), z) for s in members)
                 self.time_terms.append((z, net_s * _MS))
                 self.memory_terms.append((z, -saving * self.per_byte))
-                self.static_terms.append((z, -saving * self.per_byte))
                 self.gathered.setdefault(v, []).append((z, gathered * self.per_byte))
 
     def _add_zero_savings(self) -> None:
@@ -552,11 +542,12 @@ class _Model:
         self._add_rebuilds()
 
     def _add_optimizer_step(self) -> None:
-        """optimizer_step: S >= the optimizer step's scratch (`Problem.step_scratch_per_param_byte` per byte of a
+        """optimizer_step: T >= the optimizer step's scratch (`Problem.step_scratch_per_param_byte` per byte of a
         stepped parameter's local block; ZeRO storage steps 1/factor of it), of every parameter at once under
-        foreach, else of each parameter alone. The step runs after backward, when the activations and backward's
-        transients are gone: S is held beside the static bytes only (`add_memory_limit`), not beside T."""
-        self.step = pulp.LpVariable("S", lowBound=0)
+        foreach, else of each parameter alone. The step runs after backward, when the activations are gone, but
+        the memory row adds T to them: the scratch is counted as one more transient beside them, an over-count
+        by at most the smaller of the two (a row of its own beside the static bytes alone made the MIP of a
+        tight GPT-2 budget on 2x2 stop at its time limit with a 69% gap)."""
         per_byte = self.problem.step_scratch_per_param_byte * self.per_byte
         if per_byte <= 0:
             return
@@ -575,7 +566,7 @@ class _Model:
             rows = {f"optimizer_step_{v}": v_terms for v, v_terms in terms.items()}
         for name, row in rows.items():
             if row:
-                self.prob += self.step >= pulp.LpAffineExpression(row), name
+                self.prob += self.temp >= pulp.LpAffineExpression(row), name
 
     def _add_rebuilds(self) -> None:
         """What backward holds while it rebuilds a recomputed layer (see `evaluate`), as a chain over the layer's
@@ -628,8 +619,6 @@ class _Model:
             # over the row): ask for 4e-6 units less
             slack_bytes = MEMORY_SLACK_BYTES / (self.per_byte * _GIB)
             self.prob += _affine(self.memory_terms) <= (self.problem.budget_bytes - slack_bytes) * self.per_byte, "memory"
-            self.prob += (_affine(self.static_terms + [(self.step, 1.0)])
-                          <= (self.problem.budget_bytes - slack_bytes) * self.per_byte), "memory_optimizer_step"
 
     def start_from(self, a: Assignment) -> None:
         """A MIP start: the options of `a` (the solver completes the rest; what an earlier solve left is cleared)."""

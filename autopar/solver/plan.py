@@ -43,9 +43,7 @@ class MemoryBreakdown:
     grads_bytes: float
     optimizer_bytes: float
     activations_bytes: float  # saved for backward, not recomputed
-    # largest transient (temporaries, gathered ZeRO params, recompute regions), or what the optimizer step's scratch, held
-    # after backward beside the static bytes alone, exceeds the activations by: the total is the step's peak either way
-    temp_bytes: float
+    temp_bytes: float  # largest transient (temporaries, gathered ZeRO params, recompute regions)
     budget_bytes: float | None
 
     @property
