@@ -125,3 +125,7 @@ class CallMismatchError(AutoparError):
 class AlreadyParallelError(AutoparError):
     """A parallel module was handed to a wrapper that syncs or broadcasts parameters itself
     (`DistributedDataParallel`, which trainers wrap models in)."""
+
+
+class MissingDependencyError(AutoparError):
+    """An optional package a feature needs is not installed; the message names the pip command."""

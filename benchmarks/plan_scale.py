@@ -72,6 +72,8 @@ CASES: dict[str, Case] = {
     "gpt2-small-2x2": Case("GPT-2 small, 8 x 1024 tokens", _gpt("small", 8, 1024), 4, None, 3.0, (2, 2)),
     **{f"llama2-7b-{gb}gb": Case("LLaMA-2-7B, 4 x 4096 tokens", _hf("LlamaConfig", "LlamaForCausalLM", 4, 4096, **_LLAMA2_7B),
                                  8, gb, 30.0) for gb in (24, 40, 80)},
+    "llama2-7b-4": Case("LLaMA-2-7B, 4 x 4096 tokens", _hf("LlamaConfig", "LlamaForCausalLM", 4, 4096, **_LLAMA2_7B),
+                        4, None, 30.0),
     "llama2-70b-64": Case("LLaMA-2-70B, 64 x 4096 tokens", _hf("LlamaConfig", "LlamaForCausalLM", 64, 4096, **_LLAMA2_70B),
                           64, 80, 60.0),
     "gpt3-175b-64": Case("GPT-3 175B, 64 x 2048 tokens", _gpt("gpt3-175b", 64, 2048), 64, 80, 60.0),

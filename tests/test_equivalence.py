@@ -22,9 +22,9 @@ from autopar.solver.strategies import enumerate_strategies
 
 pytestmark = pytest.mark.xdist_group("zoo")  # one worker: the zoo's traces and references are made once (`zoo_case`)
 
-# plans per model for each mesh: 8 models * (8 + 2 + 3) = 104 random plans (232 in the twenty-sixth session, 176
-# in the twenty-seventh, 152 in the twenty-eighth: the suite's 10 minutes, where a gloo all-reduce among 4 ranks
-# on 2 cores takes 5 ms; the tests of single features add random plans of their own)
+# plans per model for each mesh: 8 models * (8 + 2 + 3) = 104 random plans, what fits the suite's 10 minutes
+# on 2 cores, where a gloo all-reduce among 4 ranks takes 5 ms; the tests of single features add random plans
+# of their own
 PLANS = {(2,): 8, (4,): 2, (2, 2): 3}
 THREE_STEP_PLANS = 1  # the first plan of each model and mesh trains 3 steps, the rest 1
 

@@ -44,6 +44,7 @@ from torch.distributed.tensor import Shard as DShard
 from torch.utils import _pytree as pytree
 
 from autopar.errors import AutoparError
+from autopar.optional import require
 from autopar.runtime.collectives import all_gather, local_slice
 from autopar.runtime.mesh import ProcessMesh
 from autopar.runtime.optimizers import BLOCK_KEY
@@ -285,6 +286,7 @@ def load_sharded(local: Mapping[str, torch.Tensor], specs: Mapping[str, Spec], m
     path = os.fspath(path)
     _wait_for_background_save()  # it may be writing the very files this reads
     if _is_hf_directory(path):
+        require("safetensors", f"loading the Hugging Face model directory {path!r}")  # what DCP's reader reads it with
         if osd is not None or extra is not None:
             raise StateDictError(f"{path!r} is a Hugging Face model directory: it holds weights only, no optimizer "
                                  "state or extra state; load those from a checkpoint written by save_checkpoint")

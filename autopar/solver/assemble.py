@@ -18,7 +18,9 @@ from autopar.solver.plan_io import fingerprint
 from autopar.solver.problem import BuiltProblem, build_problem
 from autopar.solver.spec import Strategy
 from autopar.solver.strategies import enumerate_strategies
+from autopar.solver.timeline import memory_timeline
 from autopar.tracer import TracedGraph, module_path, tensor_args
+from autopar.tracer.param_layouts import param_layouts
 
 
 def concrete(profile: GraphProfile | ConcreteProfile, sizes: Mapping[str, int] | None) -> ConcreteProfile:
@@ -34,13 +36,16 @@ def build_for(traced: TracedGraph, profile: GraphProfile | ConcreteProfile, mesh
 
 
 def budget_of(mesh: Mesh, memory_budget_bytes: float | None) -> float:
-    """The per-device budget a solve keeps to: the one given, else the device's memory."""
-    return mesh.memory_bytes if memory_budget_bytes is None else float(memory_budget_bytes)
+    """The per-device budget a solve keeps to: the one given (for the step's tensors: what
+    `torch.cuda.max_memory_allocated` measures), else the device's memory less its fixed overheads
+    (`Mesh.overhead_bytes`)."""
+    return mesh.memory_bytes - mesh.overhead_bytes() if memory_budget_bytes is None else float(memory_budget_bytes)
 
 
 def to_plan(traced: TracedGraph, mesh: Mesh, built: BuiltProblem, sol: Solution) -> Plan:
     """Map a problem assignment back onto every graph node and parameter."""
     g, a = built.grouping, sol.assignment
+    layouts = param_layouts(traced)
     chosen: dict[str, Strategy] = {}
     nodes, params = [], []
     for node in traced.graph.nodes:
@@ -56,7 +61,9 @@ def to_plan(traced: TracedGraph, mesh: Mesh, built: BuiltProblem, sol: Solution)
         if node.name in traced.param_fqns:
             use = strat.output_specs[0]
             storage = built.storage[node.name, k] if a.zero[cls] else use
-            params.append(ParamDecision(traced.param_fqns[node.name], node.name, use, storage))
+            fqn = traced.param_fqns[node.name]
+            params.append(ParamDecision(fqn, node.name, use, storage, layouts[fqn]))
     plan = Plan(fingerprint(traced, mesh, built.problem.budget_bytes), mesh, tuple(nodes), tuple(params),
-                sol.memory, sol.time, sol.report, notes=plan_notes(traced, mesh))
+                sol.memory, sol.time, sol.report, notes=plan_notes(traced, mesh),
+                memory_timeline=memory_timeline(traced, built, a, sol.memory))
     return dataclasses.replace(plan, comm_bytes_by_kind=comm_bytes_by_kind(traced, plan))
