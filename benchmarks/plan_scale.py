@@ -29,6 +29,8 @@ import torch
 
 from _common import load_example, provenance_line
 
+from autopar.report.units import fmt_bytes
+
 ZOO_ROWS = ("mlp", "gpt2", "llama", "bert", "vit", "resnet", "hf_gpt2", "hf_llama", "qwen2", "mixtral")
 
 
@@ -135,7 +137,7 @@ def measure(name: str, time_limit_s: float) -> dict:
 def _row(r: dict) -> str:
     if "error" in r:
         return f"{r['case']:18} failed: {r['error']}"
-    budget = f"{r['budget_gib']:.1f} GiB" if r["budget_gib"] else "-"
+    budget = fmt_bytes(r["budget_gib"] * 2**30) if r["budget_gib"] else "-"
     book = f"{r['textbook_ms']:9.2f}" if r["textbook_ms"] is not None else f"{'none fits':>9}"
     ratio = f"{r['ratio']:6.2f}" if r["ratio"] is not None else f"{'-':>6}"
     gap = f" gap {r['gap']:.1%}" if r["gap"] else ""

@@ -101,12 +101,13 @@ def _solve(args: Any, traced, prof, budget: float | None) -> tuple[Plan, list]:
 
 
 def _load_checked(args: Any, traced, budget: float | None) -> Plan:
+    from autopar.solver.assemble import budget_of
     from autopar.solver.plan_io import check_plan, load_plan
 
     plan = load_plan(args.load)
     shape = args.mesh or (plan.mesh.shape if math.prod(plan.mesh.shape) == args.gpus else (args.gpus,))
     mesh = _mesh(args.hardware, args.gpus, shape)
-    check_plan(plan, traced, mesh, mesh.memory_bytes if budget is None else budget)  # the solver's default budget
+    check_plan(plan, traced, mesh, budget_of(mesh, budget))  # the solver's default budget when none is given
     return plan
 
 

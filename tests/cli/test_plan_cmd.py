@@ -120,3 +120,18 @@ def test_profile_command(capsys):
     assert sum(r["param_bytes"] for r in rows) == 3 * (32 * 64 + 64 + 64 * 32 + 32) * 4
     code, out, _ = run(capsys, "profile", GPT2, *TINY)
     assert code == 0 and "transformer.h.0" in out and "total" in out
+
+
+def test_a_plan_saved_at_a_gpus_default_budget_loads_back(tmp_path, capsys):
+    """A GPU's default budget is its memory less its fixed overheads (CUDA context, NCCL): `--load` checks the file
+    against that same budget, not the whole memory."""
+    path = tmp_path / "plan.json"
+    code, _, _ = run(capsys, "plan", MLP, "--size", "tiny", "--batch-size", "8", "--gpus", "2", "--hardware", "h100",
+                     "--mesh", "2", "--save", str(path))
+    assert code == 0
+    saved = load_plan(path)
+    assert 0 < saved.fingerprint.budget_bytes < saved.mesh.memory_bytes
+    code, out, err = run(capsys, "plan", MLP, "--size", "tiny", "--batch-size", "8", "--gpus", "2", "--hardware", "h100",
+                         "--mesh", "2", "--load", str(path), "--json")
+    assert code == 0, err
+    assert json.loads(out)["time"]["total_s"] == saved.time.total_s
