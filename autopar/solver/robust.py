@@ -33,7 +33,12 @@ class Candidate:
 
 
 def simplest_within(candidates: Sequence[Candidate], margin: float) -> tuple[Candidate, Candidate]:
-    """(the one to choose, the fastest): the simplest candidate whose step is within `margin` of the fastest's."""
+    """(the one to choose, the fastest): the simplest candidate whose step is within `margin` of the fastest's and no
+    slower than the fastest textbook plan's. That ceiling keeps the promise never to answer slower than a textbook
+    plan that fits: a textbook plan on a mesh of fewer axes is simpler than one on more, but not the safer bet when
+    the cost model prices it slower (Megatron TP over all 64 devices of a 1-D mesh against TP 8 x DP 8)."""
     fastest = min(candidates, key=lambda c: (c.step_s, c.simplicity))
-    close = [c for c in candidates if c.step_s <= fastest.step_s * (1 + margin)]
+    fastest_book_s = min((c.step_s for c in candidates if c.name != "searched"), default=float("inf"))
+    ceiling_s = min(fastest.step_s * (1 + margin), fastest_book_s)
+    close = [c for c in candidates if c.step_s <= ceiling_s]
     return min(close, key=lambda c: (c.simplicity, c.step_s)), fastest
