@@ -10,7 +10,8 @@ textbook plans priced beside). Columns: trace s, solve s (profile included), tot
 process' CPU time over the same span (every solve runs on one thread, so on an idle machine it is the wall time;
 on a shared one it is what the work took); the plan's predicted step, the fastest textbook plan's that fits on any
 mesh shape tried (`ShapeResult.textbook_s`), and their ratio (>= 1: the plan is at least as fast). The zoo rows solve the zoo's
-tight budget on 2x2 (60% of the plan without one, `tests/test_solver_plans_zoo.py`), planned on the CPU preset.
+tight budget on 2x2 (60% of the plan without one, `tests/test_solver_plans_zoo.py`; where that is proven below
+the least need, 1.02x the need, as that test does), planned on the CPU preset.
 Targets (issue 42, a 2-core machine): GPT-2 small 3 s; LLaMA-2-7B on 8 devices 30 s at each budget; the 70B,
 175B and Mixtral shapes 60 s; each zoo row 5 s. Prints the table and one JSON line with the torch version and SHA.
 """
@@ -96,6 +97,7 @@ def _zoo_model(name: str) -> tuple:
 
 
 def measure(name: str, time_limit_s: float) -> dict:
+    from autopar.errors import InfeasibleError, SearchTimeoutError
     from autopar.profiler import profile
     from autopar.solver import solve, solve_for_devices
     from autopar.solver.mesh import make_mesh
@@ -117,9 +119,16 @@ def measure(name: str, time_limit_s: float) -> dict:
         wall += time.perf_counter() - paused[0]
         cpu += time.process_time() - paused[1]
     solve_began = time.perf_counter()
+    below_need = False
     if case.mesh is not None:
-        plan = solve(traced, prof, make_mesh(case.gpus, case.mesh, hardware), memory_budget_bytes=budget,
-                     time_limit_s=time_limit_s, baselines=True)
+        mesh = make_mesh(case.gpus, case.mesh, hardware)
+        try:
+            plan = solve(traced, prof, mesh, memory_budget_bytes=budget, time_limit_s=time_limit_s, baselines=True)
+        except InfeasibleError as err:  # proven below the least need: as the zoo's test, plan at 1.02x it (both timed)
+            if not zoo or isinstance(err, SearchTimeoutError):
+                raise
+            below_need, budget = True, 1.02 * err.min_memory_bytes
+            plan = solve(traced, prof, mesh, memory_budget_bytes=budget, time_limit_s=time_limit_s, baselines=True)
         fitting = [b.time.total_s for b in plan.baselines if b.fits and b.time is not None]
     else:  # the fastest textbook plan that fits on any of the shapes tried
         plan, shapes = solve_for_devices(traced, prof, case.gpus, hardware, budget, time_limit_s, baselines=True)
@@ -131,7 +140,7 @@ def measure(name: str, time_limit_s: float) -> dict:
             "target_s": case.target_s, "step_ms": plan.time.total_s * 1e3, "memory_gib": plan.memory.total_bytes / 2**30,
             "textbook_ms": min(fitting) * 1e3 if fitting else None,
             "ratio": min(fitting) / plan.time.total_s if fitting else None, "status": plan.solver.status,
-            "gap": plan.solver.gap, "notes": list(plan.notes)}
+            "gap": plan.solver.gap, "below_need": below_need, "notes": list(plan.notes)}
 
 
 def _row(r: dict) -> str:
@@ -141,9 +150,10 @@ def _row(r: dict) -> str:
     book = f"{r['textbook_ms']:9.2f}" if r["textbook_ms"] is not None else f"{'none fits':>9}"
     ratio = f"{r['ratio']:6.2f}" if r["ratio"] is not None else f"{'-':>6}"
     gap = f" gap {r['gap']:.1%}" if r["gap"] else ""
+    below = "; 60% is below the least need (proven): budget 1.02x that need" if r.get("below_need") else ""
     return (f"{r['case']:18} {r['shape']:32} {r['devices']:4d} {r['mesh']:6} {budget:>10} {r['trace_s']:7.1f} "
             f"{r['solve_s']:7.1f} {r['total_s']:7.1f} {r['cpu_s']:7.1f} {r['target_s']:6.0f} {r['step_ms']:10.2f} "
-            f"{book} {ratio}  {r['status']}{gap}")
+            f"{book} {ratio}  {r['status']}{gap}{below}")
 
 
 def main() -> None:
