@@ -12,7 +12,9 @@ from autopar.errors import InfeasibleError
 from autopar.profiler import profile
 from autopar.solver import baseline_plans, fixed_plan, solve, solve_for_devices, solve_keeping_params
 from autopar.solver.needs import budget_that_fits
+from autopar.solver.assemble import to_plan
 from autopar.solver.robust import ROBUST_MARGIN
+from autopar.solver.search import search_mesh
 from autopar.solver.mesh import MeshAxis, make_mesh
 from autopar.solver.spec import Shard, Spec
 from autopar.tracer import trace
@@ -294,7 +296,9 @@ def test_solve_keeping_params_holds_every_parameter_where_it_is_stored():
     traced, prof = mlp(2, 1024, 4096, 32768)
     mesh = slow_mesh(4, 50e9)
     dp = solve(traced, prof, mesh)
-    tight = solve(traced, prof, mesh, memory_budget_bytes=0.7 * dp.memory.total_bytes)
+    # a plan that stores parameters ZeRO-sharded: the ZeRO-3 textbook plan at a budget it fits
+    found = search_mesh(traced, prof, mesh, 0.7 * dp.memory.total_bytes)
+    tight = to_plan(traced, mesh, found.tied, found.textbooks["zero3"])
     assert any(p.zero for p in tight.params)
     first = tight.params[0]
     odd = dataclasses.replace(first, storage=Spec.parse("S(1)" if first.storage != Spec.parse("S(1)") else "S(0)"))
