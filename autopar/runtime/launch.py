@@ -7,15 +7,29 @@ parent binds a listening socket on port 0 (the OS picks a free port and holds it
 no race with other worlds started concurrently) and rank 0 serves the rendezvous
 TCPStore on that socket. The parent starts no store itself, so it forks with no
 store thread running (a thread holding a lock at fork time can deadlock a child).
+
+The rendezvous (the store, gloo connecting every pair of ranks) can fail on a loaded
+host: gloo's `connectFullMesh` has been seen to end in "Connection closed by peer"
+once in hundreds of worlds. A world whose rendezvous fails on any rank, before any
+rank runs `fn`, is started again, up to `RENDEZVOUS_ATTEMPTS` times; a failure after
+that is `fn`'s and is raised.
+
+Each rank's stderr (Python's, C++'s, the fault handler's dump of a deliberate crash)
+goes to a file of its own that the parent copies to its own `sys.stderr` as it comes
+(under pytest: the test's captured output), and a rank that dies without a word has
+its last lines quoted in the `RankError`.
 """
 from __future__ import annotations
 
+import faulthandler
 import logging
 import multiprocessing as mp
 import multiprocessing.connection
 import os
 import pickle
 import socket
+import sys
+import tempfile
 import time
 import traceback
 from datetime import timedelta
@@ -29,6 +43,11 @@ from autopar.errors import AutoparError
 logger = logging.getLogger(__name__)
 
 _HOST = "127.0.0.1"
+RENDEZVOUS_ATTEMPTS = 3
+_READY_KEY = "autopar/launch/ready"  # each rank adds one once its process group is up
+_GO_KEY = "autopar/launch/go"  # set by the last rank to come up: every rank then runs fn
+_POLL_S = 0.2  # how often the parent relays the ranks' stderr while it waits
+_TAIL_LINES = 15  # of a rank's stderr, quoted when it dies without a word
 
 
 class RankError(AutoparError):
@@ -46,9 +65,36 @@ def _send(conn: mp.connection.Connection, msg: tuple) -> None:
     conn.send_bytes(pickle.dumps(msg))
 
 
+def _own_stderr(path: str) -> None:
+    """This process's stderr, at the file descriptor and in Python, goes to `path`; so does the fault
+    handler's dump, which pytest points at the terminal it started on, past its capture."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND)
+    os.dup2(fd, 2)
+    os.close(fd)
+    sys.stderr = open(2, "w", buffering=1, closefd=False)  # noqa: SIM115 -- the process's stderr until it exits
+    if faulthandler.is_enabled():
+        faulthandler.enable(file=sys.stderr, all_threads=True)
+
+
+def _rendezvous(listener: socket.socket, rank: int, world_size: int, backend: str, timeout_s: float) -> None:
+    """Join the world's process group; return once every rank has (no rank runs fn before)."""
+    port = listener.getsockname()[1]
+    if rank == 0:
+        store = dist.TCPStore(_HOST, port, world_size, is_master=True, timeout=timedelta(seconds=timeout_s),
+                              master_listen_fd=listener.fileno())
+    else:
+        listener.close()
+        store = dist.TCPStore(_HOST, port, world_size, is_master=False, timeout=timedelta(seconds=timeout_s))
+    dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timedelta(seconds=timeout_s))
+    if store.add(_READY_KEY, 1) == world_size:
+        store.set(_GO_KEY, "")
+    store.wait([_GO_KEY])
+
+
 def _child(
     conn: mp.connection.Connection,
     listener: socket.socket,
+    stderr_path: str,
     rank: int,
     world_size: int,
     backend: str,
@@ -56,25 +102,62 @@ def _child(
     fn: Callable[..., Any],
     args: tuple,
 ) -> None:
+    _own_stderr(stderr_path)
     # One intra-op thread per rank: ranks share few cores, oversubscription makes collectives crawl.
     torch.set_num_threads(1)
+    phase = "rendezvous"
     try:
-        port = listener.getsockname()[1]
-        if rank == 0:
-            store = dist.TCPStore(_HOST, port, world_size, is_master=True, timeout=timedelta(seconds=timeout_s), master_listen_fd=listener.fileno())
-        else:
-            listener.close()
-            store = dist.TCPStore(_HOST, port, world_size, is_master=False, timeout=timedelta(seconds=timeout_s))
-        dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timedelta(seconds=timeout_s))
+        _rendezvous(listener, rank, world_size, backend, timeout_s)
+        phase = "error"
         result = fn(rank, world_size, *args)
         dist.destroy_process_group()
         _send(conn, ("ok", result))
     except BaseException as exc:  # noqa: BLE001 -- forwarded to the parent, which re-raises it
         # Timestamped so the parent can tell the first failure from its echoes on the peers
         # ("Connection closed by peer" once this rank exits).
-        _send(conn, ("error", f"{type(exc).__name__}: {exc}", traceback.format_exc(), time.time()))
+        _send(conn, (phase, f"{type(exc).__name__}: {exc}", traceback.format_exc(), time.time()))
     finally:
         conn.close()
+
+
+class _Relay:
+    """The ranks' stderr files, copied to this process's `sys.stderr` as they grow."""
+
+    def __init__(self, world_size: int):
+        self._dir = tempfile.TemporaryDirectory(prefix="autopar-ranks-")
+        self.paths = [os.path.join(self._dir.name, f"rank{r}.stderr") for r in range(world_size)]
+        self._done = [0] * world_size
+
+    def pump(self) -> None:
+        for rank, path in enumerate(self.paths):
+            try:
+                with open(path, "rb") as f:
+                    f.seek(self._done[rank])
+                    data = f.read()
+            except FileNotFoundError:
+                continue
+            if data:
+                self._done[rank] += len(data)
+                sys.stderr.write(data.decode(errors="replace"))
+        sys.stderr.flush()
+
+    def tail(self, rank: int) -> str:
+        try:
+            with open(self.paths[rank], "rb") as f:
+                lines = f.read().decode(errors="replace").splitlines()
+        except FileNotFoundError:
+            return ""
+        # without the frames and the module list of a fault handler's dump, which bury its first line
+        said = [line for line in lines if line.strip() and not line.startswith(("  File ", "Extension modules:"))]
+        return "\n".join(said[-_TAIL_LINES:])
+
+    def close(self) -> None:
+        self.pump()
+        self._dir.cleanup()
+
+
+class _RendezvousFailed(Exception):
+    """A rank's process group did not come up: the world is started again."""
 
 
 def _reports(conns: dict, timeout_s: float) -> list[tuple[float, int, str, str]]:
@@ -86,7 +169,7 @@ def _reports(conns: dict, timeout_s: float) -> list[tuple[float, int, str, str]]
             msg = pickle.loads(conn.recv_bytes())
         except EOFError:  # died without a word: the other reports say more
             continue
-        if msg[0] == "error":
+        if msg[0] != "ok":
             found.append((msg[3], rank, msg[1], msg[2]))
     return found
 
@@ -104,14 +187,29 @@ def run_ranks(
     result must be picklable (tensors come back by value). The first rank to fail
     aborts the world: the others are killed and a `RankError` carrying that rank's
     traceback is raised. After `timeout_s` every rank still running is killed and a
-    `RankError` names them.
+    `RankError` names them. A world whose process group fails to come up is started
+    again (module docstring).
     """
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
+    for attempt in range(1, RENDEZVOUS_ATTEMPTS + 1):
+        try:
+            return _run_world(fn, world_size, args, timeout_s, backend)
+        except _RendezvousFailed as failed:
+            if attempt == RENDEZVOUS_ATTEMPTS:
+                raise RankError(f"the process group of {world_size} ranks did not come up in {attempt} attempts: "
+                                f"{failed}") from None
+            logger.warning("run_ranks: the process group of %d ranks did not come up (%s); starting it again",
+                           world_size, failed)
+    raise AssertionError("unreachable")
+
+
+def _run_world(fn: Callable[..., Any], world_size: int, args: tuple, timeout_s: float, backend: str) -> list[Any]:
     ctx = mp.get_context("fork")
     listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     listener.bind((_HOST, 0))
-    listener.listen(world_size)  # clients that connect before rank 0 serves wait in the backlog
+    listener.listen(128)  # clients that connect before rank 0 serves wait in the backlog
+    relay = _Relay(world_size)
     procs: list[mp.Process] = []
     conns: dict[mp.connection.Connection, int] = {}
     finished = False
@@ -120,7 +218,7 @@ def run_ranks(
             parent_end, child_end = ctx.Pipe(duplex=False)
             p = ctx.Process(
                 target=_child,
-                args=(child_end, listener, rank, world_size, backend, timeout_s, fn, args),
+                args=(child_end, listener, relay.paths[rank], rank, world_size, backend, timeout_s, fn, args),
                 name=f"autopar-rank{rank}",
                 daemon=True,
             )
@@ -135,10 +233,11 @@ def run_ranks(
         deadline = time.monotonic() + timeout_s
         while conns and not errors and not dead:
             left_s = deadline - time.monotonic()
-            ready = mp.connection.wait(list(conns), timeout=max(left_s, 0.0))
-            if not ready:
+            if left_s <= 0:
                 missing = sorted(conns.values())
                 raise RankError(f"ranks {missing} of {world_size} did not finish within timeout_s={timeout_s}; raise timeout_s or look for a collective only some ranks call", rank=missing[0])
+            ready = mp.connection.wait(list(conns), timeout=min(left_s, _POLL_S))
+            relay.pump()
             for conn in ready:
                 rank = conns.pop(conn)
                 try:
@@ -146,6 +245,8 @@ def run_ranks(
                 except EOFError:
                     dead.append(rank)
                     continue
+                if msg[0] == "rendezvous":
+                    raise _RendezvousFailed(f"rank {rank}: {msg[1]}")
                 if msg[0] == "error":
                     errors.append((msg[3], rank, msg[1], msg[2]))
                 else:
@@ -159,7 +260,9 @@ def run_ranks(
                 if not errors:
                     rank = dead[0]
                     code = procs[rank].join(1.0) or procs[rank].exitcode
-                    raise RankError(f"rank {rank} died without a result (exit code {code})", rank=rank)
+                    tail = relay.tail(rank)
+                    said = f"; its last words on stderr:\n{tail}" if tail else ""
+                    raise RankError(f"rank {rank} died without a result (exit code {code}){said}", rank=rank)
         if errors:
             errors += _reports(conns, timeout_s=1.0)  # give the peers a moment to report too; blame the earliest
             _, rank, text, tb = min(errors)
@@ -178,6 +281,7 @@ def run_ranks(
         for conn in conns:
             conn.close()
         listener.close()
+        relay.close()
 
 
 def init_from_env(timeout_s: float = 600.0) -> tuple[int, int, torch.device]:
