@@ -48,6 +48,7 @@ from autopar.codegen.exchanges import exchanges_activations
 from autopar.codegen.lower import LoweringInfo, lower, share_tree
 from autopar.codegen.shapes import LoweringError
 from autopar.errors import AlreadyParallelError, TraceError
+from autopar.runtime import arrival
 from autopar.runtime.arrival import all_ranks_make
 from autopar.runtime.batch import batch_slice, global_like, slice_leaves
 from autopar.runtime.deferred_loss import grads_scaled_by, other_output
@@ -141,6 +142,9 @@ class ParallelModule(nn.Module, Joinable):
         # and each change of mode (training, gradients) wait for every rank to make the same one (`runtime.arrival`).
         self._modes_must_agree = math.prod(mesh.shape) > 1 and not self._inputs_must_agree and traced.loss_index is not None
         self._mode: tuple[bool, bool] | None = None  # (training, gradients on) of the last forward checked
+        # how long a checked call (`runtime.arrival`: state dicts, checkpoints, each change of mode) waits for the
+        # other ranks before raising, naming those that did not come
+        self.call_timeout_s = arrival.TIMEOUT_S
         # each parameter's requires_grad is part of a graph's signature: freezing or unfreezing one after
         # `parallelize` lowers a graph whose backward follows the new flags (and rebuilds the sync)
         self._param_slots = [first.state_slots[i] for i in first.param_positions]
@@ -321,7 +325,7 @@ class ParallelModule(nn.Module, Joinable):
         if self._inputs_must_agree:
             agree(_described(key), self.mesh.cpu_group, _mode_text(mode))
         elif self._modes_must_agree and mode != self._mode and not in_join:  # a training step, checked above
-            all_ranks_make(f"pm(...) in {_mode_text(mode)}")
+            all_ranks_make(f"pm(...) in {_mode_text(mode)}", self.call_timeout_s)
             self._mode = mode
         if key != self._key:
             self._use_graph_for(key, flat, spec)
@@ -498,7 +502,7 @@ class ParallelModule(nn.Module, Joinable):
         if self._on_meta:  # (every rank alike: raised before meeting the others)
             raise LoweringError("pm.apply(fn) gathers each module's tensors whole, and the parameters are on the meta "
                                 "device (the model was built on meta): call pm.to_empty(device=...) first, then pm.apply(fn)")
-        all_ranks_make("pm.apply(fn)")
+        all_ranks_make("pm.apply(fn)", self.call_timeout_s)
         self._apply_whole(self, "", fn, self._specs())
         return self
 
@@ -587,7 +591,7 @@ class ParallelModule(nn.Module, Joinable):
         """Before `what` gathers split tensors, every rank must be making it (a plan that splits none gathers
         nothing: rank 0 alone may call it, as under DDP)."""
         if any(not spec.is_replicate() for spec in specs.values()):
-            all_ranks_make(what)
+            all_ranks_make(what, self.call_timeout_s)
 
     def optimizer_state_dict(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
         """`optimizer`'s state as one device's, full tensors by parameter name, on every rank (a collective):
@@ -612,7 +616,7 @@ class ParallelModule(nn.Module, Joinable):
         background: return once the state is copied aside and write it while training goes on; the returned
         future completes when the files are written (the next save or load waits for it first)."""
         local, specs = self._shard_specs()
-        all_ranks_make(f"pm.save_checkpoint({os.fspath(path)!r})")
+        all_ranks_make(f"pm.save_checkpoint({os.fspath(path)!r})", self.call_timeout_s)
         osd = None if optimizer is None else get_optimizer_state_dict(self, optimizer)
         extra = {**(extra or {}), _MASKS_RNG: rng.masks_state()}  # so a resumed run draws the masks it would have
         return save_sharded(local, specs, self.mesh, path, osd, extra, background)
@@ -623,7 +627,7 @@ class ParallelModule(nn.Module, Joinable):
         under any plan or mesh, or by torch's `dcp.save` of one device's `get_state_dict` (a collective).
         extra: a dict with the keys of the saved `extra` to read; each value is replaced in place."""
         local, specs = self._shard_specs()
-        all_ranks_make(f"pm.load_checkpoint({os.fspath(path)!r})")
+        all_ranks_make(f"pm.load_checkpoint({os.fspath(path)!r})", self.call_timeout_s)
         osd = None if optimizer is None else get_optimizer_state_dict(self, optimizer)
         wanted = dict(extra or {})
         if _MASKS_RNG in saved_extra(path):  # (a checkpoint of torch's `dcp.save` or an older one has none)
