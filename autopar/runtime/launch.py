@@ -32,8 +32,9 @@ import sys
 import tempfile
 import time
 import traceback
+from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any, Callable
+from typing import Any, Callable, Collection
 
 import torch
 import torch.distributed as dist
@@ -76,7 +77,8 @@ def _own_stderr(path: str) -> None:
         faulthandler.enable(file=sys.stderr, all_threads=True)
 
 
-def _rendezvous(listener: socket.socket, rank: int, world_size: int, backend: str, timeout_s: float) -> None:
+def _rendezvous(listener: socket.socket, rank: int, world_size: int, backend: str, timeout_s: float,
+                group_timeout_s: float) -> None:
     """Join the world's process group; return once every rank has (no rank runs fn before)."""
     port = listener.getsockname()[1]
     if rank == 0:
@@ -85,7 +87,8 @@ def _rendezvous(listener: socket.socket, rank: int, world_size: int, backend: st
     else:
         listener.close()
         store = dist.TCPStore(_HOST, port, world_size, is_master=False, timeout=timedelta(seconds=timeout_s))
-    dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timedelta(seconds=timeout_s))
+    dist.init_process_group(backend, store=store, rank=rank, world_size=world_size,
+                            timeout=timedelta(seconds=group_timeout_s))
     if store.add(_READY_KEY, 1) == world_size:
         store.set(_GO_KEY, "")
     store.wait([_GO_KEY])
@@ -99,6 +102,7 @@ def _child(
     world_size: int,
     backend: str,
     timeout_s: float,
+    group_timeout_s: float,
     fn: Callable[..., Any],
     args: tuple,
 ) -> None:
@@ -107,7 +111,7 @@ def _child(
     torch.set_num_threads(1)
     phase = "rendezvous"
     try:
-        _rendezvous(listener, rank, world_size, backend, timeout_s)
+        _rendezvous(listener, rank, world_size, backend, timeout_s, group_timeout_s)
         phase = "error"
         result = fn(rank, world_size, *args)
         dist.destroy_process_group()
@@ -156,6 +160,13 @@ class _Relay:
         self._dir.cleanup()
 
 
+@dataclass(frozen=True)
+class RankDied:
+    """The result of a rank `run_ranks` was told may die (`may_die`) and did, without a word."""
+
+    exit_code: int | None
+
+
 class _RendezvousFailed(Exception):
     """A rank's process group did not come up: the world is started again."""
 
@@ -180,6 +191,8 @@ def run_ranks(
     *args: Any,
     timeout_s: float = 60.0,
     backend: str = "gloo",
+    group_timeout_s: float | None = None,
+    may_die: Collection[int] = (),
 ) -> list[Any]:
     """Run `fn(rank, world_size, *args)` on `world_size` forked ranks and return their results by rank.
 
@@ -189,12 +202,16 @@ def run_ranks(
     traceback is raised. After `timeout_s` every rank still running is killed and a
     `RankError` names them. A world whose process group fails to come up is started
     again (module docstring).
+
+    group_timeout_s: the process group's timeout (default `timeout_s`): how long a collective waits for a
+    peer that neither sends nor closes. may_die: ranks a fault-injection test kills on purpose; one that
+    dies without a word gets a `RankDied` as its result, and the others run on to their own ends.
     """
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
     for attempt in range(1, RENDEZVOUS_ATTEMPTS + 1):
         try:
-            return _run_world(fn, world_size, args, timeout_s, backend)
+            return _run_world(fn, world_size, args, timeout_s, backend, group_timeout_s or timeout_s, frozenset(may_die))
         except _RendezvousFailed as failed:
             if attempt == RENDEZVOUS_ATTEMPTS:
                 raise RankError(f"the process group of {world_size} ranks did not come up in {attempt} attempts: "
@@ -204,7 +221,8 @@ def run_ranks(
     raise AssertionError("unreachable")
 
 
-def _run_world(fn: Callable[..., Any], world_size: int, args: tuple, timeout_s: float, backend: str) -> list[Any]:
+def _run_world(fn: Callable[..., Any], world_size: int, args: tuple, timeout_s: float, backend: str,
+               group_timeout_s: float, may_die: frozenset[int]) -> list[Any]:
     ctx = mp.get_context("fork")
     listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     listener.bind((_HOST, 0))
@@ -218,7 +236,7 @@ def _run_world(fn: Callable[..., Any], world_size: int, args: tuple, timeout_s: 
             parent_end, child_end = ctx.Pipe(duplex=False)
             p = ctx.Process(
                 target=_child,
-                args=(child_end, listener, relay.paths[rank], rank, world_size, backend, timeout_s, fn, args),
+                args=(child_end, listener, relay.paths[rank], rank, world_size, backend, timeout_s, group_timeout_s, fn, args),
                 name=f"autopar-rank{rank}",
                 daemon=True,
             )
@@ -243,7 +261,11 @@ def _run_world(fn: Callable[..., Any], world_size: int, args: tuple, timeout_s: 
                 try:
                     msg = pickle.loads(conn.recv_bytes())
                 except EOFError:
-                    dead.append(rank)
+                    if rank in may_die:
+                        procs[rank].join(1.0)
+                        results[rank] = RankDied(procs[rank].exitcode)
+                    else:
+                        dead.append(rank)
                     continue
                 if msg[0] == "rendezvous":
                     raise _RendezvousFailed(f"rank {rank}: {msg[1]}")

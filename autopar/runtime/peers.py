@@ -99,8 +99,10 @@ def collective_failed(err: BaseException, op: str, pg: dist.ProcessGroup | None)
     if "timeout" in lowered or "timed out" in lowered:
         cause = ("a peer sent nothing for the process group's timeout: it is stopped (SIGSTOP, a debugger), hung in "
                  "code of its own, or far behind (a slow data loader, a rank saving alone)")
-    else:
+    elif any(word in lowered for word in ("closed", "reset", "broken pipe", "refused", "abort")):
         cause = ("a peer closed its connection: it died (killed, out of memory, a crash) or raised an error and "
                  "exited; its own error comes first in its log")
+    else:
+        cause = "the ranks' collectives did not match (another collective or another size on some rank)"
     return CollectiveError(f"rank {dist.get_rank()}: {op} over ranks {ranks} failed: {cause}.\n"
                            f"{_peer_notes(dist.get_world_size())}\n{dist.get_backend(pg)} said: {said}")
