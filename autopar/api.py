@@ -30,6 +30,8 @@ from autopar.codegen import ParallelModule, lower
 from autopar.codegen.module import Retracer
 from autopar.errors import TraceError
 from autopar.profiler import profile
+from autopar.runtime import arrival
+from autopar.runtime.lockstep import from_rank0, on_every_rank
 from autopar.runtime.mesh import ProcessMesh
 from autopar.runtime.optimizers import replaced
 from autopar.solver import solve, solve_keeping_params
@@ -38,6 +40,7 @@ from autopar.solver.plan import Plan
 from autopar.solver.plan_io import check_plan, load_plan, plan_from_json, plan_to_json
 from autopar.tracer import TracedGraph, trace
 from autopar.tracer.batch_dims import BatchDim, BatchDimError
+from autopar.values import mesh_shape, positive
 
 log = logging.getLogger(__name__)
 
@@ -109,6 +112,7 @@ def parallelize(
     input_layout: Literal["shard", "replicate"] = "shard",
     time_limit_s: float = 30.0,
     batch_dim: BatchDim = 0,
+    call_timeout_s: float = arrival.TIMEOUT_S,
 ) -> ParallelModule:
     """Return `model` parallelized over `device_mesh` as a `ParallelModule` (local shards, same FQNs).
 
@@ -127,23 +131,41 @@ def parallelize(
       one per input shaped as `sample_input` (`(1, 0)` for `(x, labels)` with labels `(batch,)`; None for an
       input fed whole). Each rank then feeds its slice along those dims, as a DDP loop does; a non-loss output
       comes back cut along the first batched input's dim (or dim 0) where it has the batch's size there.
+    call_timeout_s: how long a call every rank must make (a state dict, a checkpoint, the first forward and each
+      change of mode) waits for the other ranks before raising `CallMismatchError`, naming those that did not
+      come and the call each was last in (`runtime.arrival`); `pm.call_timeout_s` changes it later.
+
+    Errors are raised on every rank alike: one raised while tracing or checking a plan on any rank, or while
+    solving on rank 0, so that a loop catching it and calling `parallelize` again does so on every rank.
     """
     if input_layout == "replicate" and batch_dim != 0:
         raise BatchDimError(f"batch_dim={batch_dim!r} says along which dims the ranks split the batch, but with "
                             "input_layout='replicate' every rank feeds the whole batch: leave batch_dim out, or use 'shard'")
+    if memory_budget is not None:
+        memory_budget = positive("memory_budget", memory_budget, "bytes per device, e.g. 80e9, or None for the hardware's memory")
+    time_limit_s = positive("time_limit_s", time_limit_s, "seconds per ILP search, e.g. 30.0")
+    call_timeout_s = positive("call_timeout_s", call_timeout_s, "seconds, e.g. 60.0")
+    if not isinstance(device_mesh, DeviceMesh):
+        device_mesh = mesh_shape("device_mesh", device_mesh)
     start = time.perf_counter()
     pmesh = ProcessMesh(device_mesh)
     device = _capture_device(pmesh)
-    traced = trace(*capture_copy(model, sample_input, device), batch_dim=batch_dim)
-    if plan is None:
-        plan = _solve_on_rank0(traced, pmesh, memory_budget, hardware, optimizer, time_limit_s)
-    else:
-        if not isinstance(plan, Plan):
-            plan = load_plan(plan)
+
+    def traced_and_checked() -> tuple[TracedGraph, Plan | None]:
+        traced = trace(*capture_copy(model, sample_input, device), batch_dim=batch_dim)
+        if plan is None:
+            return traced, None
+        given = plan if isinstance(plan, Plan) else load_plan(plan)
         # Checked against the mesh we run on (the plan's hardware numbers, this world's shape), so a plan
         # made for another device count fails here, naming the mesh, rather than somewhere in lowering.
-        running = plan.mesh.with_shape(pmesh.shape, pmesh.axis_names)
-        check_plan(plan, traced, running, plan.fingerprint.budget_bytes)
+        running = given.mesh.with_shape(pmesh.shape, pmesh.axis_names)
+        check_plan(given, traced, running, given.fingerprint.budget_bytes)
+        return traced, given
+
+    # an error on any rank (a trace that fails, a plan that does not match) is raised on every rank, as is the
+    # solver's on rank 0: a loop that catches it and tries again starts again on every rank at once
+    traced, given = on_every_rank(traced_and_checked)
+    plan = given or _solve_on_rank0(traced, pmesh, memory_budget, hardware, optimizer, time_limit_s)
     gm = lower(
         traced, plan, pmesh,
         params=dict(model.named_parameters(remove_duplicate=False)),
@@ -163,6 +185,7 @@ def parallelize(
                         "in the graph), and do not run in the parallel module's forward, which calls ops, not modules: "
                         "read activations from the module's outputs instead", hooked[:5])
     pm = ParallelModule(gm, traced, pmesh, plan, make_retracer(model, sample_input, device, optimizer, time_limit_s, batch_dim))
+    pm.call_timeout_s = call_timeout_s
     dress_like(pm, model)  # submodules of the model's classes: code that sorts parameters by module type
     replaced(model, pm)  # an optimizer made from the model's parameters is refused at its first step
     _warn_when_read_stale(model, pm)
@@ -246,7 +269,6 @@ def _solve_on_rank0(traced: TracedGraph, pmesh: ProcessMesh, memory_budget: floa
 
 
 def _on_rank0(make_plan: Callable[[], Plan]) -> Plan:
-    """The plan rank 0 makes, on every rank (as JSON): a time-limited ILP need not agree across ranks."""
-    text = [plan_to_json(make_plan()) if dist.get_rank() == 0 else None]
-    dist.broadcast_object_list(text, src=0)
-    return plan_from_json(text[0])
+    """The plan rank 0 makes, on every rank (as JSON): a time-limited ILP need not agree across ranks. What it
+    raises (no plan fits the budget) is raised on every rank."""
+    return from_rank0(make_plan, plan_to_json, plan_from_json)

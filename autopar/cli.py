@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import logging
+import math
 import sys
 import traceback
 from typing import Iterator, Sequence
@@ -26,14 +27,25 @@ from rich.logging import RichHandler
 from autopar.errors import AutoparError, InfeasibleError, UsageError
 from autopar.report.console import err_console
 from autopar.report.units import fmt_bytes, parse_bytes
+from autopar.values import positive
 
 
 # ---------------------------------------------------------------- argument values
 def _memory(text: str) -> float:
     try:
-        return parse_bytes(text)
+        value = parse_bytes(text)
     except ValueError as err:
         raise argparse.ArgumentTypeError(str(err)) from None
+    if not math.isfinite(value):  # 1e400 reads as inf
+        raise argparse.ArgumentTypeError(f"memory size {text!r} is not a finite number; write e.g. 80GB")
+    return value
+
+
+def _seconds(text: str) -> float:
+    try:
+        return positive("--time-limit", float(text), "seconds, e.g. 30")
+    except ValueError as err:  # float()'s own or positive's
+        raise argparse.ArgumentTypeError(f"cannot take {text!r} as a time limit: {err}") from None
 
 
 def _mesh_shape(text: str) -> tuple[int, ...]:
@@ -81,7 +93,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--memory", type=_memory, help="per-device budget: 80GB (10^9 bytes), 80GiB (2^30 bytes), 512MB or plain bytes; default: the device's memory")
     p.add_argument("--optimizer", default="adamw", help="optimizer whose state is budgeted: adamw, adam, sgd, sgd-momentum, adafactor, muon "
                    "(the last two read whole matrices: their plans keep every parameter whole)")
-    p.add_argument("--time-limit", type=float, default=30.0,
+    p.add_argument("--time-limit", type=_seconds, default=30.0,
                    help="seconds per ILP search (a budget the first search finds no plan for gets two more: the leanest plan, then the fastest from it)")
     p.add_argument("--save", help="write the plan to this JSON file")
     p.add_argument("--load", help="reuse this plan file (checked against the model) instead of solving")
