@@ -59,6 +59,7 @@ from autopar.runtime.grad_sync import GradSync
 from autopar.runtime.mesh import ProcessMesh
 from autopar.runtime.same_inputs import agree
 from autopar.runtime.state_dict import (
+    checkpoint_to_load,
     full_state_dict,
     gather_full,
     gather_optimizer_state,
@@ -607,38 +608,48 @@ class ParallelModule(nn.Module, Joinable):
         set_optimizer_state_dict(self, optimizer, shard_optimizer_state(state_dict, local, specs, self.mesh))
 
     def save_checkpoint(self, path: str | os.PathLike, optimizer: torch.optim.Optimizer | None = None,
-                        extra: dict[str, Any] | None = None, background: bool = False) -> Future | None:
-        """Write this module's parameters and buffers and `optimizer`'s state with torch.distributed.checkpoint,
-        each rank its shards (a collective). It loads under any plan or mesh (`load_checkpoint`) and into one
-        device's model and optimizer with torch alone (keys "model" and "optim", as torch's `get_state_dict`).
+                        extra: dict[str, Any] | None = None, background: bool = False,
+                        keep_last: int = 2) -> Future | None:
+        """Write this module's parameters and buffers and `optimizer`'s state as the next checkpoint under the
+        directory `path`, each rank its shards with torch.distributed.checkpoint (a collective). The checkpoint
+        is published whole or not at all (`runtime.checkpoints`: a crash at any moment leaves the checkpoints
+        before it as they were), and the newest `keep_last` are kept. It loads under any plan or mesh
+        (`load_checkpoint(path)`: the newest) and into one device's model and optimizer with torch alone
+        (`dcp.load` of `runtime.checkpoints.latest_checkpoint(path)`, keys "model" and "optim", as torch's
+        `get_state_dict`).
         extra: other state every rank holds alike, saved under "extra" (the loop's step, a scheduler's
-        `state_dict()`, a data generator's state).
+        `state_dict()`, a data generator's state): tensors, numbers, strings, and lists and dicts of them.
         background: return once the state is copied aside and write it while training goes on; the returned
-        future completes when the files are written (the next save or load waits for it first)."""
+        future completes when the checkpoint is published (the next save or load waits for it first)."""
         local, specs = self._shard_specs()
         all_ranks_make(f"pm.save_checkpoint({os.fspath(path)!r})", self.call_timeout_s)
         osd = None if optimizer is None else get_optimizer_state_dict(self, optimizer)
         extra = {**(extra or {}), _MASKS_RNG: rng.masks_state()}  # so a resumed run draws the masks it would have
-        return save_sharded(local, specs, self.mesh, path, osd, extra, background)
+        return save_sharded(local, specs, self.mesh, path, osd, extra, background, keep_last)
 
     def load_checkpoint(self, path: str | os.PathLike, optimizer: torch.optim.Optimizer | None = None,
-                        extra: dict[str, Any] | None = None) -> None:
-        """Fill the parameters, buffers and `optimizer`'s state from a checkpoint written by `save_checkpoint`
-        under any plan or mesh, or by torch's `dcp.save` of one device's `get_state_dict` (a collective).
-        extra: a dict with the keys of the saved `extra` to read; each value is replaced in place."""
+                        extra: dict[str, Any] | None = None) -> str:
+        """Fill the parameters, buffers and `optimizer`'s state from the newest checkpoint `save_checkpoint` wrote
+        under `path` under any plan or mesh, or from `path` itself when it is one checkpoint (torch's `dcp.save` of
+        one device's `get_state_dict`, a Hugging Face model directory) (a collective). Every file is checked against
+        the checksums saved with it first: a corrupt checkpoint raises, naming the file and tensor, and loads nothing.
+        extra: a dict with the keys of the saved `extra` to read; each value is replaced in place.
+        Returns the directory read."""
         local, specs = self._shard_specs()
         all_ranks_make(f"pm.load_checkpoint({os.fspath(path)!r})", self.call_timeout_s)
+        directory = checkpoint_to_load(path)
         osd = None if optimizer is None else get_optimizer_state_dict(self, optimizer)
         wanted = dict(extra or {})
-        if _MASKS_RNG in saved_extra(path):  # (a checkpoint of torch's `dcp.save` or an older one has none)
+        if _MASKS_RNG in saved_extra(directory):  # (a checkpoint of torch's `dcp.save` or an older one has none)
             wanted[_MASKS_RNG] = rng.masks_state()
-        loaded = load_sharded(local, specs, self.mesh, path, osd, wanted or extra)
+        loaded = load_sharded(local, specs, self.mesh, directory, osd, wanted or extra)
         if _MASKS_RNG in wanted:
             rng.set_masks_state(wanted.pop(_MASKS_RNG))
         if extra:
             extra.update(wanted)
         if optimizer is not None:
             set_optimizer_state_dict(self, optimizer, loaded)
+        return directory
 
 
 def _signature(flat: list[Any], spec: pytree.TreeSpec, training: bool, trainable: tuple[bool, ...],

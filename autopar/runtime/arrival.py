@@ -132,7 +132,9 @@ def _wait(store: dist.Store, key: str, what: str, rank: int, world: int, timeout
 
 def _missing(store: dist.Store, key: str, what: str, rank: int, world: int, waited_s: float) -> str:
     missing = sorted(set(range(world)) - set(_calls(store, key)))
-    return (f"rank {rank} has waited {waited_s:.0f} s in {what} for ranks {missing}, which have not made it: it is a "
+    number = key.rsplit("/", 1)[1]
+    return (f"rank {rank} has waited {waited_s:.0f} s in {what} (checked call {number}) for ranks {missing}, which have "
+            f"not made it: it is a "
             f"collective, which every rank makes. Where each rank was last:\n{peers.describe_ranks(store, world, missing)}\n"
             f"A rank that died or raised makes no more calls: look for its error first. {ADVICE}")
 

@@ -59,12 +59,12 @@ def test_a_state_dict_and_an_evaluation_on_rank_0_alone_are_refused_naming_the_c
 
     # the gather of fc1's shards: rank 1 trains on, rank 0 waits, warns, then raises
     error = _error_of(model, sample, traced, split_weight, lambda pm, opt: pm.state_dict())
-    assert re.search(r"rank 0 raised CallMismatchError: rank 0 has waited \d s in pm\.state_dict\(\) for ranks \[1\]", error)
+    assert re.search(r"rank 0 raised CallMismatchError: rank 0 has waited \d s in pm\.state_dict\(\) \(checked call \d\) for ranks \[1\]", error)
     assert "sd = pm.state_dict()` on every rank" in error and "rank 0 has waited" in error.split("[warned:")[1]
 
     # data parallel: the evaluation's loss all-reduce would meet rank 1's next training step
     error = _error_of(model, sample, traced, data_parallel, lambda pm, opt: _evaluate(pm, sample))
-    assert "in pm(...) in eval mode with gradients off for ranks [1]" in error and "evaluate on every rank" in error
+    assert "in pm(...) in eval mode with gradients off (checked call 1) for ranks [1]" in error and "evaluate on every rank" in error
 
     # a plan that exchanges activations: both forwards' input checks meet, and both ranks raise at once
     error = _error_of(model, sample, traced, tensor_parallel, lambda pm, opt: _evaluate(pm, sample))
@@ -123,7 +123,7 @@ def test_a_rank_that_stays_away_is_named_with_its_last_call_within_the_timeout()
     model, sample, traced, _, split_weight, _ = classifier_case()
     error, waited_s = run_ranks(_one_rank_away, 2, model, sample, traced, split_weight, 2.0, timeout_s=60)[0]
     assert 2.0 <= waited_s < 5.0
-    assert "in pm.state_dict() for ranks [1], which have not made it" in error
+    assert "in pm.state_dict() (checked call 1) for ranks [1], which have not made it" in error
     assert "rank 1: last in pm(...) in training mode with gradients on (checked call 0)" in error
 
 
