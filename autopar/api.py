@@ -28,7 +28,7 @@ from torch.utils import _pytree as pytree
 from autopar.codegen.module_tree import dress_like
 from autopar.codegen import ParallelModule, lower
 from autopar.codegen.module import Retracer
-from autopar.errors import TraceError
+from autopar.errors import InvalidValueError, TraceError
 from autopar.profiler import profile
 from autopar.runtime import arrival
 from autopar.runtime.lockstep import from_rank0, on_every_rank
@@ -113,6 +113,7 @@ def parallelize(
     time_limit_s: float = 30.0,
     batch_dim: BatchDim = 0,
     call_timeout_s: float = arrival.TIMEOUT_S,
+    drift_check_every: int = 100,
 ) -> ParallelModule:
     """Return `model` parallelized over `device_mesh` as a `ParallelModule` (local shards, same FQNs).
 
@@ -134,6 +135,9 @@ def parallelize(
     call_timeout_s: how long a call every rank must make (a state dict, a checkpoint, the first forward and each
       change of mode) waits for the other ranks before raising `CallMismatchError`, naming those that did not
       come and the call each was last in (`runtime.arrival`); `pm.call_timeout_s` changes it later.
+    drift_check_every: compare the copies of every replicated parameter across ranks every this many training
+      forwards (`runtime.drift`: a checksum each), raising `DriftError` naming the parameter when they differ;
+      0: only before each save, where it always runs. `pm.drift_check_every` changes it later.
 
     Errors are raised on every rank alike: one raised while tracing or checking a plan on any rank, or while
     solving on rank 0, so that a loop catching it and calling `parallelize` again does so on every rank.
@@ -145,6 +149,9 @@ def parallelize(
         memory_budget = positive("memory_budget", memory_budget, "bytes per device, e.g. 80e9, or None for the hardware's memory")
     time_limit_s = positive("time_limit_s", time_limit_s, "seconds per ILP search, e.g. 30.0")
     call_timeout_s = positive("call_timeout_s", call_timeout_s, "seconds, e.g. 60.0")
+    if isinstance(drift_check_every, bool) or not isinstance(drift_check_every, int) or drift_check_every < 0:
+        raise InvalidValueError(f"drift_check_every={drift_check_every!r}: a whole number of training steps, e.g. "
+                                "100, or 0 to compare replicated parameters only before each save")
     if not isinstance(device_mesh, DeviceMesh):
         device_mesh = mesh_shape("device_mesh", device_mesh)
     start = time.perf_counter()
@@ -186,6 +193,7 @@ def parallelize(
                         "read activations from the module's outputs instead", hooked[:5])
     pm = ParallelModule(gm, traced, pmesh, plan, make_retracer(model, sample_input, device, optimizer, time_limit_s, batch_dim))
     pm.call_timeout_s = call_timeout_s
+    pm.drift_check_every = drift_check_every
     dress_like(pm, model)  # submodules of the model's classes: code that sorts parameters by module type
     replaced(model, pm)  # an optimizer made from the model's parameters is refused at its first step
     _warn_when_read_stale(model, pm)
