@@ -106,7 +106,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("explain", parents=[common], help="why a node or module got its strategy, with each alternative's cost")
     p.add_argument("plan", help="plan.json")
     p.add_argument("target", help="node name, parameter FQN or module path")
-    p.add_argument("--model", help="MODEL.py to price alternatives with (default: the one recorded in the plan)")
+    p.add_argument("--model", help="MODEL.py to price alternatives with (the file a plan records is never imported: "
+                   "pass it here; a plan of a --hf-config preset is priced without)")
 
     p = sub.add_parser("diff", parents=[common], help="what changed between two plans and the predicted effect")
     p.add_argument("a", help="first plan.json")
