@@ -1,6 +1,6 @@
 """What a rank knows of the others when a collective fails: the call each was last in, the errors they raised.
 
-    note_call(number, "pm.save_checkpoint('ck')")   # `runtime.arrival`, at each checked call
+    note_call(store(), number, "pm.save_checkpoint('ck')")   # `runtime.arrival`, at each checked call
     note_failure("CallMismatchError: ...")          # before this rank raises an error its peers will meet
     raise collective_failed(err, "all-reduce", pg)  # a gloo/NCCL error with autopar's words on top
 
