@@ -193,22 +193,22 @@ class _Touch:
 
 
 def _resume_after_kill(rank, world, argv, killed_at_save):
-    """examples/train.py; rank 1 killed as its `killed_at_save`-th save starts."""
-    if rank == 1 and killed_at_save:
-        save, calls = autopar.codegen.module.ParallelModule.save_checkpoint, []
+    """examples/train.py; rank 1 killed as its `killed_at_save`-th save starts. The time to error runs from the
+    start of the last save rank 0 began."""
+    save, started = autopar.codegen.module.ParallelModule.save_checkpoint, []
 
-        def save_or_die(self, *args, **kwargs):
-            calls.append(1)
-            if len(calls) == killed_at_save:
-                _die()
-            return save(self, *args, **kwargs)
-        autopar.codegen.module.ParallelModule.save_checkpoint = save_or_die
-    start = time.monotonic()
+    def save_or_die(self, *args, **kwargs):
+        started.append(time.monotonic())
+        if rank == 1 and len(started) == killed_at_save:
+            _die()
+        return save(self, *args, **kwargs)
+    autopar.codegen.module.ParallelModule.save_checkpoint = save_or_die
     losses: list[float] = []
-
-    def train():
+    try:
         losses.extend(TRAIN.train(TRAIN.parse_args(argv)))
-    return losses, _caught(train, start)
+    except Exception as err:  # noqa: BLE001 -- what the user sees is the measurement
+        return losses, (type(err).__name__, _opening(str(err)), time.monotonic() - started[-1])
+    return losses, None
 
 
 def _train_py_row(tmp: Path) -> Row:
