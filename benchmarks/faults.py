@@ -35,7 +35,7 @@ import autopar
 from autopar.cli import main as cli_main
 from autopar.model_file import import_model_file
 from autopar.runtime.checkpoints import latest_checkpoint
-from autopar.runtime.launch import RankDied, run_ranks
+from autopar.runtime.launch import run_ranks
 from autopar.solver.plan import PlanSource
 from autopar.solver.plan_io import load_plan, plan_to_json, save_plan
 
