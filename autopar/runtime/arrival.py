@@ -134,8 +134,8 @@ def _missing(store: dist.Store, key: str, what: str, rank: int, world: int, wait
     missing = sorted(set(range(world)) - set(_calls(store, key)))
     number = key.rsplit("/", 1)[1]
     return (f"rank {rank} has waited {waited_s:.0f} s in {what} (checked call {number}) for ranks {missing}, which have "
-            f"not made it: it is a "
-            f"collective, which every rank makes. Where each rank was last:\n{peers.describe_ranks(store, world, missing)}\n"
+            f"not made it: it is a collective, which every rank makes. Where each rank was last:\n"
+            f"{peers.describe_ranks(store, world, missing)}\n"
             f"A rank that died or raised makes no more calls: look for its error first. {ADVICE}")
 
 

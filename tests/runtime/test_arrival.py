@@ -32,9 +32,9 @@ def _evaluate(pm, sample):
 
 def _one_rank_calls(rank, world, model, sample, traced, plan, call_on_rank0, call_on_rank1):
     pm = parallel_module(model, sample, traced, plan, ProcessMesh((world,)), retrace=True)
-    pm.call_timeout_s = 1.5
     opt = torch.optim.SGD(pm.parameters(), lr=0.1)
-    step(pm, opt, sample)
+    step(pm, opt, sample)  # (its first forward's check waits the default: ranks lower at their own pace)
+    pm.call_timeout_s = 1.5
     log = LogRecords("autopar.runtime.arrival")
     try:
         if rank == 0:
@@ -104,9 +104,9 @@ def test_different_calls_raise_on_every_rank_at_once():
 def _one_rank_away(rank, world, model, sample, traced, plan, timeout_s):
     """Rank 1 trains a step and stays away (as a rank that died or hangs would); rank 0 saves a checkpoint."""
     pm = parallel_module(model, sample, traced, plan, ProcessMesh((world,)))
-    pm.call_timeout_s = timeout_s
     opt = torch.optim.SGD(pm.parameters(), lr=0.1)
     step(pm, opt, sample)
+    pm.call_timeout_s = timeout_s
     if rank == 1:
         torch.distributed.barrier()  # met once rank 0 has raised
         return None
@@ -122,7 +122,7 @@ def _one_rank_away(rank, world, model, sample, traced, plan, timeout_s):
 def test_a_rank_that_stays_away_is_named_with_its_last_call_within_the_timeout():
     model, sample, traced, _, split_weight, _ = classifier_case()
     error, waited_s = run_ranks(_one_rank_away, 2, model, sample, traced, split_weight, 2.0, timeout_s=60)[0]
-    assert 2.0 <= waited_s < 5.0
+    assert 2.0 <= waited_s < 10.0
     assert "in pm.state_dict() (checked call 1) for ranks [1], which have not made it" in error
     assert "rank 1: last in pm(...) in training mode with gradients on (checked call 0)" in error
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import pickle
+import re
 import signal
 import time
 from pathlib import Path
@@ -30,8 +31,8 @@ from autopar.runtime.mesh import ProcessMesh
 from autopar.runtime.state_dict import StateDictError
 
 LR = 0.05
-CALL_TIMEOUT_S = 1.0  # survivors of a rank that died before the save wait this long at its arrival check
-GROUP_TIMEOUT_S = 10.0
+CALL_TIMEOUT_S = 3.0  # survivors of a rank that died before the save wait this long at its arrival check
+GROUP_TIMEOUT_S = 15.0  # never reached: a killed rank's connections close at once
 
 
 def _split_weight_plan(traced, world: int):
@@ -64,11 +65,11 @@ def _train_save_and_crash(rank, world, model, sample, traced, plan, root, phase,
     """Step, save (step 1), step, save again (step 2) with rank `victim` killed at `phase` of that save. The
     survivors return what they saw and how long it took."""
     pm = parallel_module(model, sample, traced, plan, ProcessMesh((world,)))
-    pm.call_timeout_s = CALL_TIMEOUT_S
     opt = torch.optim.AdamW(pm.parameters(), lr=LR)
     step(pm, opt, sample)
     pm.save_checkpoint(root, opt, extra={"step": 1})
     step(pm, opt, sample)
+    pm.call_timeout_s = CALL_TIMEOUT_S  # (short for the save a rank misses, not before: ranks lower at their own pace)
     if rank == victim:
         if phase == "before":
             os.kill(os.getpid(), signal.SIGKILL)
@@ -149,7 +150,7 @@ def test_a_rank_killed_at_any_point_of_a_save_leaves_the_last_complete_checkpoin
             kind, message, waited_s = survivor
             assert waited_s < GROUP_TIMEOUT_S, (case, waited_s)
             if phase == "before":
-                assert kind == "CallMismatchError" and f"(checked call 2) for ranks [{victim}], which have not made it" in message, case
+                assert kind == "CallMismatchError" and re.search(rf"\(checked call 2\) for ranks \[[\d, ]*{victim}\], which have not made it", message), case
             else:
                 assert kind == "CheckpointError" and "was not published" in message, (case, message)
                 assert "ckpt-000001" in message, (case, message)  # the one a resumed run loads

@@ -17,7 +17,7 @@ from autopar.errors import CollectiveError
 from autopar.runtime.launch import RankDied, run_ranks
 from autopar.runtime.mesh import ProcessMesh
 
-GROUP_TIMEOUT_S = 4.0
+GROUP_TIMEOUT_S = 10.0  # a stopped peer is reported then; long enough for a loaded host's healthy steps
 
 
 def _lose_rank_1(rank, world, model, sample, traced, plan, how):
