@@ -33,13 +33,15 @@ from autopar.profiler import profile
 from autopar.runtime import arrival
 from autopar.runtime.lockstep import from_rank0, on_every_rank
 from autopar.runtime.mesh import ProcessMesh
-from autopar.runtime.optimizers import replaced
+from autopar.runtime.optimizers import alike_by_design, replaced
 from autopar.solver import solve, solve_keeping_params
-from autopar.solver.mesh import Mesh, make_mesh
+from autopar.solver.mesh import Mesh, Precision, make_mesh, preset_for_device
 from autopar.solver.plan import Plan
 from autopar.solver.plan_io import check_plan, load_plan, plan_from_json, plan_to_json
 from autopar.tracer import TracedGraph, trace
 from autopar.tracer.batch_dims import BatchDim, BatchDimError
+from autopar.tracer.closures import rebind_closures
+from autopar.tracer.lifted import link_lifted_state
 from autopar.values import mesh_shape, positive
 
 log = logging.getLogger(__name__)
@@ -86,7 +88,18 @@ def capture_copy(model: nn.Module, sample: Any, device: str = "meta",
                 # computes it again at every forward, so the copy takes a placeholder of its shape
                 weight = getattr(module, hook.name)
                 memo.setdefault(id(weight), make(weight.detach()))
-    return copy.deepcopy(model, memo), pytree.tree_map_only(torch.Tensor, make, sample)
+    copied = copy.deepcopy(model, memo)
+    rebind_closures(copied, memo)  # a lambda over a submodule (minGPT's `mlpf`) reads the copy's, not the model's
+    return copied, pytree.tree_map_only(torch.Tensor, make, sample)
+
+
+def trace_copy(model: nn.Module, sample: Any, device: str, dtypes: Mapping[str, torch.dtype] | None = None,
+               owner: nn.Module | None = None, **trace_options: Any) -> TracedGraph:
+    """`model` traced on a copy (`capture_copy`), each constant the export lifted that is a parameter or buffer of
+    the copy or of `owner` (default `model`: the model whose tensors a forward may reach past its copy) read as that
+    one (`tracer.lifted`). trace_options: `trace`'s."""
+    copied, batch = capture_copy(model, sample, device, dtypes)
+    return link_lifted_state(trace(copied, batch, **trace_options), copied, model if owner is None else owner)
 
 
 def _capture_device(mesh: ProcessMesh) -> str:
@@ -120,8 +133,9 @@ def parallelize(
     sample_input: the GLOBAL batch (tensor, tuple of args, dict of kwargs, or `autopar.tracer.CallArguments(args,
         kwargs)` for both), used for tracing only.
     memory_budget: bytes per device (default: the hardware's memory).
-    hardware: a preset name of `autopar.solver.mesh.PRESETS` (default "cpu", or "h100" on CUDA) or a `Mesh`
-      whose numbers the solver uses; ignored when `plan` is given.
+    hardware: a preset name of `autopar.solver.mesh.PRESETS` (default: "cpu", or on CUDA the preset of this rank's
+      GPU by its name, `preset_for_device`) or a `Mesh` whose numbers the solver uses; ignored when `plan` is given.
+      A preset is priced at the model's math mode (`training_precision`).
     plan: a `Plan` or the path of a JSON plan file; checked against the traced model.
     input_layout: "shard": each rank feeds its contiguous slice of the global batch along dim 0
       (global_batch / world_size rows, ranks in row-major mesh order; `autopar.runtime.batch`), the
@@ -159,7 +173,7 @@ def parallelize(
     device = _capture_device(pmesh)
 
     def traced_and_checked() -> tuple[TracedGraph, Plan | None]:
-        traced = trace(*capture_copy(model, sample_input, device), batch_dim=batch_dim)
+        traced = trace_copy(model, sample_input, device, batch_dim=batch_dim)
         if plan is None:
             return traced, None
         given = plan if isinstance(plan, Plan) else load_plan(plan)
@@ -196,6 +210,7 @@ def parallelize(
     pm.drift_check_every = drift_check_every
     dress_like(pm, model)  # submodules of the model's classes: code that sorts parameters by module type
     replaced(model, pm)  # an optimizer made from the model's parameters is refused at its first step
+    pm.expect_equal_blocks(*alike_by_design(dict(model.named_parameters()), pm.param_storage(), pmesh))
     _warn_when_read_stale(model, pm)
     # code written against the model reads its plain attributes (a Hugging Face model's config, generation_config,
     # name_or_path): the parallel module has them too; its own names and the model's methods are not copied
@@ -248,12 +263,12 @@ def make_retracer(model: nn.Module, sample_input: Any, device: str, optimizer: s
 
     def traced(batch: Any, training: bool, autocast: torch.dtype | None, dtypes: Mapping[str, torch.dtype]) -> TracedGraph:
         if autocast is None:
-            return trace(*capture_copy(shape_only, batch, device, dtypes), training=training, batch_dim=batch_dim)
+            return trace_copy(shape_only, batch, device, dtypes, model, training=training, batch_dim=batch_dim)
         # autocast casts the tensors of its device type, so on GPUs the model is traced on fake CUDA tensors
         # (meta ones it would leave alone)
         cast_device = "cpu" if device == "cpu" else "cuda"
         with torch.autocast(cast_device, dtype=autocast):
-            return trace(*capture_copy(shape_only, batch, cast_device, dtypes), training=training, batch_dim=batch_dim)
+            return trace_copy(shape_only, batch, cast_device, dtypes, model, training=training, batch_dim=batch_dim)
 
     return Retracer(
         trace=traced,
@@ -270,10 +285,30 @@ def _solve_on_rank0(traced: TracedGraph, pmesh: ProcessMesh, memory_budget: floa
         if isinstance(hardware, Mesh):
             mesh = hardware.with_shape(pmesh.shape, pmesh.axis_names)
         else:
-            preset = hardware or ("h100" if torch.cuda.is_available() else "cpu")
-            mesh = make_mesh(math.prod(pmesh.shape), pmesh.shape, preset, pmesh.axis_names)
+            mesh = make_mesh(math.prod(pmesh.shape), pmesh.shape, hardware or local_preset(pmesh), pmesh.axis_names,
+                             precision=training_precision(traced))
         return solve(traced, profile(traced, optimizer=optimizer), mesh, memory_budget_bytes=memory_budget, time_limit_s=time_limit_s)
     return _on_rank0(solved)
+
+
+def local_preset(pmesh: ProcessMesh) -> str:
+    """The preset of the devices `pmesh` runs on: "cpu", or this rank's GPU's by its name (an error naming the
+    fix for a GPU no preset describes)."""
+    if pmesh.device_mesh.device_type != "cuda":
+        return "cpu"
+    device = torch.cuda.current_device()
+    return preset_for_device(torch.cuda.get_device_name(device), torch.cuda.get_device_properties(device).total_memory)
+
+
+def training_precision(traced: TracedGraph) -> Precision:
+    """The math mode the model's matmuls run in: bf16 where its floating-point parameters are all bf16 or fp16,
+    else TF32 or fp32 as torch is set for float32 matmuls (`torch.set_float32_matmul_precision`: "highest", its
+    default, keeps fp32)."""
+    values = (traced.node(name).meta.get("val") for name in traced.param_fqns)
+    dtypes = {v.dtype for v in values if isinstance(v, torch.Tensor) and v.dtype.is_floating_point}
+    if dtypes and dtypes <= {torch.bfloat16, torch.float16}:
+        return "bf16"
+    return "fp32" if torch.get_float32_matmul_precision() == "highest" else "tf32"
 
 
 def _on_rank0(make_plan: Callable[[], Plan]) -> Plan:

@@ -7,7 +7,7 @@
     autopar profile examples/gpt2.py --size tiny
     torchrun --nproc_per_node 4 -m autopar.cli calibrate --gpus 4 --save mesh.json
 
-A thin driver over trace -> profile -> solve (DESIGN.md section 1). Errors print
+A thin driver over trace -> profile -> solve (docs/design.md, section 1). Errors print
 one line of cause and one line of fix; exit code 2 for usage errors, 1 when no
 plan fits or anything else fails; tracebacks only with --debug. This module is
 the only place that configures logging handlers.
@@ -48,14 +48,14 @@ def _seconds(text: str) -> float:
         raise argparse.ArgumentTypeError(f"cannot take {text!r} as a time limit: {err}") from None
 
 
-def _mesh_shape(text: str) -> tuple[int, ...]:
+def mesh_shape(text: str) -> tuple[int, ...]:
+    """An argparse type: '2x4' -> (2, 4) (`solver.mesh.parse_mesh_shape`)."""
+    from autopar.solver.mesh import parse_mesh_shape
+
     try:
-        shape = tuple(int(x) for x in text.lower().split("x"))
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"cannot read mesh shape {text!r}; write sizes joined by x, e.g. 8 or 2x4") from None
-    if not shape or any(n < 1 for n in shape):
-        raise argparse.ArgumentTypeError(f"mesh shape {text!r} needs positive sizes, e.g. 2x4")
-    return shape
+        return parse_mesh_shape(text)
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(str(err)) from None
 
 
 def _positive(text: str) -> int:
@@ -71,7 +71,8 @@ def _positive(text: str) -> int:
 def _add_model_args(p: argparse.ArgumentParser) -> None:
     # MODEL.py is optional on the parser because --hf-config replaces it; the command checks that one is given.
     p.add_argument("model", nargs="?", help="MODEL.py defining `model` and `sample_input`, or build(batch_size, seq_len)")
-    p.add_argument("--hf-config", choices=("gpt2", "llama"), help="instead of MODEL.py: a Hugging Face preset with random weights (gpt2 = GPT-2 small, llama = LLaMA-2-7B shape)")
+    p.add_argument("--hf-config", choices=("gpt2", "llama"), help="instead of MODEL.py: a Hugging Face preset with random weights (gpt2 = GPT-2 small, llama = LLaMA-2-7B shape); "
+                   'needs transformers: pip install -e ".[hf]"')
     p.add_argument("--batch-size", type=_positive, help="passed to build(); default: the file's own")
     p.add_argument("--seq-len", type=_positive, help="passed to build(); default: the file's own")
     p.add_argument("--size", help="passed to build(size=...), e.g. tiny or small for the examples/ zoo")
@@ -88,7 +89,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("plan", parents=[common], help="plan a model's parallelization")
     _add_model_args(p)
     p.add_argument("--gpus", type=_positive, required=True, help="number of devices")
-    p.add_argument("--mesh", type=_mesh_shape, help="logical mesh shape, e.g. 2x4 (default: try every shape of --gpus)")
+    p.add_argument("--mesh", type=mesh_shape, help="logical mesh shape, e.g. 2x4 (default: try every shape of --gpus)")
     p.add_argument("--hardware", default="h100", help="preset name (h100, a100, cpu, ...) or a mesh JSON from `autopar calibrate --save`")
     p.add_argument("--memory", type=_memory, help="per-device budget: 80GB (10^9 bytes), 80GiB (2^30 bytes), 512MB or plain bytes; default: the device's memory")
     p.add_argument("--optimizer", default="adamw", help="optimizer whose state is budgeted: adamw, adam, sgd, sgd-momentum, adafactor, muon "

@@ -75,3 +75,7 @@ class CheckpointError(AutoparError):
 
 class DriftError(AutoparError):
     """Copies of a replicated parameter differ across ranks (`runtime.drift`): names the parameter."""
+
+
+class MissingDependencyError(AutoparError):
+    """An optional package a feature needs is not installed; the message names the pip command."""

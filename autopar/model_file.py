@@ -26,6 +26,7 @@ import torch
 from torch import nn
 
 from autopar.errors import ModelFileError
+from autopar.optional import install_command, require
 
 log = logging.getLogger(__name__)
 
@@ -54,6 +55,9 @@ def import_model_file(path: str | Path) -> Any:
         spec.loader.exec_module(module)
     except Exception as err:
         sys.modules.pop(name, None)
+        package = (err.name or "").split(".")[0] if isinstance(err, ModuleNotFoundError) else ""
+        if package:
+            raise ModelFileError(f"{path} imports {package!r}, which is not installed\n  fix: {install_command(package)}") from err
         raise ModelFileError(f"{path} raised {type(err).__name__} while loading: {err}\n  fix: run `python {path}` to see the full error (or add --debug)") from err
     return module
 
@@ -113,7 +117,7 @@ def load_hf_preset(name: str, batch_size: int | None = None, seq_len: int | None
     """GPT-2 small (GPT2Config()) or a LLaMA-2-7B-shape LlamaConfig, random weights on `device`."""
     if name not in HF_PRESETS:
         raise ModelFileError(f"unknown --hf-config preset {name!r}\n  fix: use one of {', '.join(HF_PRESETS)}")
-    import transformers  # optional dependency: only these presets need it
+    transformers = require("transformers", f"--hf-config {name}")  # only these presets need it
 
     if name == "gpt2":
         config = transformers.GPT2Config(use_cache=False)  # defaults are GPT-2 small, 124M

@@ -1,7 +1,7 @@
 """Train a zoo model parallelized by autopar; one process per device.
 
     torchrun --nproc_per_node 4 examples/train.py --model gpt2 --steps 10
-    torchrun --nproc_per_node 4 examples/train.py --model llama --mesh 2,2 --memory-budget-mb 4
+    torchrun --nproc_per_node 4 examples/train.py --model llama --mesh 2x2 --memory-budget-mb 4
 
 Gloo on CPU here, NCCL on GPUs unchanged. Every rank builds the same model (same
 seed), `autopar.parallelize` keeps this rank's shards, and each rank feeds its
@@ -22,6 +22,8 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
+import sys
 import time
 from pathlib import Path
 from types import ModuleType
@@ -31,6 +33,7 @@ import torch.distributed as dist
 from torch.utils import _pytree as pytree
 
 import autopar
+from autopar.cli import mesh_shape
 from autopar.model_file import import_model_file
 from autopar.runtime.checkpoints import latest_checkpoint
 from autopar.runtime.launch import init_from_env
@@ -73,15 +76,22 @@ def call(model, batch) -> torch.Tensor:
     return out if isinstance(out, torch.Tensor) else out.loss  # Hugging Face models return an output object
 
 
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str):  # every rank parses the same arguments: one message is enough
+        if os.environ.get("RANK", "0") != "0":
+            sys.exit(2)
+        super().error(message)
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = _Parser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="gpt2", help="a zoo file in examples/ (gpt2, llama, bert, vit, mlp, hf_gpt2, hf_llama)")
     ap.add_argument("--size", default="tiny", help="model size preset of the zoo file (tiny trains in seconds on CPU)")
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--batch-size", type=int, default=8, help="GLOBAL batch size (divisible by the data-parallel degree)")
     ap.add_argument("--seq-len", type=int, default=32)
     ap.add_argument("--lr", type=float, default=1e-3)
-    ap.add_argument("--mesh", default=None, help="logical mesh shape, e.g. 2,2 (default: one axis over the world)")
+    ap.add_argument("--mesh", type=mesh_shape, default=None, help="logical mesh shape, e.g. 2x2, as `autopar plan --mesh` (default: one axis over the world)")
     ap.add_argument("--memory-budget-mb", type=float, default=None, help="per-device budget for the solver (default: the hardware's memory)")
     ap.add_argument("--plan", default=None, help="a JSON plan file to use instead of solving")
     ap.add_argument("--input-layout", choices=("shard", "replicate"), default="shard")
@@ -101,14 +111,14 @@ def train(args: argparse.Namespace) -> list[float]:
     rank, world_size, device = init_from_env()
     if rank == 0:
         logging.basicConfig(level=logging.INFO, format="%(message)s")
-    mesh_shape = tuple(int(n) for n in args.mesh.split(",")) if args.mesh else (world_size,)
+    mesh = args.mesh or (world_size,)
 
     zoo = load_zoo(args.model)
     torch.manual_seed(args.seed)  # same init and same dropout stream on every rank
     model, sample = zoo.build(batch_size=args.batch_size, seq_len=args.seq_len, size=args.size, device="cpu",
                               dropout=args.dropout, seed=args.seed)
     budget = args.memory_budget_mb * 2**20 if args.memory_budget_mb else None
-    pm = autopar.parallelize(model.to(device), sample, mesh_shape, memory_budget=budget, plan=args.plan,
+    pm = autopar.parallelize(model.to(device), sample, mesh, memory_budget=budget, plan=args.plan,
                              input_layout=args.input_layout)
     del model  # the parallel module holds this rank's shards; the full model is no longer needed
     if rank == 0 and args.print_code:

@@ -60,7 +60,7 @@ def interpret_requested() -> bool:
 def _unusable_reason(tensors: list[torch.Tensor]) -> str:
     """Why the Triton path cannot run on these tensors (`_usable` or triton's import said no)."""
     if not triton_importable():
-        return "triton is not importable (install the 'kernels' extra)"
+        return "triton is not importable (install it: pip install -e \".[kernels]\")"
     bad = sorted({str(t.dtype) for t in tensors if t.dtype not in TRITON_DTYPES})
     if bad:
         return f"dtype {', '.join(bad)} has no Triton kernel (supported: float32, float16, bfloat16)"

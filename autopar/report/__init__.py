@@ -1,5 +1,6 @@
-"""Plans for people: words for shardings, the rich report, the HTML page, explain and diff.
+"""Plans for people: words for shardings, the tables the terminal and the HTML page draw, explain and diff.
 
-Everything here reads a `Plan` (plus, when given, the traced graph and profile)
-and returns plain data or text; only the CLI commands (`commands.py`, through `console.py`) print.
+Every report is made from the `Plan` alone (`summary.py` -> `tables.py` -> `render.py` / `html.py`), so
+`autopar plan`, `show`, `--json` and `--html` say the same; `explain` also prices alternatives on the
+re-traced model. Only the CLI commands (`commands.py`, through `console.py`) print.
 """

@@ -18,12 +18,12 @@ from rich.text import Text
 
 from autopar.errors import PlanMismatchError, UsageError
 from autopar.report.console import out_console, phase
-from autopar.report.explain import ExplainContext, diff, explain
-from autopar.report.html import memory_timeline, write_html
+from autopar.report.explain import ExplainContext, diff, explain, make_context
+from autopar.report.html import write_html
 from autopar.report.render import plan_report
 from autopar.report.summary import summarize
-from autopar.report.units import fmt_bytes, fmt_seconds, fmt_signed_bytes, fmt_signed_seconds
-from autopar.report.words import graph_layouts
+from autopar.report.terminal import diff_report, explain_report
+from autopar.report.units import fmt_bytes, fmt_seconds
 from autopar.solver.mesh import Mesh
 from autopar.solver.plan import Plan, PlanSource
 
@@ -54,17 +54,18 @@ def _build(source: PlanSource):
 
 def _trace_and_profile(source: PlanSource, hardware: str = ""):
     """`hardware`: the `Mesh.hardware` the plan runs on; traced as `parallelize` will trace it there."""
-    from autopar.api import capture_copy, capture_device_for
+    from autopar.api import capture_device_for, trace_copy
     from autopar.model_file import model_file_batch_dim
     from autopar.profiler import profile
     from autopar.tracer import trace
+    from autopar.tracer.lifted import link_lifted_state
 
     with phase("loading model"):
         model, sample = _build(source)
     with phase("tracing"):
         device = capture_device_for(hardware)
         batch_dim = model_file_batch_dim(source.model_file) if source.model_file else 0
-        traced = trace(*capture_copy(model, sample, device), batch_dim=batch_dim) if device != "meta" else trace(model, sample, batch_dim=batch_dim)
+        traced = trace_copy(model, sample, device, batch_dim=batch_dim) if device != "meta" else link_lifted_state(trace(model, sample, batch_dim=batch_dim), model)
     with phase("profiling"):
         prof = profile(traced, optimizer=source.optimizer)
     return traced, prof
@@ -127,10 +128,9 @@ def cmd_plan(args: Any) -> int:
         from autopar.solver.plan_io import save_plan
 
         save_plan(plan, args.save)
-    layouts = graph_layouts(traced.graph, traced.param_fqns)
-    summary = summarize(plan, layouts)
+    summary = summarize(plan)
     if args.html:
-        write_html(summary, memory_timeline(plan, prof.evaluate()), args.html)
+        write_html(summary, args.html)
     if shapes:
         summary["mesh_shapes_tried"] = [
             {"shape": list(r.shape), "step_s": r.step_s, "memory_bytes": r.memory_bytes, "error": r.error} for r in shapes
@@ -139,13 +139,19 @@ def cmd_plan(args: Any) -> int:
     return 0
 
 
+def _print(parts: list) -> Any:
+    """Each renderable on lines of its own (one `print` of several would join short ones on a line); the console."""
+    console = out_console()
+    for part in parts:
+        console.print(part)
+    return console
+
+
 def _emit(summary: dict, as_json: bool, saved: str | None = None, html: str | None = None) -> None:
     if as_json:
         sys.stdout.write(json.dumps(summary, indent=1) + "\n")
         return
-    console = out_console()
-    for part in plan_report(summary):
-        console.print(part)
+    console = _print(plan_report(summary))
     tried = summary.get("mesh_shapes_tried", [])
     if len(tried) > 1:
         console.print("Mesh shapes tried: " + ", ".join(
@@ -168,7 +174,7 @@ def cmd_show(args: Any) -> int:
     plan = _load(args.plan)
     summary = summarize(plan)
     if args.html:
-        write_html(summary, memory_timeline(plan), args.html)
+        write_html(summary, args.html)
     _emit(summary, args.json, html=args.html)
     return 0
 
@@ -178,7 +184,6 @@ def _explain_context(plan: Plan, model_file: str | None) -> ExplainContext | Non
     Hugging Face preset the plan names; None without either. The model file a plan records is never imported (a
     plan is data: whoever wrote it must not choose the code that runs), only named when --model is missing."""
     from autopar.solver.plan_io import plan_differences
-    from autopar.solver.strategies import enumerate_strategies
 
     source = plan.source or PlanSource()
     if model_file:
@@ -193,12 +198,8 @@ def _explain_context(plan: Plan, model_file: str | None) -> ExplainContext | Non
     diffs = [d for d in plan_differences(plan, traced, plan.mesh, plan.fingerprint.budget_bytes) if "mesh" not in d and "hardware" not in d]
     if diffs:
         raise PlanMismatchError(f"the plan was made for a different model than {source.model_file or source.hf_config}: {'; '.join(diffs)}\n  fix: pass --model with the file the plan was made from", tuple(diffs))
-    with phase("enumerating strategies"):
-        strategies = enumerate_strategies(traced, plan.mesh)
-    return ExplainContext(traced, prof.evaluate(), strategies)
-
-
-_MAX_ALTERNATIVES = 8  # per node in the table; --json lists them all
+    with phase("building the solver's problem"):
+        return make_context(plan, traced, prof.evaluate())
 
 
 def cmd_explain(args: Any) -> int:
@@ -210,33 +211,7 @@ def cmd_explain(args: Any) -> int:
     if args.json:
         sys.stdout.write(json.dumps(result, indent=1) + "\n")
         return 0
-    console = out_console()
-    console.print(Text(f"Mesh {result['mesh']}", style="bold"))
-    for n in result["nodes"]:
-        head = f"{n['node']} ({n['op']}) in {n['module'] or '(top level)'}: {n['strategy']}"
-        console.print(Text(head, style="bold"))
-        if "parameter" in n:
-            console.print(f"  parameter {n['parameter']}: {n['words']} (use {n['use']}, storage {n['storage']}); "
-                          "its compute is the optimizer's step on each device's block")
-        console.print(f"  output: {n['output']}; recomputed in backward: {'yes' if n['recompute'] else 'no'}")
-        alts = n.get("alternatives")
-        if not alts:
-            continue
-        t = Table(show_edge=False)
-        for col in ("", "strategy", "compute", "comm", "reshard inputs", "total", "saved/device"):
-            t.add_column(col, justify="left" if col in ("", "strategy") else "right")
-        shown = alts[:_MAX_ALTERNATIVES] + [a for a in alts[_MAX_ALTERNATIVES:] if a["chosen"]]
-        for a in shown:
-            t.add_row("chosen" if a["chosen"] else "", a["strategy"], fmt_seconds(a["compute_s"]), fmt_seconds(a["comm_s"]),
-                      fmt_seconds(a["reshard_s"]), fmt_seconds(a["total_s"]), fmt_bytes(a["saved_bytes"]), style="bold" if a["chosen"] else None)
-        console.print(t)
-        if len(alts) > len(shown):
-            console.print(f"  ... {len(alts) - len(shown)} more alternatives (--json lists all)")
-    if not result["priced"]:
-        recorded = (plan.source or PlanSource()).model_file
-        why = (f"the plan was made from {recorded}, which explain never imports from a plan file" if recorded
-               else "the plan records no model")
-        console.print(f"[dim]alternatives not priced: {why}; pass --model MODEL.py[/dim]")
+    _print(explain_report(result))
     return 0
 
 
@@ -246,30 +221,7 @@ def cmd_diff(args: Any) -> int:
     if args.json:
         sys.stdout.write(json.dumps(d, indent=1) + "\n")
         return 0
-    console = out_console()
-    if d["mesh"]["changed"]:
-        console.print(f"mesh: {d['mesh']['a']} -> {d['mesh']['b']}")
-    if not d["same_model"]:
-        console.print("[yellow]note: the plans were made for different models[/yellow]")
-    ta, dt = d["time_a"], d["time_delta"]
-    ma, dm = d["memory_a"], d["memory_delta"]
-    console.print(
-        f"step time {fmt_seconds(ta['total_s'])} -> {fmt_seconds(ta['total_s'] + dt['total_s'])} ({fmt_signed_seconds(dt['total_s'])}: "
-        f"compute {fmt_signed_seconds(dt['compute_s'])}, comm {fmt_signed_seconds(dt['comm_s'])}, recompute {fmt_signed_seconds(dt['recompute_s'])})"
-    )
-    console.print(
-        f"peak memory {fmt_bytes(ma['total_bytes'])} -> {fmt_bytes(ma['total_bytes'] + dm['total_bytes'])} ({fmt_signed_bytes(dm['total_bytes'])}: "
-        f"params {fmt_signed_bytes(dm['params_bytes'])}, optimizer {fmt_signed_bytes(dm['optimizer_bytes'])}, activations {fmt_signed_bytes(dm['activations_bytes'])})"
-    )
-    if d["layers"]:
-        t = Table(title="Changed layers", title_justify="left")
-        for col in ("module", "before (params | output | recompute)", "after"):
-            t.add_column(col, overflow="fold")
-        for row in d["layers"]:
-            t.add_row(row["module"], row["a"], row["b"])
-        console.print(t)
-    console.print(f"{len(d['nodes'])} node decisions and {len(d['params'])} parameter placements differ"
-                  + (f"; {len(d['only_in_a'])} nodes only in {args.a}, {len(d['only_in_b'])} only in {args.b}" if d["only_in_a"] or d["only_in_b"] else ""))
+    _print(diff_report(d, args.a, args.b))
     return 0
 
 

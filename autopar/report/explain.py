@@ -6,7 +6,10 @@
 Alternatives are priced with the solver's own cost model (`autopar.solver.cost`
 for compute and in-strategy collectives, `autopar.solver.reshard` for
 resharding the inputs from what their producers chose in the plan), so the
-numbers are the ones the ILP compared.
+numbers are the ones the ILP compared. An option that costs less at the node
+than the chosen one is priced once more as the whole plan with only that
+decision changed (`ilp.evaluate`): that says why it lost (it does not fit, or
+it costs more elsewhere than it saves at the node).
 """
 from __future__ import annotations
 
@@ -19,9 +22,12 @@ import torch
 from autopar.errors import AutoparError
 from autopar.profiler.types import ConcreteProfile
 from autopar.report.layers import rollup, split_block
-from autopar.report.summary import memory_dict, time_dict
-from autopar.report.words import activation_words, guess_layout, param_words
-from autopar.solver.plan import NodeDecision, Plan
+from autopar.report.summary import memory_dict, summarize, time_dict, unrecorded
+from autopar.report.tables import headline, mesh_line
+from autopar.report.units import fmt_bytes, fmt_seconds, fmt_signed_seconds
+from autopar.report.words import LAYOUT_WORDS, LEGEND, activation_words, param_words
+from autopar.solver.plan import MemoryBreakdown, NodeDecision, Plan, TimeBreakdown
+from autopar.solver.problem import Assignment, BuiltProblem
 from autopar.solver.spec import Strategy
 from autopar.tracer import TracedGraph, output_vals
 from autopar.tracer.nodes import differentiable
@@ -29,11 +35,52 @@ from autopar.tracer.nodes import differentiable
 
 @dataclass(frozen=True)
 class ExplainContext:
-    """What pricing alternatives needs beyond the plan: the re-traced model, its costs and its strategies."""
+    """What pricing alternatives needs beyond the plan: the re-traced model, its costs, its strategies, and the
+    solver's problem with one node per graph node, on which the plan with one decision changed is priced."""
 
     traced: TracedGraph
     costs: ConcreteProfile
     strategies: Mapping[str, tuple[Strategy, ...]]
+    built: BuiltProblem
+    planned: Assignment | None  # the plan on `built`; None when a decision is no strategy the solver enumerates
+
+
+def make_context(plan: Plan, traced: TracedGraph, costs: ConcreteProfile) -> ExplainContext:
+    """The context for explaining `plan` of the model `traced` (the solver's own strategies and problem, not a copy)."""
+    from autopar.solver.problem import build_problem
+    from autopar.solver.strategies import enumerate_strategies
+
+    strategies = enumerate_strategies(traced, plan.mesh)
+    built = build_problem(traced, costs, plan.mesh, strategies, plan.memory.budget_bytes, grouped=False)
+    return ExplainContext(traced, costs, strategies, built, _planned(plan, built))
+
+
+def _planned(plan: Plan, built: BuiltProblem) -> Assignment | None:
+    decisions = {d.node: d for d in plan.nodes}
+    zero = {p.node for p in plan.params if p.zero}
+    choice, recompute = [], []
+    for node in built.problem.nodes:
+        d = decisions.get(node.name)
+        options = built.strategies[node.name]
+        if d is None or d.strategy not in options:
+            return None
+        choice.append(options.index(d.strategy))
+        recompute.append(d.recompute)
+    return Assignment(tuple(choice), tuple(recompute), tuple(n.name in zero for n in built.problem.nodes))
+
+
+def _with_option(ctx: ExplainContext, node: str, k: int) -> tuple[MemoryBreakdown, TimeBreakdown]:
+    """The plan priced with graph node `node` taking its strategy `k`, every other decision as planned (ZeRO
+    storage kept where strategy `k` has one)."""
+    from autopar.solver.ilp import evaluate
+
+    a = ctx.planned
+    assert a is not None
+    v = ctx.built.grouping.cluster_of[node]
+    option = ctx.built.problem.nodes[v].options[k]
+    changed = Assignment(a.choice[:v] + (k,) + a.choice[v + 1:], a.recompute,
+                         a.zero[:v] + (a.zero[v] and option.zero is not None,) + a.zero[v + 1:])
+    return evaluate(ctx.built.problem, changed)
 
 
 def find_nodes(plan: Plan, query: str) -> tuple[NodeDecision, ...]:
@@ -106,31 +153,81 @@ def alternatives(plan: Plan, decision: NodeDecision, ctx: ExplainContext) -> lis
             "saved_bytes": saved,
             "chosen": strat == decision.strategy,
         })
+    _why_not(plan, decision, ctx, rows)
     return sorted(rows, key=lambda r: (r["total_s"], not r["chosen"]))
+
+
+def _why_not(plan: Plan, decision: NodeDecision, ctx: ExplainContext, rows: list[dict[str, Any]]) -> None:
+    """Each row's whole-plan step and peak and its `why` (`rows` in the order of the node's strategies). An option
+    dearer at the node lost there; one cheaper there is priced as the plan with this node's option changed and
+    every other decision kept (relative to the plan's own numbers): it does not fit, or what it costs elsewhere (its consumers' reshards, their gradient
+    sync) outweighs what it saves at the node."""
+    chosen = next((r for r in rows if r["chosen"]), None)
+    base = None if ctx.planned is None else evaluate_plan(ctx)
+    for k, r in enumerate(rows):
+        r.update(step_s=None, peak_bytes=None, fits=None)
+        if r["chosen"]:
+            r.update(step_s=plan.time.total_s, peak_bytes=plan.memory.total_bytes, fits=True, why="chosen")
+        elif chosen is None:
+            r["why"] = "the plan's own strategy is not among these"
+        elif r["total_s"] > chosen["total_s"]:
+            r["why"] = f"costs {fmt_seconds(r['total_s'] - chosen['total_s'])} more here"
+        elif base is None:
+            r["why"] = "not priced on the whole plan: the plan's strategies are not all the solver's"
+        else:
+            memory, time = _with_option(ctx, decision.node, k)
+            r.update(step_s=plan.time.total_s + time.total_s - base[1].total_s,
+                     peak_bytes=plan.memory.total_bytes + memory.total_bytes - base[0].total_bytes)
+            r.update(fits=plan.memory.budget_bytes is None or r["peak_bytes"] <= plan.memory.budget_bytes * (1 + 1e-9))
+            r["why"] = _why(plan, r, chosen["total_s"] - r["total_s"])
+
+
+def _why(plan: Plan, r: dict[str, Any], saved_here_s: float) -> str:
+    """Why an option no dearer at the node than the chosen one lost, from its whole-plan step and peak."""
+    if not r["fits"]:
+        return f"does not fit: the plan's peak would be {fmt_bytes(r['peak_bytes'])}, over the {fmt_bytes(plan.memory.budget_bytes)} budget"
+    extra_s = r["step_s"] - plan.time.total_s
+    if extra_s > plan.time.total_s * 1e-6:
+        saves = f"outweighs the {fmt_seconds(saved_here_s)} it saves here" if saved_here_s > 1e-9 else "where it is no cheaper here"
+        return f"step {fmt_signed_seconds(extra_s)}: what it costs elsewhere (reshards, gradient sync) {saves}"
+    if r["peak_bytes"] >= plan.memory.total_bytes:
+        return f"as fast ({fmt_signed_seconds(extra_s)}) and as lean: a tie"
+    return f"as fast ({fmt_signed_seconds(extra_s)}) and leaner: the solver stopped ({plan.solver.status}) before it"
+
+
+def evaluate_plan(ctx: ExplainContext) -> tuple[MemoryBreakdown, TimeBreakdown]:
+    """The plan as `ctx.built` prices it: the base the changed plans are compared with."""
+    from autopar.solver.ilp import evaluate
+
+    assert ctx.planned is not None
+    return evaluate(ctx.built.problem, ctx.planned)
 
 
 def explain(plan: Plan, query: str, ctx: ExplainContext | None = None) -> dict[str, Any]:
     axis_names = plan.mesh.axis_names
     params_by_node = {p.node: p for p in plan.params}
-    shapes = dict(plan.fingerprint.param_shapes)
+    ndims = {fqn: len(shape) for fqn, shape in plan.fingerprint.param_shapes}
     out = []
     for d in find_nodes(plan, query):
+        p = params_by_node.get(d.node)
         entry: dict[str, Any] = {
             "node": d.node,
             "op": d.op,
-            "module": d.module,
+            "module": p.fqn.rpartition(".")[0] if p is not None else d.module,
             "strategy": str(d.strategy),
             "output": activation_words(d.strategy.output_specs[0] if d.strategy.output_specs else None, axis_names),
             "recompute": d.recompute,
         }
-        p = params_by_node.get(d.node)
         if p is not None:
-            entry.update(parameter=p.fqn, use=str(p.use), storage=str(p.storage),
-                         words=param_words(p, axis_names, guess_layout(p.fqn, len(shapes[p.fqn]) if p.fqn in shapes else None)))
+            entry.update(parameter=p.fqn, use=str(p.use), storage=str(p.storage), layout=LAYOUT_WORDS[p.layout],
+                         words=param_words(p, axis_names, ndims.get(p.fqn)))
         if ctx is not None:
             entry["alternatives"] = alternatives(plan, d, ctx)
         out.append(entry)
-    return {"query": query, "mesh": str(plan.mesh), "nodes": out, "priced": ctx is not None}
+    s = summarize(plan)
+    return {"query": query, "mesh": mesh_line(s), "headline": headline(s), "legend": LEGEND.format(axes=", ".join(axis_names)),
+            "step_s": plan.time.total_s, "peak_bytes": plan.memory.total_bytes, "nodes": out, "priced": ctx is not None,
+            "model_file": plan.source.model_file if plan.source else "", "unrecorded": s["unrecorded"]}
 
 
 # ---------------------------------------------------------------- diff
@@ -185,6 +282,9 @@ def diff(a: Plan, b: Plan) -> dict[str, Any]:
     mesh_changed = a.mesh.shape != b.mesh.shape or a.mesh.axis_names != b.mesh.axis_names or a.mesh.hardware != b.mesh.hardware
     return {
         "mesh": {"a": str(a.mesh), "b": str(b.mesh), "changed": mesh_changed},
+        "model_a": a.made_for(),
+        "model_b": b.made_for(),
+        "unrecorded": sorted(set(unrecorded(a)) | set(unrecorded(b))),
         "same_model": (a.fingerprint.ops_sha, a.fingerprint.params_sha) == (b.fingerprint.ops_sha, b.fingerprint.params_sha),
         "layers": layers,
         "nodes": changed,

@@ -10,11 +10,10 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field
-from typing import Mapping
 
-from autopar.report.words import Layout, activation_words, guess_layout, param_words, placement_kind
+from autopar.report.words import activation_words, param_words, placement_kind
 from autopar.solver.plan import Plan
-from autopar.solver.spec import Spec
+from autopar.solver.spec import Shard, Spec
 
 _NOT_OPS = ("placeholder", "output", "get_attr")
 TOP_LEVEL = "(top level)"
@@ -64,17 +63,16 @@ def _params_text(params: list[tuple[str, str]]) -> str:
 
 
 def _kind(entry: _Entry) -> str:
-    specs = entry.specs or ([entry.last_out] if entry.last_out is not None else [])
-    kinds = {placement_kind(s) for s in specs}
-    for k in ("tensor", "partial", "data", "replicated"):
-        if k in kinds:
-            return k
-    return "replicated"
+    """Tensor parallel when it splits a parameter (a parameter has no batch dim: any split of one is); else what
+    its output is (`placement_kind`): split by batch only, partial sums, replicated or split otherwise."""
+    if any(isinstance(p, Shard) for s in entry.specs for p in s.placements):
+        return "tensor"
+    return placement_kind(entry.last_out) if entry.last_out is not None else "replicated"
 
 
-def _entries(plan: Plan, layouts: Mapping[str, Layout] | None) -> list[_Entry]:
+def _entries(plan: Plan) -> list[_Entry]:
     axis_names = plan.mesh.axis_names
-    shapes = dict(plan.fingerprint.param_shapes)
+    ndims = {fqn: len(shape) for fqn, shape in plan.fingerprint.param_shapes}
     entries: dict[str, _Entry] = {}
 
     def entry(path: str) -> _Entry:
@@ -94,19 +92,18 @@ def _entries(plan: Plan, layouts: Mapping[str, Layout] | None) -> list[_Entry]:
             e.last_out = d.strategy.output_specs[0]
     for p in plan.params:
         module, _, leaf = p.fqn.rpartition(".")
-        layout = (layouts or {}).get(p.fqn) or guess_layout(p.fqn, len(shapes[p.fqn]) if p.fqn in shapes else None)
         e = entry(module)
-        e.params.append((leaf, param_words(p, axis_names, layout)))
+        e.params.append((leaf, param_words(p, axis_names, ndims.get(p.fqn))))
         e.specs.append(p.use)
     return sorted(entries.values(), key=lambda e: e.order)
 
 
-def rollup(plan: Plan, layouts: Mapping[str, Layout] | None = None) -> tuple[LayerRow, ...]:
+def rollup(plan: Plan) -> tuple[LayerRow, ...]:
     """One row per module path, consecutive identical blocks merged (see module docstring)."""
     axis_names = plan.mesh.axis_names
     groups: dict[tuple[str, str], list[tuple[int, _Entry]]] = {}
     singles: list[_Entry] = []
-    for e in _entries(plan, layouts):
+    for e in _entries(plan):
         prefix, idx, rest = split_block(e.path)
         if idx is None:
             singles.append(e)

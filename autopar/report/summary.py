@@ -1,13 +1,16 @@
-"""A plan as a plain, JSON-ready summary: what `--json` prints and what the rich and HTML reports draw.
+"""A plan as a plain, JSON-ready summary: what `--json` prints and what the terminal and HTML reports draw.
 
-    summary = summarize(plan, layouts=None)   # dict of plain values
+    summary = summarize(plan)   # dict of plain values
+
+Everything a report says comes from the plan alone (layouts and the memory timeline included), so
+`autopar plan`, `show`, `--json` and `--html` agree whether the model is at hand or not.
 """
 from __future__ import annotations
 
-from typing import Any, Mapping
+from typing import Any
 
 from autopar.report.layers import rollup
-from autopar.report.words import Layout
+from autopar.report.words import NO_TIMELINE, OLD_PLAN_FILE, baseline_words
 from autopar.solver.plan import MemoryBreakdown, Plan, TimeBreakdown
 
 
@@ -23,7 +26,9 @@ def memory_dict(m: MemoryBreakdown) -> dict[str, float | None]:
     }
 
 
-# the step time's parts as the reports name them (the optimizer's step is a part of compute)
+# the peak's parts and the step time's parts as the reports name them (the optimizer's step is a part of compute)
+MEMORY_PARTS = (("params_bytes", "parameters"), ("grads_bytes", "gradients"), ("optimizer_bytes", "optimizer state"),
+                ("activations_bytes", "saved activations"), ("temp_bytes", "largest temporary"))
 TIME_PARTS = (("compute_s", "compute"), ("update_s", "  of which optimizer step"), ("comm_s", "communication"),
               ("recompute_s", "recompute"))
 
@@ -32,13 +37,23 @@ def time_dict(t: TimeBreakdown) -> dict[str, float]:
     return {"compute_s": t.compute_s, "update_s": t.update_s, "comm_s": t.comm_s, "recompute_s": t.recompute_s, "total_s": t.total_s}
 
 
-def summarize(plan: Plan, layouts: Mapping[str, Layout] | None = None) -> dict[str, Any]:
-    rows = rollup(plan, layouts)
+def unrecorded(plan: Plan) -> list[str]:
+    """What a plan file written by an older autopar lacks, and so what its reports cannot tell."""
+    out = []
+    if plan.params and all(p.layout == "" for p in plan.params):
+        out.append(OLD_PLAN_FILE)
+    if not plan.memory_timeline:
+        out.append(NO_TIMELINE)
+    return out
+
+
+def summarize(plan: Plan) -> dict[str, Any]:
     zero = [p.fqn for p in plan.params if p.zero]
     baselines = []
     for b in plan.baselines:
         baselines.append({
             "name": b.name,
+            "words": baseline_words(b.name),
             "step_s": None if b.time is None else b.time.total_s,
             "memory_bytes": None if b.memory is None else b.memory.total_bytes,
             "fits": b.fits,
@@ -46,6 +61,7 @@ def summarize(plan: Plan, layouts: Mapping[str, Layout] | None = None) -> dict[s
             "plan_speedup": None if b.time is None or plan.time.total_s <= 0 else b.time.total_s / plan.time.total_s,
         })
     return {
+        "model": plan.made_for(),
         "mesh": {
             "axes": [{"name": a.name, "size": a.size} for a in plan.mesh.axes],
             "devices": plan.mesh.num_devices,
@@ -53,9 +69,11 @@ def summarize(plan: Plan, layouts: Mapping[str, Layout] | None = None) -> dict[s
         },
         "layers": [
             {"module": r.module, "count": r.count, "params": r.params, "output": r.output, "recompute": r.recompute, "kind": r.kind}
-            for r in rows
+            for r in rollup(plan)
         ],
-        "memory": memory_dict(plan.memory),
+        # the device's fixed overheads (CUDA context, cuBLAS workspace, NCCL buffers) beside the step's tensors
+        "memory": {**memory_dict(plan.memory), "overhead_bytes": plan.mesh.overhead_bytes()},
+        "memory_timeline": [{"at": where, "bytes": nbytes} for where, nbytes in plan.memory_timeline],
         "time": time_dict(plan.time),
         "comm_bytes_by_kind": dict(plan.comm_bytes_by_kind),
         "baselines": baselines,
@@ -71,4 +89,5 @@ def summarize(plan: Plan, layouts: Mapping[str, Layout] | None = None) -> dict[s
             "gap": plan.solver.gap,
         },
         "notes": list(plan.notes),
+        "unrecorded": unrecorded(plan),
     }

@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.distributed_c10d import _resolve_process_group
 
+from autopar.compat import all_gather_single, reduce_scatter_single
 from autopar.runtime import peers
 
 _OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}
@@ -100,7 +101,7 @@ def all_gather(flat: torch.Tensor, group: str, async_op: bool = False) -> torch.
     pg = _resolve_process_group(group)
     flat = flat.detach().contiguous()
     out = flat.new_empty(pg.size() * flat.numel())
-    started = Started(out, dist.all_gather_single(out, flat, group=pg, async_op=True), "all-gather", pg)
+    started = Started(out, all_gather_single(out, flat, group=pg, async_op=True), "all-gather", pg)
     return started if async_op else started.wait()
 
 
@@ -109,7 +110,7 @@ def reduce_scatter(flat: torch.Tensor, group: str) -> torch.Tensor:
     pg = _resolve_process_group(group)
     flat = flat.detach().contiguous()
     out = flat.new_empty(flat.numel() // pg.size())
-    return Started(out, dist.reduce_scatter_single(out, flat, op=dist.ReduceOp.SUM, group=pg, async_op=True),
+    return Started(out, reduce_scatter_single(out, flat, op=dist.ReduceOp.SUM, group=pg, async_op=True),
                    "reduce-scatter", pg).wait()
 
 

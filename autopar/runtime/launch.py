@@ -18,10 +18,17 @@ Each rank's stderr (Python's, C++'s, the fault handler's dump of a deliberate cr
 goes to a file of its own that the parent copies to its own `sys.stderr` as it comes
 (under pytest: the test's captured output), and a rank that dies without a word has
 its last lines quoted in the `RankError`.
+
+On a CUDA host: a forked child cannot use CUDA once its parent has initialised
+it, so a parent that has starts its ranks by spawn (which pickles `fn`: it must be
+a module's top-level function). Rank r's CUDA work goes to device r mod the
+number of visible devices (`_own_device`): set when the rank first uses CUDA, so
+a CPU rank on a GPU host makes no CUDA context.
 """
 from __future__ import annotations
 
 import faulthandler
+import functools
 import logging
 import multiprocessing as mp
 import multiprocessing.connection
@@ -34,7 +41,7 @@ import time
 import traceback
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any, Callable, Collection
+from typing import Any, Callable, Collection, Literal
 
 import torch
 import torch.distributed as dist
@@ -94,6 +101,35 @@ def _rendezvous(listener: socket.socket, rank: int, world_size: int, backend: st
     store.wait([_GO_KEY])
 
 
+def _own_device(rank: int, backend: str) -> None:
+    """Give rank `rank` CUDA device rank mod (visible devices), where there are any. NCCL needs it before the
+    process group exists; otherwise it is queued for CUDA's lazy initialisation (`torch.cuda._lazy_call`, which
+    torch's own seeding uses), so a rank that never touches CUDA never makes a context."""
+    count = torch.cuda.device_count()  # asks NVML where it can: initialises no CUDA
+    if backend == "nccl":
+        if count == 0:
+            raise AutoparError(f"run_ranks: backend='nccl' needs CUDA devices and this host shows none "
+                               f"(torch {torch.__version__}); use backend='gloo'")
+        torch.cuda.set_device(rank % count)
+    elif count:
+        torch.cuda._lazy_call(functools.partial(torch.cuda.set_device, rank % count))
+
+
+def _start_method() -> Literal["fork", "spawn"]:
+    """fork, unless this process has initialised CUDA, which a forked child could not use."""
+    return "spawn" if torch.cuda.is_initialized() else "fork"
+
+
+def _check_picklable(fn: Callable[..., Any], args: tuple) -> None:
+    try:
+        pickle.dumps((fn, args))
+    except Exception as err:
+        raise AutoparError(
+            f"run_ranks: the ranks start by spawn (start_method='spawn', or this process has initialised CUDA), which "
+            f"pickles fn and its arguments; {getattr(fn, '__qualname__', fn)!r} or an argument cannot be pickled ({err}). Define fn at a "
+            "module's top level and pass plain arguments, or start the ranks before this process uses CUDA") from err
+
+
 def _child(
     conn: mp.connection.Connection,
     listener: socket.socket,
@@ -109,8 +145,10 @@ def _child(
     _own_stderr(stderr_path)
     # One intra-op thread per rank: ranks share few cores, oversubscription makes collectives crawl.
     torch.set_num_threads(1)
-    phase = "rendezvous"
+    phase = "error"
     try:
+        _own_device(rank, backend)
+        phase = "rendezvous"
         _rendezvous(listener, rank, world_size, backend, timeout_s, group_timeout_s)
         phase = "error"
         result = fn(rank, world_size, *args)
@@ -193,6 +231,7 @@ def run_ranks(
     backend: str = "gloo",
     group_timeout_s: float | None = None,
     may_die: Collection[int] = (),
+    start_method: Literal["fork", "spawn"] | None = None,
 ) -> list[Any]:
     """Run `fn(rank, world_size, *args)` on `world_size` forked ranks and return their results by rank.
 
@@ -201,7 +240,8 @@ def run_ranks(
     aborts the world: the others are killed and a `RankError` carrying that rank's
     traceback is raised. After `timeout_s` every rank still running is killed and a
     `RankError` names them. A world whose process group fails to come up is started
-    again (module docstring).
+    again (module docstring). `start_method`: default fork, or spawn where this process
+    has initialised CUDA (module docstring); spawn pickles `fn` and `args`.
 
     group_timeout_s: the process group's timeout (default `timeout_s`): how long a collective waits for a
     peer that neither sends nor closes. may_die: ranks a fault-injection test kills on purpose; one that
@@ -209,9 +249,13 @@ def run_ranks(
     """
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
+    start_method = start_method or _start_method()
+    if start_method == "spawn":
+        _check_picklable(fn, args)
     for attempt in range(1, RENDEZVOUS_ATTEMPTS + 1):
         try:
-            return _run_world(fn, world_size, args, timeout_s, backend, group_timeout_s or timeout_s, frozenset(may_die))
+            return _run_world(fn, world_size, args, timeout_s, backend, group_timeout_s or timeout_s, frozenset(may_die),
+                              start_method)
         except _RendezvousFailed as failed:
             if attempt == RENDEZVOUS_ATTEMPTS:
                 raise RankError(f"the process group of {world_size} ranks did not come up in {attempt} attempts: "
@@ -222,8 +266,8 @@ def run_ranks(
 
 
 def _run_world(fn: Callable[..., Any], world_size: int, args: tuple, timeout_s: float, backend: str,
-               group_timeout_s: float, may_die: frozenset[int]) -> list[Any]:
-    ctx = mp.get_context("fork")
+               group_timeout_s: float, may_die: frozenset[int], start_method: str) -> list[Any]:
+    ctx = mp.get_context(start_method)
     listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     listener.bind((_HOST, 0))
     listener.listen(128)  # clients that connect before rank 0 serves wait in the backlog

@@ -43,6 +43,7 @@ from torch.distributed.tensor import Shard as DShard
 from torch.utils import _pytree as pytree
 
 from autopar.errors import AutoparError
+from autopar.optional import require
 from autopar.runtime import checkpoints
 from autopar.runtime.checkpoint_files import SafeLoadPlanner, SafeReader, read_metadata
 from autopar.runtime.collectives import all_gather, local_slice
@@ -269,6 +270,7 @@ def load_sharded(local: Mapping[str, torch.Tensor], specs: Mapping[str, Spec], m
     extra: the keys of the saved `extra` to read, each value replaced in place by the saved one."""
     path = checkpoint_to_load(path)
     if _is_hf_directory(path):
+        require("safetensors", f"loading the Hugging Face model directory {path!r}")  # what DCP's reader reads it with
         if osd is not None or extra is not None:
             raise StateDictError(f"{path!r} is a Hugging Face model directory: it holds weights only, no optimizer "
                                  "state or extra state; load those from a checkpoint written by save_checkpoint")

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field, replace
 
 from autopar.solver.mesh import Mesh
 from autopar.solver.spec import Spec, Strategy
+from autopar.tracer.param_layouts import Layout
 
 SCHEMA_VERSION = 1
 
@@ -29,6 +30,9 @@ class ParamDecision:
     node: str  # placeholder name
     use: Spec  # how the graph consumes the parameter (= the placeholder's output spec)
     storage: Spec  # how it is kept between steps; differs from `use` under ZeRO (sharded over dp axes)
+    # its layout relative to its module's math (`tracer.param_layouts`): which dim a split of it is Megatron's
+    # column- or row-parallel; "" in plan files written without it (reports then name the dim split)
+    layout: Layout = ""
 
     @property
     def zero(self) -> bool:
@@ -89,6 +93,7 @@ class Fingerprint:
     budget_bytes: float | None
     # parameter FQN -> shape, in graph order: lets a mismatch name the parameter that changed, not just a hash
     param_shapes: tuple[tuple[str, tuple[int, ...]], ...] = ()
+    model: str = ""  # the planned model's class name, so a plan loaded for another model can say which it was made for
 
 
 @dataclass(frozen=True)
@@ -127,12 +132,24 @@ class Plan:
     source: PlanSource | None = None  # how to rebuild the model (set by the CLI)
     comm_bytes_by_kind: tuple[tuple[str, float], ...] = ()  # per-device bytes per step per collective kind
     baselines: tuple[BaselineResult, ...] = ()  # the same cost model's price for textbook plans
+    # per-device bytes through the step as the memory model counts them (`solver.timeline`): (where, bytes) from
+    # the step's start through forward to the peak and back through backward; its largest value is memory's
+    # total_bytes. Empty in plan files written without it.
+    memory_timeline: tuple[tuple[str, float], ...] = ()
 
     def node(self, name: str) -> NodeDecision:
         for d in self.nodes:
             if d.node == name:
                 return d
         raise KeyError(f"plan has no decision for node {name!r}")
+
+    def made_for(self) -> str:
+        """The planned model as the plan records it: "GPT2LMHeadModel (examples/hf_gpt2.py)" (its file when the CLI
+        planned it), "" when it records none."""
+        src = self.source
+        where = "" if src is None else src.model_file or (f"--hf-config {src.hf_config}" if src.hf_config else "")
+        name = self.fingerprint.model
+        return f"{name} ({where})" if name and where else name or where
 
     def recomputed(self) -> tuple[str, ...]:
         return tuple(d.node for d in self.nodes if d.recompute)

@@ -16,12 +16,12 @@ import json
 import math
 from dataclasses import replace
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, get_args
 
 import torch
 
 from autopar.errors import PlanFormatError, PlanMismatchError
-from autopar.solver.mesh import AxisGroup, LinkCost, Mesh, MeshAxis
+from autopar.solver.mesh import PRECISIONS, AxisGroup, LinkCost, Mesh, MeshAxis, device_fields_from_json
 from autopar.solver.plan import (
     SCHEMA_VERSION,
     BaselineResult,
@@ -36,6 +36,7 @@ from autopar.solver.plan import (
 )
 from autopar.solver.spec import Shard, Spec, Strategy
 from autopar.tracer import TracedGraph, output_vals
+from autopar.tracer.param_layouts import Layout
 
 _MAX_EXAMPLES = 3  # concrete differences named per category in a mismatch message
 
@@ -70,6 +71,7 @@ def plan_to_dict(plan: Plan) -> dict:
             "hardware": fp.hardware,
             "budget_bytes": fp.budget_bytes,
             "param_shapes": {fqn: list(shape) for fqn, shape in fp.param_shapes},
+            "model": fp.model,
         },
         "mesh": _mesh_dict(plan.mesh),
         "nodes": [
@@ -82,7 +84,7 @@ def plan_to_dict(plan: Plan) -> dict:
             }
             for d in plan.nodes
         ],
-        "params": [{"fqn": p.fqn, "node": p.node, "use": str(p.use), "storage": str(p.storage)} for p in plan.params],
+        "params": [{"fqn": p.fqn, "node": p.node, "use": str(p.use), "storage": str(p.storage), "layout": p.layout} for p in plan.params],
         "memory": _memory_dict(plan.memory),
         "time": _time_dict(plan.time),
         "solver": {k: getattr(plan.solver, k) for k in ("backend", "status", "solve_s", "num_variables", "num_constraints", "gap")},
@@ -98,6 +100,7 @@ def plan_to_dict(plan: Plan) -> dict:
             }
             for b in plan.baselines
         ],
+        "memory_timeline": [[where, nbytes] for where, nbytes in plan.memory_timeline],
     }
 
 
@@ -118,6 +121,8 @@ class _Field:
     def __getitem__(self, key: str | int) -> "_Field":
         path = f"{self.path}[{key}]" if isinstance(key, int) else (f"{self.path}.{key}" if self.path else key)
         if isinstance(key, int):
+            if len(self.of(list)) <= key:
+                raise self.fail(f"field '{self.path}' should have at least {key + 1} items, got {len(self.value)}")
             return _Field(self.value[key], path, self.source)
         if not isinstance(self.value, dict):
             raise self.fail(f"field '{self.path}' should be an object, got {type(self.value).__name__}")
@@ -187,9 +192,28 @@ def _mesh_from(f: _Field) -> Mesh:
         # the overheads and groups are optional: plan files written before they existed price without them
         return Mesh(axes, f["flops_per_s"].num(positive=True), f["mem_bandwidth_bytes_per_s"].num(positive=True),
                     f["memory_bytes"].num(positive=True), f["hardware"].of(str), f.get("op_overhead_s", 0.0).num(),
-                    f.get("recompute_op_overhead_s", 0.0).num(), groups, f.get("recompute_region_s", 0.0).num())
-    except ValueError as err:
+                    f.get("recompute_op_overhead_s", 0.0).num(), groups, f.get("recompute_region_s", 0.0).num(),
+                    **_device_fields_from(f))
+    except (ValueError, KeyError, TypeError) as err:
         raise f.fail(f"field '{f.path}': {err}") from None
+
+
+def _device_fields_from(f: _Field) -> dict:
+    """A mesh's GPU preset fields (`device_fields_from_json`), each checked first: rates above zero, overheads
+    at least zero."""
+    rates = f.get("rates", None)
+    if rates.value is not None:
+        for precision in PRECISIONS:
+            rates[precision].num(positive=True)
+    precision = f.get("precision", "")
+    if precision.of(str) not in ("", *PRECISIONS):
+        raise precision.fail(f"field '{precision.path}' should be one of {', '.join(map(repr, PRECISIONS))}, got {precision.value!r}")
+    overheads = f.get("overheads", None)
+    if overheads.value is not None:
+        for _, nbytes in overheads.entries():
+            nbytes.num()
+    f.get("optimizer_foreach", False).of(bool)
+    return device_fields_from_json(f.value)
 
 
 def _memory_from(f: _Field) -> MemoryBreakdown:
@@ -210,6 +234,14 @@ def _node_from(f: _Field) -> NodeDecision:
     s = f["strategy"]
     strategy = Strategy(tuple(x.opt_spec() for x in s["inputs"].items()), tuple(x.opt_spec() for x in s["outputs"].items()))
     return NodeDecision(f["node"].of(str), f["op"].of(str), strategy, f.get("recompute", False).of(bool), f.get("module", "").of(str))
+
+
+def _layout_from(f: _Field) -> Layout:
+    """A parameter's layout; "" (unknown) in files written before layouts were recorded."""
+    layout = f.of(str)
+    if layout not in get_args(Layout):
+        raise f.fail(f"field '{f.path}' should be one of {', '.join(map(repr, get_args(Layout)))}, got {layout!r}")
+    return layout  # type: ignore[return-value]
 
 
 def _source_from(f: _Field) -> PlanSource:
@@ -238,11 +270,13 @@ def plan_from_dict(obj: Any, source: str = "plan") -> Plan:
         hardware=fp["hardware"].of(str),
         budget_bytes=fp["budget_bytes"].opt_num(positive=True),
         param_shapes=tuple((k, tuple(d.count() for d in v.items())) for k, v in fp.get("param_shapes", {}).entries()),
+        model=fp.get("model", "").of(str),  # "" in files written before it was recorded
     )
     sv = root["solver"]
     solver = SolverReport(sv["backend"].of(str), sv["status"].of(str), sv["solve_s"].num(), sv["num_variables"].count(),
                           sv["num_constraints"].count(), sv.get("gap", None).opt_num(infinite=True))
-    params = tuple(ParamDecision(p["fqn"].of(str), p["node"].of(str), p["use"].spec(), p["storage"].spec()) for p in root["params"].items())
+    params = tuple(ParamDecision(p["fqn"].of(str), p["node"].of(str), p["use"].spec(), p["storage"].spec(), _layout_from(p.get("layout", "")))
+                   for p in root["params"].items())
     baselines = tuple(
         BaselineResult(b["name"].of(str), _optional(b["time"], _time_from), _optional(b["memory"], _memory_from), b["fits"].of(bool))
         for b in root.get("baselines", []).items()
@@ -260,6 +294,7 @@ def plan_from_dict(obj: Any, source: str = "plan") -> Plan:
         source=_optional(root.get("source", None), _source_from),
         comm_bytes_by_kind=tuple((k, v.num()) for k, v in root.get("comm_bytes_by_kind", {}).entries()),
         baselines=baselines,
+        memory_timeline=tuple((pt[0].of(str), pt[1].num()) for pt in root.get("memory_timeline", []).items()),
     )
 
 
@@ -326,6 +361,7 @@ def fingerprint(traced: TracedGraph, mesh: Mesh, budget_bytes: float | None) -> 
         hardware=mesh.hardware,
         budget_bytes=budget_bytes,
         param_shapes=param_shapes,
+        model=traced.model_name,
     )
 
 
@@ -443,14 +479,17 @@ def edit_differences(plan: Plan, traced: TracedGraph, ndim_mesh: int) -> list[st
 
 def check_plan(plan: Plan, traced: TracedGraph, mesh: Mesh, budget_bytes: float | None) -> None:
     """Raise PlanMismatchError (with `.differences`) unless `plan` was made for exactly this model, mesh and budget,
-    and its specs are layouts of the model's tensors."""
+    and its specs are layouts of the model's tensors. A plan made for a model of another class says which it was
+    made for, with the first difference only."""
     diffs = plan_differences(plan, traced, mesh, budget_bytes)
-    if not diffs:
-        diffs = tuple(_some(edit_differences(plan, traced, len(mesh.shape))))
+    if diffs and plan.fingerprint.model and traced.model_name and plan.fingerprint.model != traced.model_name:
+        what = f"the plan was made for {plan.made_for()}, not this {traced.model_name} (first difference: {diffs[0]})"
+    else:
+        diffs = diffs or tuple(_some(edit_differences(plan, traced, len(mesh.shape))))
+        what = f"the plan does not match this model and mesh: {'; '.join(diffs)}"
     if diffs:
         raise PlanMismatchError(
-            f"the plan does not match this model and mesh: {'; '.join(diffs)}\n"
-            f"  fix: plan again for this model (drop --load / plan=...), or load it with the mesh, hardware and budget it was made for",
+            f"{what}\n  fix: plan again for this model (drop --load / plan=...), or load it with the mesh, hardware and budget it was made for",
             differences=diffs,
         )
 

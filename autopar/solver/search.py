@@ -27,7 +27,9 @@ from autopar.solver.problem import Assignment, BuiltProblem, build_problem
 from autopar.solver.spec import Replicate, Spec, Strategy
 from autopar.solver.strategies import enumerate_strategies
 from autopar.solver.plan_io import fingerprint
+from autopar.solver.timeline import memory_timeline
 from autopar.tracer import TracedGraph, module_path, tensor_args
+from autopar.tracer.param_layouts import param_layouts
 
 log = logging.getLogger(__name__)
 
@@ -54,13 +56,16 @@ def _build(traced, profile, mesh, budget, sizes, grouped: bool = True) -> BuiltP
 
 
 def _budget(mesh: Mesh, memory_budget_bytes: float | None) -> float:
-    return mesh.memory_bytes if memory_budget_bytes is None else float(memory_budget_bytes)
+    """What the step's tensors may hold: the device's memory less its fixed overheads (`Mesh.overhead_bytes`),
+    unless the caller names a budget (for the tensors: what `torch.cuda.max_memory_allocated` measures)."""
+    return mesh.memory_bytes - mesh.overhead_bytes() if memory_budget_bytes is None else float(memory_budget_bytes)
 
 
 
 def to_plan(traced: TracedGraph, mesh: Mesh, built: BuiltProblem, sol: Solution) -> Plan:
     """Map a problem assignment back onto every graph node and parameter."""
     g, a = built.grouping, sol.assignment
+    layouts = param_layouts(traced)
     chosen: dict[str, Strategy] = {}
     nodes, params = [], []
     for node in traced.graph.nodes:
@@ -76,9 +81,11 @@ def to_plan(traced: TracedGraph, mesh: Mesh, built: BuiltProblem, sol: Solution)
         if node.name in traced.param_fqns:
             use = strat.output_specs[0]
             storage = built.storage[node.name, k] if a.zero[cls] else use
-            params.append(ParamDecision(traced.param_fqns[node.name], node.name, use, storage))
+            fqn = traced.param_fqns[node.name]
+            params.append(ParamDecision(fqn, node.name, use, storage, layouts[fqn]))
     plan = Plan(fingerprint(traced, mesh, built.problem.budget_bytes), mesh, tuple(nodes), tuple(params),
-                sol.memory, sol.time, sol.report, notes=plan_notes(traced, mesh))
+                sol.memory, sol.time, sol.report, notes=plan_notes(traced, mesh),
+                memory_timeline=memory_timeline(traced, built, a, sol.memory))
     return dataclasses.replace(plan, comm_bytes_by_kind=comm_bytes_by_kind(traced, plan))
 
 

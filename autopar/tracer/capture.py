@@ -39,6 +39,7 @@ from autopar.tracer.batch_dims import BatchDim, batch_dims
 from autopar.tracer.call_arguments import split_sample_input
 from autopar.tracer.checks import localize_checks
 from autopar.tracer.copies import copy_decomposition
+from autopar.tracer.known_noise import known_noise_filtered
 from autopar.tracer.cse import eliminate_common_subexpressions
 from autopar.tracer.masked_writes import masks_as_where
 from autopar.tracer.no_grad import detach_no_grad_inputs, stops_visible_to_export
@@ -88,6 +89,7 @@ class TracedGraph:
     # per input), and as it reads on the sample: per user input (`input_names`), its dim or None (fed whole)
     batch_dim: BatchDim = 0
     input_batch_dims: tuple[int | None, ...] = ()
+    model_name: str = ""  # the traced model's class name, for messages about it
 
     def batch_dim_of(self) -> dict[str, int | None]:
         """User input placeholder name -> its batch dim (None: fed whole)."""
@@ -142,7 +144,7 @@ def trace(
         model.train(training)
     start = time.perf_counter()
     try:
-        with _without_kv_cache(model), custom_backward.recorded(type(model).__name__) as functions:
+        with _without_kv_cache(model), custom_backward.recorded(type(model).__name__) as functions, known_noise_filtered():
             ep = _export(model, args, kwargs, dynamic_dims)
     except TraceError:  # refused by a check of ours while export ran: it names the line already
         raise
@@ -163,7 +165,7 @@ def trace(
     masks_as_where(ep.graph_module)
     data_sizes.refuse_data_dependent_sizes(ep.graph_module, type(model).__name__)
     traced = _from_exported(ep, args, kwargs, dynamic_dims or {}, _canonical_param_names(model))
-    traced = replace(traced, batch_dim=batch_dim, input_batch_dims=dims)
+    traced = replace(traced, batch_dim=batch_dim, input_batch_dims=dims, model_name=type(model).__name__)
     log.info("tracer: %d ops in %.2f s", traced.num_ops(), time.perf_counter() - start)
     return traced
 
@@ -460,6 +462,11 @@ _KNOWN_FIXES = (
      "for an index or a size",
      "keep it a tensor and index with it, e.g. `queue.index_copy_(1, (ptr + torch.arange(n)) % size, keys.T)` "
      "and `ptr.add_(n).remainder_(size)`, so the graph computes it at every step"),
+    # the copy the tracer runs is on meta or fake tensors; a real tensor it reaches past the copy is on another device
+    ("found at least two devices", "a tensor the forward reaches outside the model's own parameters and buffers (a "
+     "module or tensor kept in a global or a class attribute) or makes on a fixed device",
+     "reach parameters and buffers through the model's attributes (`self.mlp(x)`), and make new tensors on an "
+     "input's device (`torch.zeros(n, device=x.device)`)"),
     ("data-dependent", "data-dependent control flow",
      "replace the Python `if`/`while` on a tensor value with torch.where / torch.cond, or make the branch depend on shapes only"),
     ("is not supported", "an unsupported operation", "rewrite the construct with standard torch ops"),

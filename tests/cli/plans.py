@@ -9,6 +9,7 @@ from autopar.solver.plan import MemoryBreakdown, NodeDecision, ParamDecision, Pl
 from autopar.solver.plan_io import fingerprint
 from autopar.solver.spec import Replicate, Shard, Spec, Strategy
 from autopar.tracer import TracedGraph, module_path, output_vals, tensor_args, trace
+from autopar.tracer.param_layouts import param_layouts
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 
@@ -38,16 +39,18 @@ def hand_plan(
 ) -> Plan:
     """Every node replicated over tp and batch-split over dp, except: parameters whose FQN ends with one of
     `column` are used S(0) over tp, those in `zero` stored S(0) over dp; nodes under `recompute_module` recomputed.
-    (The strategies need not be consistent with each other: this is report input, not something to run.)"""
+    (The strategies need not be consistent with each other: this is report input, not something to run. Layouts
+    are recorded as the solver records them; no memory timeline is.)"""
     rep = Spec((Replicate(), Replicate()))
     batch = Spec((Shard(0), Replicate()))
     nodes, params = [], []
+    layouts = param_layouts(traced)
     for n in traced.graph.nodes:
         if n.name in traced.param_fqns:
             fqn = traced.param_fqns[n.name]
             use = Spec((Replicate(), Shard(0))) if fqn.endswith(column) and column else rep
             storage = Spec((Shard(0), use.placements[1])) if fqn in zero else use
-            params.append(ParamDecision(fqn, n.name, use, storage))
+            params.append(ParamDecision(fqn, n.name, use, storage, layouts[fqn]))
             nodes.append(NodeDecision(n.name, "placeholder", Strategy((), (use,))))
             continue
         op = str(n.target) if n.op == "call_function" else n.op

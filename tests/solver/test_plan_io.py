@@ -58,7 +58,7 @@ def test_round_trip_is_equal(plan, tmp_path):
     assert [p.zero for p in loaded.params] == [False, False, True, False]  # fc2.weight is the one ZeRO-stored
     raw = json.loads((tmp_path / "plan.json").read_text())
     assert raw["schema_version"] == 1
-    assert raw["params"][0] == {"fqn": "fc1.weight", "node": raw["params"][0]["node"], "use": "RS(0)", "storage": "RS(0)"}
+    assert raw["params"][0] == {"fqn": "fc1.weight", "node": raw["params"][0]["node"], "use": "RS(0)", "storage": "RS(0)", "layout": "out_in"}
 
 
 def test_a_plan_saved_before_the_optimizer_step_was_priced_loads_with_none_of_it(plan):

@@ -19,6 +19,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from autopar.errors import PlanFormatError, PlanMismatchError
+from autopar.solver.mesh import ComputeRates, FixedOverheads
 from autopar.solver.plan import BaselineResult, MemoryBreakdown, PlanSource, TimeBreakdown
 from autopar.solver.plan_io import check_plan, load_plan, plan_from_dict, plan_to_dict, plan_from_json
 from tests.cli.plans import hand_plan, two_axis_mesh
@@ -33,7 +34,10 @@ def _plan():
                   budget_bytes=40e9, source=PlanSource("examples/mlp.py", "", 2, None, "tiny", "adamw"))
     base = (BaselineResult("pure DP", TimeBreakdown(0.2, 0.1, 0.0, 0.05), MemoryBreakdown(2e9, 2e9, 4e9, 6e9, 0.0, 40e9), True),
             BaselineResult("Megatron TP+DP", None, None, False))
-    return replace(p, baselines=base, notes=("a note",), comm_bytes_by_kind=(("all_reduce", 1e6),))
+    gpu = replace(_MESH, rates=ComputeRates(20e12, 60e12, 120e12), precision="bf16",
+                  overheads=FixedOverheads(cuda_context_bytes=512e6, cublas_workspace_bytes=8e6, nccl_bytes_per_group=64e6))
+    return replace(p, mesh=gpu, baselines=base, notes=("a note",), comm_bytes_by_kind=(("all_reduce", 1e6),),
+                   memory_timeline=(("forward", 1e6), ("backward", 2e6)))
 
 
 _GOOD = plan_to_dict(_plan())
@@ -87,7 +91,8 @@ def _read_and_check(obj: dict) -> None:
     check_plan(plan, _TRACED, _MESH, plan.fingerprint.budget_bytes)
 
 
-@settings(max_examples=600, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+# derandomized: the suite runs the same 600 examples each time (a fuzz that fails only now and then is a flaky test)
+@settings(max_examples=600, deadline=None, derandomize=True, database=None, suppress_health_check=[HealthCheck.too_slow])
 @given(st.data())
 def test_every_malformed_field_is_refused_naming_it(data):
     obj, path = _mutated(data)
