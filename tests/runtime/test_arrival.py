@@ -82,23 +82,22 @@ def _errors_of_each_rank(rank, world, model, sample, traced, plan, calls):
     pm.call_timeout_s = 20.0  # far longer than any rank takes: each must raise on its own, not time out
     opt = torch.optim.SGD(pm.parameters(), lr=0.1)
     step(pm, opt, sample)
-    start = time.monotonic()
     try:
         calls[rank](pm, opt)
     except CallMismatchError as err:
-        return str(err), time.monotonic() - start
-    return None, time.monotonic() - start
+        return str(err)
+    return None
 
 
 @pytest.mark.timeout(120)
 def test_different_calls_raise_on_every_rank_at_once():
     """Rank 0 a state dict, rank 1 the optimizer's: both raise `CallMismatchError` naming both calls, well within
-    the timeout (the first to arrive no longer waits it out)."""
+    the timeout: the first to arrive does not wait it out (its error is the mismatch, not the wait's)."""
     model, sample, traced, _, split_weight, _ = classifier_case()
     calls = (lambda pm, opt: pm.state_dict(), lambda pm, opt: pm.optimizer_state_dict(opt))
-    for error, waited_s in run_ranks(_errors_of_each_rank, 2, model, sample, traced, split_weight, calls, timeout_s=60):
+    for error in run_ranks(_errors_of_each_rank, 2, model, sample, traced, split_weight, calls, timeout_s=60):
         assert error is not None and "rank 0: pm.state_dict()" in error and "rank 1: pm.optimizer_state_dict(optimizer)" in error
-        assert waited_s < 10
+        assert "made different collective calls" in error and "has waited" not in error, error
 
 
 def _one_rank_away(rank, world, model, sample, traced, plan, timeout_s):
@@ -110,20 +109,17 @@ def _one_rank_away(rank, world, model, sample, traced, plan, timeout_s):
     if rank == 1:
         torch.distributed.barrier()  # met once rank 0 has raised
         return None
-    start = time.monotonic()
     with pytest.raises(CallMismatchError) as raised:
         pm.state_dict()
-    waited_s = time.monotonic() - start
     torch.distributed.barrier()
-    return str(raised.value), waited_s
+    return str(raised.value)
 
 
 @pytest.mark.timeout(120)
 def test_a_rank_that_stays_away_is_named_with_its_last_call_within_the_timeout():
     model, sample, traced, _, split_weight, _ = classifier_case()
-    error, waited_s = run_ranks(_one_rank_away, 2, model, sample, traced, split_weight, 2.0, timeout_s=60)[0]
-    assert 2.0 <= waited_s < 10.0
-    assert "in pm.state_dict() (checked call 1) for ranks [1], which have not made it" in error
+    error = run_ranks(_one_rank_away, 2, model, sample, traced, split_weight, 2.0, timeout_s=60)[0]
+    assert "rank 0 has waited 2 s in pm.state_dict() (checked call 1) for ranks [1], which have not made it" in error
     assert "rank 1: last in pm(...) in training mode with gradients on (checked call 0)" in error
 
 
@@ -135,7 +131,7 @@ def _terminated_while_waiting(rank, world, model, sample, traced, plan):
     """Rank 0 waits in a checked call under a SIGTERM handler (a job that saves on preemption); rank 1 sends it
     SIGTERM instead of making the call."""
     pm = parallel_module(model, sample, traced, plan, ProcessMesh((world,)))
-    pm.call_timeout_s = 30.0
+    pm.call_timeout_s = 600.0  # past run_ranks' timeout: a wait that ignored the handler would end the test there
     opt = torch.optim.SGD(pm.parameters(), lr=0.1)
     pids = [None] * world
     torch.distributed.all_gather_object(pids, os.getpid())
@@ -148,20 +144,19 @@ def _terminated_while_waiting(rank, world, model, sample, traced, plan):
     def preempted(signum, frame):
         raise _Preempted()
     signal.signal(signal.SIGTERM, preempted)
-    start = time.monotonic()
     try:
         pm.state_dict()
     except _Preempted:
         torch.distributed.barrier()
-        return time.monotonic() - start
+        return "preempted"
     return None
 
 
 @pytest.mark.timeout(120)
 def test_a_wait_gives_way_to_a_sigterm_handler():
     model, sample, traced, _, split_weight, _ = classifier_case()
-    waited_s = run_ranks(_terminated_while_waiting, 2, model, sample, traced, split_weight, timeout_s=60)[0]
-    assert waited_s is not None and waited_s < 10  # not the 30 s timeout
+    # the handler ran inside the wait, 600 s long: run_ranks' 60 s timeout would have ended a wait that ignored it
+    assert run_ranks(_terminated_while_waiting, 2, model, sample, traced, split_weight, timeout_s=60)[0] == "preempted"
 
 
 _PLANS = ("data parallel", "split weight", "tensor parallel")

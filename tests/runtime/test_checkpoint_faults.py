@@ -12,7 +12,6 @@ import os
 import pickle
 import re
 import signal
-import time
 from pathlib import Path
 
 import pytest
@@ -63,7 +62,7 @@ def _arm(phase: str) -> None:
 
 def _train_save_and_crash(rank, world, model, sample, traced, plan, root, phase, background, victim):
     """Step, save (step 1), step, save again (step 2) with rank `victim` killed at `phase` of that save. The
-    survivors return what they saw and how long it took."""
+    survivors return what they saw."""
     pm = parallel_module(model, sample, traced, plan, ProcessMesh((world,)))
     opt = torch.optim.AdamW(pm.parameters(), lr=LR)
     step(pm, opt, sample)
@@ -74,13 +73,12 @@ def _train_save_and_crash(rank, world, model, sample, traced, plan, root, phase,
         if phase == "before":
             os.kill(os.getpid(), signal.SIGKILL)
         _arm(phase)
-    start = time.monotonic()
     try:
         written = pm.save_checkpoint(root, opt, extra={"step": 2}, background=background)
         if written is not None:
             written.result()
     except Exception as err:  # noqa: BLE001 -- what a survivor saw is the test's subject
-        return type(err).__name__, str(err), time.monotonic() - start
+        return type(err).__name__, str(err)
     if rank == victim and phase == "after":
         os.kill(os.getpid(), signal.SIGKILL)
     return None
@@ -156,8 +154,8 @@ def test_a_rank_killed_at_any_point_of_a_save_leaves_the_last_complete_checkpoin
             if phase == "after":
                 assert survivor is None, (case, survivor)  # its save was complete; the loss shows in its next step
                 continue
-            kind, message, waited_s = survivor
-            assert waited_s < GROUP_TIMEOUT_S, (case, waited_s)
+            kind, message = survivor
+            assert "for the process group's timeout" not in message, (case, message)  # a closed connection: at once
             if phase == "before":
                 assert kind == "CallMismatchError" and re.search(rf"\(checked call 2\) for ranks \[[\d, ]*{victim}\], which have not made it", message), case
             else:
