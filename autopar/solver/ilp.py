@@ -48,6 +48,8 @@ Constraint families (each PuLP constraint is named after its family):
                       keeps its resharded copy holds the part `kept` counts as the producer's too)
   temp_{v}            T >= sum_s temp[v,s] x[v,s]                    (`_add_temp`)
   gather_{v}          T >= sum_g gathered[v,g] z[v,g]
+  optimizer_step      T >= c (sum_{v,s} param[v,s] x[v,s] - sum_g (1 - 1/f[v,g]) param[v,g] z[v,g]): a foreach
+                      optimizer step's scratch, c per byte of the stepped parameters (`_add_optimizer_step`)
   reshard_buffers_{k} T >= sum_{a,b} buffers[k,a,b] e[k,a,b]        (a reshard's buffers, `Edge.buffer_bytes`;
                       left out where no option pair exceeds the least temp some node must have)
   Backward rebuilds a recomputed layer r's activations together (a tied class counts one layer's share);
@@ -237,6 +239,9 @@ def evaluate(problem: Problem, a: Assignment, saved_by_node: list[float] | None 
         temp = max(temp, held[region] + reshards.get(v, 0.0), held[region] + resaved[v] + flows[v])
         held[region] += rebuilds[v] + resaved[v]
     temp = max([temp, *held.values()])  # the whole layer rebuilt
+    stepped = sum(node.options[c].param_bytes / (node.options[c].zero.factor if z else 1)
+                  for node, c, z in zip(problem.nodes, a.choice, a.zero) if node.options[c].optimizer_bytes > 0)
+    temp = max(temp, problem.step_scratch_per_param_byte * stepped)  # a foreach optimizer step's scratch
     recompute_s += problem.region_s * checkpoint_regions(problem, a.recompute)
     used = frozenset().union(*(node.options[c].sync_groups for node, c in zip(problem.nodes, a.choice)))
     comm_s += sum(latency_s for g, latency_s in problem.sync_latency_s if g in used)
@@ -531,6 +536,7 @@ class _Model:
                 self.prob += self.temp >= pulp.LpAffineExpression(terms), f"temp_{v}"
         for v, terms in self.gathered.items():  # at most one of a node's z is 1: one row per node
             self.prob += self.temp >= pulp.LpAffineExpression(terms), f"gather_{v}"
+        self._add_optimizer_step()
         # a reshard's buffers (`Edge.buffer_bytes`); rows that no plan's T can bind (each node's least temp) left out
         floor = max((min(o.temp_bytes for o in node.options) for node in self.problem.nodes), default=0.0) * self.per_byte
         for k, ev in self.e.items():
@@ -539,6 +545,21 @@ class _Model:
             if terms and max(c for _, c in terms) > floor:
                 self.prob += self.temp >= pulp.LpAffineExpression(terms), f"reshard_buffers_{k}"
         self._add_rebuilds()
+
+    def _add_optimizer_step(self) -> None:
+        """optimizer_step: T >= the scratch of a foreach optimizer step, per byte of every stepped parameter's local
+        block (`Problem.step_scratch_per_param_byte`; ZeRO storage steps 1/factor of it)."""
+        per_byte = self.problem.step_scratch_per_param_byte * self.per_byte
+        if per_byte <= 0:
+            return
+        terms = [(self.x[v][s], o.param_bytes * per_byte) for v, node in enumerate(self.problem.nodes)
+                 for s, o in enumerate(node.options) if o.optimizer_bytes > 0]
+        for z, (v, s) in {z: vs for vs, z in self.z.items()}.items():  # one saving per binary (its options share it)
+            o = self.problem.nodes[v].options[s]
+            if o.optimizer_bytes > 0 and o.zero is not None:
+                terms.append((z, -(1 - 1 / o.zero.factor) * o.param_bytes * per_byte))
+        if terms:
+            self.prob += self.temp >= pulp.LpAffineExpression(terms), "optimizer_step"
 
     def _add_rebuilds(self) -> None:
         """What backward holds while it rebuilds a recomputed layer (see `evaluate`), as a chain over the layer's

@@ -20,6 +20,7 @@ import torch
 from torch import fx
 
 from autopar.profiler import storage_facts
+from autopar.profiler.memory import optimizer_step_temp_bytes
 from autopar.profiler.types import ConcreteProfile
 from autopar.solver.cluster import Cluster, Grouping, group, singletons
 from autopar.solver.cost import (bucketed_all_reduce_s, bucketed_sync_s, collective_time_s, grad_sync_groups, input_partial_axes, optimizer_step_s,
@@ -195,6 +196,10 @@ class Problem:
     region_s: float = 0.0
     # parameters whose bucketed gradient sync several nodes' prices include: charged once, the largest
     shared_syncs: tuple[SharedSync, ...] = ()
+    # A foreach optimizer step (`Mesh.optimizer_foreach`) allocates its scratch for every parameter at once: this
+    # many bytes per byte of the parameters' local blocks (Adam's sqrt of the second moments: 1). A per-tensor
+    # step's scratch, one parameter's, is that parameter option's `temp_bytes`.
+    step_scratch_per_param_byte: float = 0.0
 
     def __post_init__(self) -> None:
         for e in self.edges:
@@ -327,6 +332,8 @@ class _Pricer:
         self.costs = profile.nodes
         self.facts = storage_facts(traced, profile)  # which node owns the storage each tensor views
         self.params = {p.node: p for p in profile.params.values()}
+        # bytes a per-tensor optimizer step allocates per byte of the parameter it steps (0 under foreach)
+        self.step_scratch = 0.0 if mesh.optimizer_foreach else optimizer_step_temp_bytes(profile.optimizer, [1.0])
         self.storage: dict[tuple[str, int], Spec] = {}
         self._cache: dict[tuple, Option] = {}
         self._nodes: dict[str, tuple] = {}
@@ -432,8 +439,10 @@ class _Pricer:
                 zero = None
                 if found:
                     zero = replace(found[1], update_saving_s=update_s - optimizer_step_s(param, shard * found[1].factor, mesh))
+                stepped = param.param_bytes / shard if param.optimizer_bytes else 0.0  # a frozen one is not stepped
                 return Option(str(spec), compute_s=update_s, update_s=update_s, param_bytes=param.param_bytes / shard,
-                              grad_bytes=param.grad_bytes / shard, optimizer_bytes=param.optimizer_bytes / shard, zero=zero)
+                              grad_bytes=param.grad_bytes / shard, optimizer_bytes=param.optimizer_bytes / shard, zero=zero,
+                              temp_bytes=self.step_scratch * stepped)
             if role == "buffer":
                 return Option(str(spec), param_bytes=sum(cost.output_bytes) / shard)
             saved = sum(b for b, s in zip(cost.output_bytes, cost.saved_outputs) if s) / shard
@@ -669,9 +678,10 @@ def build_problem(
     crossing = {(cls[p.name], cls[n.name]) for n, p in sources
                 if p.op == "call_function" and p.name in cls and n.name in cls and cls[p.name] != cls[n.name]
                 and layer_key(module_path(p)) != layer_key(module_path(n))}
+    foreach_scratch = optimizer_step_temp_bytes(profile.optimizer, [1.0], foreach=True) if mesh.optimizer_foreach else 0.0
     problem = Problem(tuple(nodes), tuple(edges), budget_bytes, tuple((g, sync_latency_s(mesh, g)) for g in groups),
                       tuple(sorted(together)), tuple(sorted(crossing)), _cuts(traced, nodes, cls, together), mesh.recompute_region_s,
-                      shared)
+                      shared, foreach_scratch)
     return BuiltProblem(problem, grouping, strategies, dict(pricer.storage), len(grouping.cluster_of))
 
 
