@@ -32,6 +32,7 @@ from autopar.codegen.module import Retracer
 from autopar.errors import TraceError
 from autopar.mixed_precision import MixedPrecision
 from autopar.profiler import profile
+from autopar.profiler.types import GraphProfile
 from autopar.runtime.mesh import ProcessMesh
 from autopar.runtime.optimizers import replaced
 from autopar.solver import solve, solve_keeping_params
@@ -157,8 +158,7 @@ def parallelize(
     device = _capture_device(pmesh)
     traced = traced_model(model, sample_input, device, batch_dim, mixed_precision)
     if plan is None:
-        precision = "bf16" if mixed_precision is not None else training_precision(traced)
-        plan = _solve_on_rank0(traced, pmesh, memory_budget, hardware, optimizer, time_limit_s, precision)
+        plan = _solve_on_rank0(traced, pmesh, memory_budget, hardware, optimizer, time_limit_s, model, mixed_precision)
     else:
         if not isinstance(plan, Plan):
             plan = load_plan(plan)
@@ -252,21 +252,29 @@ def make_retracer(model: nn.Module, sample_input: Any, device: str, optimizer: s
     return Retracer(
         trace=traced,
         replan=lambda graph, planned, buffers: _on_rank0(lambda: solve_keeping_params(
-            graph, profile(graph, optimizer=optimizer), planned.mesh, planned.params, planned.fingerprint.budget_bytes,
+            graph, profiled(graph, optimizer, shape_only, mixed_precision), planned.mesh, planned.params, planned.fingerprint.budget_bytes,
             time_limit_s, buffers)),
     )
 
 
+def profiled(traced: TracedGraph, optimizer: str, model: nn.Module, mixed_precision: MixedPrecision | None) -> GraphProfile:
+    """`profile(traced)` of `model` traced under `mixed_precision` (its masters, its reduce dtype) if any."""
+    if mixed_precision is None:
+        return profile(traced, optimizer=optimizer)
+    return profile(traced, optimizer=optimizer, masters=mixed_precision.masters(model), reduce_dtype=mixed_precision.reduce_dtype)
+
+
 def _solve_on_rank0(traced: TracedGraph, pmesh: ProcessMesh, memory_budget: float | None, hardware: str | Mesh | None,
-                    optimizer: str, time_limit_s: float, precision: Precision) -> Plan:
+                    optimizer: str, time_limit_s: float, model: nn.Module, mixed_precision: MixedPrecision | None) -> Plan:
     """Rank 0 solves and broadcasts the plan."""
     def solved() -> Plan:
         if isinstance(hardware, Mesh):
             mesh = hardware.with_shape(pmesh.shape, pmesh.axis_names)
         else:
             mesh = make_mesh(math.prod(pmesh.shape), pmesh.shape, hardware or local_preset(pmesh), pmesh.axis_names,
-                             precision=precision)
-        return solve(traced, profile(traced, optimizer=optimizer), mesh, memory_budget_bytes=memory_budget, time_limit_s=time_limit_s)
+                             precision="bf16" if mixed_precision is not None else training_precision(traced))
+        return solve(traced, profiled(traced, optimizer, model, mixed_precision), mesh, memory_budget_bytes=memory_budget,
+                     time_limit_s=time_limit_s)
     return _on_rank0(solved)
 
 

@@ -57,6 +57,10 @@ class MixedPrecision:
         return {name: self.param_dtype for name, p in model.named_parameters(remove_duplicate=False)
                 if p.is_floating_point() and p.requires_grad and id(p) not in norms and p.dtype != self.param_dtype}
 
+    def masters(self, model: nn.Module) -> dict[str, torch.dtype]:
+        """{FQN: dtype} of the masters of the parameters computed on copies (what the profiler prices them at)."""
+        return {name: model.get_parameter(name).dtype for name in self.compute_dtypes(model)}
+
     @contextlib.contextmanager
     def autocast(self) -> Iterator[None]:
         """The autocast a model is traced under (on fake CPU tensors: see the module docstring)."""
@@ -73,4 +77,4 @@ def _name(dtype: torch.dtype) -> str:
 
 # `autopar plan --precision`: what each name trains as (None: no policy, float32 parameters), and the
 # math mode its float32 matmuls are priced at (`solver.mesh.Precision`)
-PRECISIONS: dict[str, MixedPrecision | None] = {"fp32": None, "tf32": None, "bf16": MixedPrecision(torch.bfloat16)}
+POLICIES: dict[str, MixedPrecision | None] = {"fp32": None, "tf32": None, "bf16": MixedPrecision(torch.bfloat16)}
