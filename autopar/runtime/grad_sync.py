@@ -31,15 +31,9 @@ the local grads are freed (like DDP's `gradient_as_bucket_view`, but for the syn
 result only); a bucket cast for the wire is unpacked instead (`kernels.unpack`).
 
 Mixed precision (`autopar.MixedPrecision`): the registered tensors are the compute copies
-(`runtime.compute_copies`) and each has a float32 master, where its gradient lands. Every copy
-is registered, those with no group too (their buckets make no collective). A bucket packs the
-copies' low-precision grads into the reduce dtype (`kernels.pack`: cast and copy in one pass)
-and frees them; after the sum, `kernels.unpack` casts it into the masters' `.grad`, adding it
-to a sum the last sync wrote there (the same on every rank: nothing is kept aside for the
-keepers below, and only this backward's terms go over the wire). A master grad the sync did
-not write (a `no_sync()` term, or one set by the caller) is added into the bucket before the
-sum, as a whole grad is below. A `no_sync()` backward moves the copies' grads into their
-masters when it ends (summed in float32, not in the compute dtype), the keepers' rule applied.
+(`runtime.compute_copies`) and each has a float32 master, where its gradient lands
+(`runtime.master_grads` says how, accumulation included). Every copy is registered, those with
+no group too (their buckets make no collective).
 A bucket's flat buffer is allocated at its launch and, as the grads' storage, lives
 exactly as long as they do: `zero_grad(set_to_none=True)` frees it. Kept between steps
 it would hold the synced grads' bytes through forward too (the solver counts gradients
@@ -102,7 +96,8 @@ from torch.distributed.distributed_c10d import _resolve_process_group
 
 from autopar.runtime.comm import Started, start_all_reduce
 from autopar.solver.cost import GRAD_BUCKET_BYTES
-from kernels import bucket_offsets, pack, unpack
+from autopar.runtime.master_grads import MasterGrads
+from kernels import pack, unpack
 
 logger = logging.getLogger(__name__)
 
@@ -172,7 +167,7 @@ class GradSync:
         self._handles = []
         self._synced: list[tuple[torch.nn.Parameter, weakref.ref, bool]] = []  # (param, the grad the last sync wrote, keeper)
         self._kept_sums = False  # this backward accumulates onto sums a sync wrote (every rank alike)
-        self._sums: dict[int, weakref.ref] = {}  # id(master) -> the grad the last sync wrote into it (mixed precision)
+        self._master_grads = MasterGrads()  # the masters' grads the sync wrote (mixed precision)
         self._build(list(params), reduce_dtype, masters or {})
         landed = {id(m) for b in self._buckets for m in b.masters}
         self._unsynced = [p for p in self._scaled if id(p) not in landed]  # scaled, never in a bucket
@@ -351,19 +346,10 @@ class GradSync:
             for p in b.params:
                 p.grad = None  # the bucket holds them now
             if b.groups:
-                self._add_unsummed(b)
+                self._master_grads.add_unsummed(b.buffer, b.masters)
         if b.groups:
             b.work = start_all_reduce(b.buffer, b.first_group)
         self.launched += 1
-
-    def _add_unsummed(self, b: _Bucket) -> None:
-        """Add to a bucket of copies' grads the master grads the last sync did not write: they are terms of
-        this rank's, reduced whole (module docstring); the sum replaces them."""
-        for m, offset in zip(b.masters, bucket_offsets(b.masters)):
-            mark = self._sums.get(id(m))
-            if m.grad is not None and (mark is None or mark() is not m.grad):
-                b.buffer[offset:offset + m.numel()].add_(m.grad.reshape(-1).to(b.dtype))
-                m.grad = None
 
     def finish(self) -> None:
         """Wait for every bucket and write the summed grads back (launching buckets whose grads never
@@ -377,8 +363,10 @@ class GradSync:
         scale = None if self._count is None else 1.0 / self._count.wait()
         if self._syncing:
             self._finish_sync(scale)
-        elif self._copies:
-            self._move_copies_grads()
+        elif self._copies:  # a `no_sync()` backward
+            for b in self._buckets:
+                if b.copies:
+                    self._master_grads.move_from_copies(b.params, b.masters, bool(b.groups), b.keeper)
         if scale is not None:
             with torch.no_grad():  # the grads no bucket carried (all of them under `no_sync`)
                 for p in self._unsynced if self._syncing else self._scaled:
@@ -402,7 +390,7 @@ class GradSync:
             if scale is not None:
                 b.buffer.mul_(scale)
             if b.copies:
-                self._unpack_into_masters(b)
+                self._master_grads.unpack_into(b.buffer, b.masters)
                 b.work, b.buffer = None, None
                 b.ready.clear()
                 continue
@@ -421,35 +409,6 @@ class GradSync:
             b.ready.clear()
         self._next = 0
 
-    def _unpack_into_masters(self, b: _Bucket) -> None:
-        """The summed bucket cast into the masters' grads (`kernels.unpack`), added to the sums the last sync wrote."""
-        grads = [m.grad for m in b.masters]
-        accumulate = any(g is not None for g in grads)
-        grads = [g if g is not None else torch.zeros_like(m) if accumulate else torch.empty_like(m)
-                 for g, m in zip(grads, b.masters)]
-        unpack(b.buffer, grads, accumulate=accumulate)
-        for m, grad in zip(b.masters, grads):
-            m.grad = grad
-            self._sums[id(m)] = weakref.ref(grad)
-
-    def _move_copies_grads(self) -> None:
-        """At the end of a `no_sync()` backward: the copies' grads added to their masters' in float32, as this rank's
-        terms (a master's synced sum kept by its keeper only, for the next sync to reduce once)."""
-        with torch.no_grad():
-            for b in self._buckets:
-                if not b.copies:
-                    continue
-                for c, m in zip(b.params, b.masters):
-                    if c.grad is None:
-                        continue
-                    mark = self._sums.pop(id(m), None)
-                    if b.groups and not b.keeper and mark is not None and mark() is m.grad:
-                        m.grad = None
-                    m.grad = c.grad.to(m.dtype) if m.grad is None else m.grad.add_(c.grad.to(m.dtype))
-                    c.grad = None
-                    if not b.groups:  # nothing to reduce: it is the whole gradient, a sum as a sync writes one
-                        self._sums[id(m)] = weakref.ref(m.grad)
-
     def shadow(self) -> None:
         """Issue one synced backward's collectives with zeros for every gradient, in the same order: what a
         rank with nothing to add sends while the others still train (torch's `Join`, `runtime.join`)."""
@@ -467,8 +426,7 @@ class GradSync:
         """Take over `old`'s marks of the grads its last sync wrote, for the parameters both sync (a rebuilt
         sync: the next backward still adds each sum once)."""
         self._synced = [m for m in old._synced if id(m[0]) in self._where]
-        landed = {id(m) for b in self._buckets for m in b.masters}
-        self._sums = {k: ref for k, ref in old._sums.items() if k in landed}
+        self._master_grads.kept_for(old._master_grads, [m for b in self._buckets if b.copies for m in b.masters])
 
     def remove(self) -> None:
         """Detach the hooks (the parameters stop being synced)."""
