@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import math
 import operator
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any, Mapping, NamedTuple
 
 import torch
@@ -237,6 +237,9 @@ class BuiltProblem:
     strategies: Mapping[str, tuple[Strategy, ...]]
     storage: Mapping[tuple[str, int], Spec]  # (param node, strategy index) -> ZeRO storage spec, where one exists
     num_graph_nodes: int
+    # param node -> bytes of its gradient as the ranks sum it per byte as computed (2 for a bf16 copy's summed in
+    # float32: mixed precision); 1 where absent
+    summed_per_computed: Mapping[str, float] = field(default_factory=dict)
 
     def member_strategy(self, node: str, option: int) -> int:
         """Strategy index of graph node `node` when its problem node (class) takes `option`."""
@@ -702,7 +705,8 @@ def build_problem(
     problem = Problem(tuple(nodes), tuple(edges), budget_bytes, tuple((g, sync_latency_s(mesh, g)) for g in groups),
                       tuple(sorted(together)), tuple(sorted(crossing)), _cuts(traced, nodes, cls, together), mesh.recompute_region_s,
                       shared, foreach_scratch)
-    return BuiltProblem(problem, grouping, strategies, dict(pricer.storage), len(grouping.cluster_of))
+    wire = {p.node: _summed_per_computed(p) for p in profile.params.values() if _summed_per_computed(p) != 1.0}
+    return BuiltProblem(problem, grouping, strategies, dict(pricer.storage), len(grouping.cluster_of), wire)
 
 
 def _lift_correction(arc: _Arc, i: int, j: int, mesh: Mesh) -> float:
