@@ -498,6 +498,8 @@ class ParallelModule(nn.Module, Joinable):
 
     def _own_sync(self, graph: _Graph) -> None:
         """A gradient sync of this module's parameters for `graph`, off inside `no_sync()`."""
+        if self._copies is not None:
+            self._copies.refresh()  # the copies' requires_grad follows the masters' before the sync registers them
         self._sync = _make_grad_sync(self, graph.gm.meta["autopar"], self.mesh, self._copies, self._reduce_dtype())
         self._sync.enabled = self._syncing
         self._sync_key = graph.sync_key

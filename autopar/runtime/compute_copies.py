@@ -47,14 +47,15 @@ class ComputeCopies:
         self._versions: list[int] | None = None  # the masters' versions the copies were made from
 
     def refresh(self) -> bool:
-        """Make the copies from the masters if any master changed since the last refresh; whether it did."""
+        """Make the copies from the masters if any master changed since the last refresh; whether it did. Each copy
+        requires grad as its master does (frozen or unfrozen since)."""
+        for c, m in zip(self.tensors, self.masters):
+            if c.requires_grad != m.requires_grad:
+                c.requires_grad_(m.requires_grad)
         versions = [m._version for m in self.masters]
         if versions == self._versions:
             return False
         with torch.no_grad():
             pack(self.masters, out=self.flat)
-        for c, m in zip(self.tensors, self.masters):
-            if c.requires_grad != m.requires_grad:  # frozen or unfrozen since: the copy follows
-                c.requires_grad_(m.requires_grad)
         self._versions = versions
         return True

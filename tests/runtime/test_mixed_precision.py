@@ -166,6 +166,26 @@ def test_copies_are_made_once_per_step_and_micro_batches_sum_in_float32(spmd):
                 torch.testing.assert_close(grads[fqn], g, rtol=1e-5, atol=1e-7, msg=lambda m: f"{fqn}: {m}")
 
 
+def _frozen_after_a_step(rank, world, plan):
+    """A step with every parameter trained, then one with a weight frozen since: which masters got a gradient."""
+    pm, opt, (args, kwargs) = _module(plan, world)
+    pm(*args, **kwargs).backward()
+    opt.step()
+    opt.zero_grad()
+    pm.get_parameter("transformer.h.0.attn.c_attn.weight").requires_grad_(False)
+    pm(*args, **kwargs).backward()
+    return {fqn for fqn, p in pm.named_parameters() if p.grad is not None}
+
+
+@pytest.mark.timeout(120)
+def test_a_master_frozen_after_parallelize_gets_no_gradient(spmd):
+    """Freezing a master freezes its copy: the next backward gives it no gradient, the others theirs."""
+    data_parallel, _ = _plans()
+    model, _ = _gpt2()
+    for trained in spmd(_frozen_after_a_step, 2, data_parallel, timeout_s=100):
+        assert trained == {n for n, _ in model.named_parameters()} - {"transformer.h.0.attn.c_attn.weight"}
+
+
 def _fp16_steps(rank, world, plan, overflow):
     """fp16 compute with torch's ShardedGradScaler: an overflow put in rank 0's block of a split gradient, or none.
     The scale after the step, whether the masters moved, and the loss."""
