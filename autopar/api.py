@@ -34,13 +34,15 @@ from autopar.mixed_precision import MixedPrecision
 from autopar.profiler import profile
 from autopar.profiler.types import GraphProfile
 from autopar.runtime.mesh import ProcessMesh
-from autopar.runtime.optimizers import replaced
+from autopar.runtime.optimizers import alike_by_design, replaced
 from autopar.solver import solve, solve_keeping_params
 from autopar.solver.mesh import Mesh, Precision, make_mesh, preset_for_device
 from autopar.solver.plan import Plan
 from autopar.solver.plan_io import check_plan, load_plan, plan_from_json, plan_to_json
 from autopar.tracer import TracedGraph, trace
 from autopar.tracer.batch_dims import BatchDim, BatchDimError
+from autopar.tracer.closures import rebind_closures
+from autopar.tracer.lifted import link_lifted_state
 
 log = logging.getLogger(__name__)
 
@@ -86,7 +88,18 @@ def capture_copy(model: nn.Module, sample: Any, device: str = "meta",
                 # computes it again at every forward, so the copy takes a placeholder of its shape
                 weight = getattr(module, hook.name)
                 memo.setdefault(id(weight), make(weight.detach()))
-    return copy.deepcopy(model, memo), pytree.tree_map_only(torch.Tensor, make, sample)
+    copied = copy.deepcopy(model, memo)
+    rebind_closures(copied, memo)  # a lambda over a submodule (minGPT's `mlpf`) reads the copy's, not the model's
+    return copied, pytree.tree_map_only(torch.Tensor, make, sample)
+
+
+def trace_copy(model: nn.Module, sample: Any, device: str, dtypes: Mapping[str, torch.dtype] | None = None,
+               owner: nn.Module | None = None, **trace_options: Any) -> TracedGraph:
+    """`model` traced on a copy (`capture_copy`), each constant the export lifted that is a parameter or buffer of
+    the copy or of `owner` (default `model`: the model whose tensors a forward may reach past its copy) read as that
+    one (`tracer.lifted`). trace_options: `trace`'s."""
+    copied, batch = capture_copy(model, sample, device, dtypes)
+    return link_lifted_state(trace(copied, batch, **trace_options), copied, model if owner is None else owner)
 
 
 def _capture_device(mesh: ProcessMesh) -> str:
@@ -104,15 +117,15 @@ def capture_device_for(hardware: str, mixed_precision: MixedPrecision | None = N
 
 def traced_model(model: nn.Module, sample: Any, device: str, batch_dim: BatchDim = 0,
                  mixed_precision: MixedPrecision | None = None, dtypes: Mapping[str, torch.dtype] | None = None,
-                 training: bool = True) -> TracedGraph:
-    """`model` traced on a copy holding no memory (`capture_copy` on `device`, its tensors in `dtypes` where given),
-    as `parallelize` traces it: under a mixed-precision policy with the parameters it computes on in the compute
-    dtype, under its autocast, on fake CPU tensors."""
+                 training: bool = True, owner: nn.Module | None = None) -> TracedGraph:
+    """`model` traced on a copy holding no memory (`trace_copy` on `device`, its tensors in `dtypes` where given,
+    `owner` as there), as `parallelize` traces it: under a mixed-precision policy with the parameters it computes
+    on in the compute dtype, under its autocast, on fake CPU tensors."""
     if mixed_precision is None:
-        return trace(*capture_copy(model, sample, device, dtypes), training=training, batch_dim=batch_dim)
+        return trace_copy(model, sample, device, dtypes, owner, training=training, batch_dim=batch_dim)
     dtypes = {**(dtypes or {}), **mixed_precision.compute_dtypes(model)}
     with mixed_precision.autocast():
-        return trace(*capture_copy(model, sample, "cpu", dtypes), training=training, batch_dim=batch_dim)
+        return trace_copy(model, sample, "cpu", dtypes, owner, training=training, batch_dim=batch_dim)
 
 
 def parallelize(
@@ -189,6 +202,7 @@ def parallelize(
     pm = ParallelModule(gm, traced, pmesh, plan, retracer, mixed_precision)
     dress_like(pm, model)  # submodules of the model's classes: code that sorts parameters by module type
     replaced(model, pm)  # an optimizer made from the model's parameters is refused at its first step
+    pm.expect_equal_blocks(*alike_by_design(dict(model.named_parameters()), pm.param_storage(), pmesh))
     _warn_when_read_stale(model, pm)
     # code written against the model reads its plain attributes (a Hugging Face model's config, generation_config,
     # name_or_path): the parallel module has them too; its own names and the model's methods are not copied
@@ -242,12 +256,12 @@ def make_retracer(model: nn.Module, sample_input: Any, device: str, optimizer: s
 
     def traced(batch: Any, training: bool, autocast: torch.dtype | None, dtypes: Mapping[str, torch.dtype]) -> TracedGraph:
         if autocast is None or mixed_precision is not None:
-            return traced_model(shape_only, batch, device, batch_dim, mixed_precision, dtypes, training)
+            return traced_model(shape_only, batch, device, batch_dim, mixed_precision, dtypes, training, owner=model)
         # autocast casts the tensors of its device type, so on GPUs the model is traced on fake CUDA tensors
         # (meta ones it would leave alone)
         cast_device = "cpu" if device == "cpu" else "cuda"
         with torch.autocast(cast_device, dtype=autocast):
-            return trace(*capture_copy(shape_only, batch, cast_device, dtypes), training=training, batch_dim=batch_dim)
+            return trace_copy(shape_only, batch, cast_device, dtypes, model, training=training, batch_dim=batch_dim)
 
     return Retracer(
         trace=traced,

@@ -46,6 +46,11 @@ STAGE_TIMEOUT_S = {"versions": 50, "kernels": 60, "world_of_one": 180, "fake_wor
                    "train_example": 90}  # 540 s in all: the issue's 9 minutes
 
 
+def _limit_s(stage: str) -> float:
+    """The stage's timeout, scaled as the driver was told (`--timeout-scale`), for the waits inside it."""
+    return STAGE_TIMEOUT_S[stage] * float(os.environ.get("GPU_CHECK_TIMEOUT_SCALE", "1"))
+
+
 def _device(cpu: bool):
     import torch
     return torch.device("cpu" if cpu else "cuda", None if cpu else 0)
@@ -220,7 +225,7 @@ def _world_of_one(rank: int, world: int, cpu: bool) -> dict:
 
 def stage_world_of_one(cpu: bool) -> dict:
     from autopar.runtime.launch import run_ranks
-    return run_ranks(_world_of_one, 1, cpu, timeout_s=STAGE_TIMEOUT_S["world_of_one"] - 10,
+    return run_ranks(_world_of_one, 1, cpu, timeout_s=_limit_s("world_of_one") - 10,
                      backend="gloo" if cpu else "nccl")[0]
 
 
@@ -295,7 +300,7 @@ def _gloo_shared(rank: int, world: int, cpu: bool, plans: int) -> dict:
 
 def stage_gloo_shared(cpu: bool) -> dict:
     from autopar.runtime.launch import run_ranks
-    out = run_ranks(_gloo_shared, 2, cpu, 1 if cpu else 3, timeout_s=STAGE_TIMEOUT_S["gloo_shared"] - 10)[0]
+    out = run_ranks(_gloo_shared, 2, cpu, 1 if cpu else 3, timeout_s=_limit_s("gloo_shared") - 10)[0]
     bad = {k: v for k, v in out.items() if v["loss_error"] > 1e-4 or v["param_error"] > 1e-4}
     if bad:
         raise AssertionError(f"plans differ from one device: {bad}")
@@ -309,7 +314,7 @@ def stage_train_example(cpu: bool) -> dict:
         for steps in (1, 2):
             cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "1",
                    str(ROOT / "examples" / "train.py"), "--steps", str(steps), "--checkpoint", ckpt, "--seq-len", "16"]
-            run = subprocess.run(cmd, capture_output=True, text=True, timeout=STAGE_TIMEOUT_S["train_example"] / 2 - 5,
+            run = subprocess.run(cmd, capture_output=True, text=True, timeout=_limit_s("train_example") / 2 - 5,
                                  env={**os.environ, "PYTHONPATH": str(ROOT)})
             if run.returncode != 0:
                 raise RuntimeError(f"{' '.join(cmd[3:])} exited {run.returncode}: {run.stderr.strip()[-800:]}")
@@ -344,7 +349,7 @@ def run_all(names: list[str], cpu: bool, scale: float) -> list[dict]:
     """Each stage in a fresh subprocess under its timeout; one JSON line per stage as it ends."""
     lines = []
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
-           "PYTHONUNBUFFERED": "1"}
+           "PYTHONUNBUFFERED": "1", "GPU_CHECK_TIMEOUT_SCALE": str(scale)}
     if cpu:
         env["TRITON_INTERPRET"] = "1"  # the kernels stage runs Triton's interpreter on CPU tensors
     for name in names:

@@ -46,6 +46,7 @@ from torch.utils import _pytree as pytree
 from autopar.codegen import random as random_ops
 from autopar.codegen.edges import Edge, Step, edge_for, plan_steps, sharded_axes
 from autopar.codegen.fused_loss import fuse_cross_entropy_sums
+from autopar.codegen.kernel_layouts import lay_out_inputs
 from autopar.codegen.python_calls import bind_python_calls
 from autopar.codegen.recompute import outline_recompute_regions
 from autopar.codegen.schedule import start_collectives_early
@@ -328,8 +329,10 @@ class _Lowerer:
         if full is None:
             full = self.traced.constants  # no tensors given: zeros but for the trace's own constants
         elif fqn not in full:
-            raise LoweringError(f"the traced model reads {fqn!r}, which the tensors passed to lower() do not hold; "
-                                "pass the model's named_parameters(remove_duplicate=False) and named_buffers()")
+            raise LoweringError(f"the traced model reads {fqn!r}, which the tensors given to lower() do not hold: give "
+                                "lower() every parameter and buffer of the model, by each of its names "
+                                "(params=dict(model.named_parameters(remove_duplicate=False)), buffers=dict("
+                                "model.named_buffers(remove_duplicate=False)))")
         if fqn in full and self.local:
             t, want = full[fqn], spec.local_shape(tuple(val.shape), self.mesh.shape)
             if tuple(t.shape) != tuple(want):
@@ -355,14 +358,20 @@ class _Lowerer:
         mutated = set(self.traced.buffer_mutations.values())  # buffers the forward updates
         moved = {self.owner(fqn) for fqn in self.traced.param_mutations.values()}  # frozen parameters it updates
         changed_inputs = set(self.traced.input_mutations.values())  # user inputs it updates in place
+        read_owners = {self.owner(self.traced.param_fqns[ph]) for ph in zero_steps}  # parameters some op reads
         for node in self.traced.graph.nodes:
             if node.op == "placeholder":
                 if node.name in self.traced.param_fqns:
                     fqn = self.traced.param_fqns[node.name]
-                    if node.name not in zero_steps:
-                        continue  # unused (e.g. the tied twin export leaves behind)
                     d = self.param_decisions[node.name]
                     owner = self.owner(fqn)
+                    if node.name not in zero_steps:  # no op reads it in this forward (XLNet's seg_embed, read with
+                        # token_type_ids only): held where the plan stores it, in parameters() and the state dict as
+                        # on one device, its grad None; no gradient sync waits for it. A tied name read elsewhere is held there.
+                        if owner not in read_owners:
+                            storage[owner] = d.storage
+                            held[owner] = self.state_input(node, owner, self.local_tensor(fqn, node, d.storage, self.full_params), True)
+                        continue
                     if owner in held:
                         raise LoweringError(f"tied parameters {owner!r} and {fqn!r} are used through two placeholders; not supported")
                     storage[owner] = d.storage
@@ -443,6 +452,7 @@ class _Lowerer:
                     new_flat.append(leaf)
             args, kwargs = pytree.tree_unflatten(new_flat, spec)
             target, kwargs = _as_eager_runs(node, target, kwargs)
+            args = lay_out_inputs(self.graph, target, tuple(args))  # a local tensor strided where the kernel needs it not
             target, args, kwargs = random_ops.wrap(target, tuple(args), kwargs, self.out_specs(node), self.mesh)
             out = self.graph.create_node("call_function", target, tuple(args), kwargs, name=node.name)
         new = before.next if before is not None else next(iter(self.graph.nodes))

@@ -171,6 +171,7 @@ class ParallelModule(nn.Module, Joinable):
         self._sync_key = first.sync_key
         self._synced_params = self._params_read()  # the sync's
         track(self)  # torch's clip_grad_norm_ on these shards: the full gradients' norm
+        self.equal_blocks: set[str] = set()  # split parameters whose blocks are alike by design (`expect_equal_blocks`)
         rng.agree_on_mask_seed(mesh.cpu_group)  # dropout masks alike on replicas, however each rank seeded torch
         watch_optimizers(self)  # and no optimizer reading whole parameters steps them
 
@@ -408,6 +409,12 @@ class ParallelModule(nn.Module, Joinable):
             self._planned[inputs] = self._plan_for(inputs, flat, spec, shapes, mode)
         traced, plan, how = self._planned[inputs]
         frozen = frozenset(_param_fqns(self._first)[i] for i, t in enumerate(key.trainable) if not t)
+        held = {*dict(self.named_parameters(remove_duplicate=False)), *dict(self.named_buffers(remove_duplicate=False))}
+        unheld = sorted({*traced.param_fqns.values(), *traced.buffer_fqns.values()} - held - set(traced.constants))
+        if unheld:
+            raise LoweringError(f"at inputs {shapes} ({mode}) the model reads {unheld[:5]}, which the parallel module "
+                                "does not hold: they were no parameters or buffers of the model when it was parallelized "
+                                "(made in a forward since?). Create them in the model's constructor and parallelize again")
         try:
             gm = lower(traced, plan, self.mesh, params=dict(self.named_parameters(remove_duplicate=False)),
                        buffers=dict(self.named_buffers(remove_duplicate=False)), input_layout=self.info.input_layout,
@@ -524,6 +531,17 @@ class ParallelModule(nn.Module, Joinable):
         ranks' shards (`runtime.grad_norm.track`; a collective: call it on every rank, after backward), the
         same on every rank."""
         return torch.nn.utils.clip_grad_norm_(self.parameters(), max_norm, norm_type)
+
+    def expect_equal_blocks(self, *names: str) -> None:
+        """Say that these split parameters' blocks are alike on every rank by design (a tensor whose rows are copies
+        of one another, set after `parallelize`): the first optimizer step's check for blocks drawn alike by an init
+        loop over `pm.parameters()` (`runtime.optimizers`) leaves them out. `parallelize` leaves out those whose full
+        tensor had them alike already (Mamba's `A_log`). Call it on every rank alike, before the first step."""
+        unknown = sorted(set(names) - set(self.info.param_storage))
+        if unknown:
+            raise LoweringError(f"expect_equal_blocks: {unknown} are not parameters of this module; its parameters "
+                                f"are named as the model's: {sorted(self.info.param_storage)[:5]} ...")
+        self.equal_blocks.update(names)
 
     def param_storage(self) -> Mapping[str, Spec]:
         """How each parameter (by FQN) is stored across the mesh: what this rank's tensor is a block of."""

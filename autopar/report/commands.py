@@ -60,6 +60,7 @@ def _trace_and_profile(source: PlanSource, hardware: str = ""):
     from autopar.mixed_precision import POLICIES
     from autopar.model_file import model_file_batch_dim
     from autopar.tracer import trace
+    from autopar.tracer.lifted import link_lifted_state
 
     policy = POLICIES[source.precision or "fp32"]
     with phase("loading model"):
@@ -68,7 +69,7 @@ def _trace_and_profile(source: PlanSource, hardware: str = ""):
         device = capture_device_for(hardware, policy)
         batch_dim = model_file_batch_dim(source.model_file) if source.model_file else 0
         if device == "meta":
-            traced = trace(model, sample, batch_dim=batch_dim)
+            traced = link_lifted_state(trace(model, sample, batch_dim=batch_dim), model)
         else:
             traced = traced_model(model, sample, device, batch_dim, policy)
     with phase("profiling"):

@@ -45,7 +45,7 @@ import sys
 import logging
 import weakref
 import zlib
-from typing import Any, Iterator, Mapping, Protocol
+from typing import AbstractSet, Any, Iterator, Mapping, Protocol
 
 import torch
 import torch.distributed as dist
@@ -77,6 +77,7 @@ class ShardedModule(Protocol):
     """A module whose parameters are local blocks (`ParallelModule`), as this check reads it."""
 
     mesh: ProcessMesh
+    equal_blocks: AbstractSet[str]  # split parameters whose blocks are alike by design (`_check_drawn_apart`)
 
     def named_parameters(self) -> Iterator[tuple[str, torch.nn.Parameter]]: ...
 
@@ -237,6 +238,29 @@ def _check_scaler(optimizer: torch.optim.Optimizer, blocks: Mapping[int, tuple[s
         "`scaler = ShardedGradScaler(process_group=torch.distributed.group.WORLD)`")
 
 
+def alike_by_design(full: Mapping[str, torch.Tensor], storage: Mapping[str, Spec], mesh: ProcessMesh) -> set[str]:
+    """The split parameters among `full` (whole tensors by FQN, as `parallelize` got them) whose blocks under
+    `storage` are copies of one another already: Mamba's `A_log`, whose rows are alike by construction, split by
+    rows. The first step's check (`_check_drawn_apart`) leaves them out. Agreed by every rank (one all-reduce on
+    the CPU group): the check is a collective, and each rank must leave out the same ones."""
+    split = sorted(fqn for fqn, spec in storage.items() if fqn in full and not full[fqn].is_meta and
+                   any(isinstance(p, Shard) and n > 1 for p, n in zip(spec.placements, mesh.shape)))
+    if not split or not dist.is_initialized():
+        return set()
+    alike = torch.tensor([_blocks_alike(full[fqn].detach(), storage[fqn], mesh.shape) for fqn in split], dtype=torch.int32)
+    dist.all_reduce(alike, op=dist.ReduceOp.MIN, group=mesh.cpu_group)
+    return {fqn for fqn, same in zip(split, alike.tolist()) if same}
+
+
+def _blocks_alike(full: torch.Tensor, spec: Spec, mesh_shape: tuple[int, ...]) -> bool:
+    """Whether every block of `full` split as `spec` over `mesh_shape` holds the same values."""
+    blocks = [full]
+    for p, n in zip(spec.placements, mesh_shape):
+        if isinstance(p, Shard) and n > 1:
+            blocks = [chunk for b in blocks for chunk in b.chunk(n, p.dim)]
+    return all(torch.equal(blocks[0], b) for b in blocks[1:])
+
+
 def _check_drawn_apart(optimizer: torch.optim.Optimizer, blocks: Mapping[int, tuple[str, str, int]]) -> None:
     """Refuse a first step from split parameters whose blocks are copies of one another.
 
@@ -245,8 +269,12 @@ def _check_drawn_apart(optimizer: torch.optim.Optimizer, blocks: Mapping[int, tu
     shares: the blocks come out equal, and a split weight is its first block repeated, its neurons in
     lockstep for good. A collective (every rank steps): each rank's sum and 2-norm of each split
     parameter, compared between ranks holding different blocks (one all-gather on the CPU group); blocks of
-    one value (zeros, ones) are equal by design and pass."""
-    stepped = [(p, blocks[id(p)]) for group in optimizer.param_groups for p in group["params"] if id(p) in blocks]
+    one value (zeros, ones) are equal by design and pass, and so do the parameters a module expects alike
+    (`equal_blocks`: those whose full tensor had them so when parallelized, and those the caller names)."""
+    by_design = {id(p) for _, module in sorted(_MODULES.items()) for fqn, p in module.named_parameters()
+                 if fqn in module.equal_blocks}
+    stepped = [(p, blocks[id(p)]) for group in optimizer.param_groups for p in group["params"]
+               if id(p) in blocks and id(p) not in by_design]
     if not stepped or not dist.is_initialized() or dist.get_world_size() == 1 or dist.get_backend() == "fake":
         return
     with torch.no_grad():  # per parameter: its block's index, sum, 2-norm and whether it holds more than one value
@@ -268,7 +296,8 @@ def _check_drawn_apart(optimizer: torch.optim.Optimizer, blocks: Mapping[int, tu
             f"{', ...' if len(alike) > 3 else ''}. They were set on the blocks alone, each rank drawing from the "
             "same random numbers (an init loop over pm.parameters()), so each is its first block repeated. Nothing "
             "was stepped. Initialise the model before parallelize, or initialise through pm.apply(init_fn), which "
-            "gives each module's function the whole tensors")
+            "gives each module's function the whole tensors. If their blocks are alike by design (rows set equal "
+            "after parallelize), say so before the first step: pm.expect_equal_blocks(name, ...)")
 
 
 def _mark_blocks(optimizer: torch.optim.Optimizer, state_dict: dict[str, Any]) -> dict[str, Any]:

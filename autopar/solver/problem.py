@@ -196,10 +196,11 @@ class Problem:
     region_s: float = 0.0
     # parameters whose bucketed gradient sync several nodes' prices include: charged once, the largest
     shared_syncs: tuple[SharedSync, ...] = ()
-    # A foreach optimizer step (`Mesh.optimizer_foreach`) allocates its scratch for every parameter at once: this
-    # many bytes per byte of the parameters' local blocks (Adam's sqrt of the second moments: 1). A per-tensor
-    # step's scratch, one parameter's, is that parameter option's `temp_bytes`.
+    # The optimizer step's scratch, per byte of a stepped parameter's local block (Adam's: 1 under foreach, the
+    # square roots of the second moments; 2 per tensor, the square root and its quotient), held for every
+    # parameter at once under foreach (`Mesh.optimizer_foreach`, CUDA's default) or for one at a time (CPU's)
     step_scratch_per_param_byte: float = 0.0
+    step_scratch_foreach: bool = False
 
     def __post_init__(self) -> None:
         for e in self.edges:
@@ -339,8 +340,6 @@ class _Pricer:
         self.costs = profile.nodes
         self.facts = storage_facts(traced, profile)  # which node owns the storage each tensor views
         self.params = {p.node: p for p in profile.params.values()}
-        # bytes a per-tensor optimizer step allocates per byte of the parameter it steps (0 under foreach)
-        self.step_scratch = 0.0 if mesh.optimizer_foreach else optimizer_step_temp_bytes(profile.optimizer, [1.0])
         self.storage: dict[tuple[str, int], Spec] = {}
         self._cache: dict[tuple, Option] = {}
         self._nodes: dict[str, tuple] = {}
@@ -448,10 +447,8 @@ class _Pricer:
                 zero = None
                 if found:
                     zero = replace(found[1], update_saving_s=update_s - optimizer_step_s(param, shard * found[1].factor, mesh))
-                stepped = (param.param_bytes - param.copy_bytes) / shard if param.optimizer_bytes else 0.0  # a frozen one is not
                 return Option(str(spec), compute_s=update_s, update_s=update_s, param_bytes=param.param_bytes / shard,
-                              grad_bytes=param.grad_bytes / shard, optimizer_bytes=param.optimizer_bytes / shard, zero=zero,
-                              temp_bytes=self.step_scratch * stepped)
+                              grad_bytes=param.grad_bytes / shard, optimizer_bytes=param.optimizer_bytes / shard, zero=zero)
             if role == "buffer":
                 return Option(str(spec), param_bytes=sum(cost.output_bytes) / shard)
             saved = sum(b for b, s in zip(cost.output_bytes, cost.saved_outputs) if s) / shard
@@ -700,11 +697,11 @@ def build_problem(
     crossing = {(cls[p.name], cls[n.name]) for n, p in sources
                 if p.op == "call_function" and p.name in cls and n.name in cls and cls[p.name] != cls[n.name]
                 and layer_key(module_path(p)) != layer_key(module_path(n))}
-    foreach_scratch = optimizer_step_temp_bytes(profile.optimizer, [1.0], foreach=True) if mesh.optimizer_foreach else 0.0
-    foreach_scratch *= _master_share(profile)
+    # the step reads the masters only, not the compute copies a stepped parameter's bytes include (mixed precision)
+    step_scratch = optimizer_step_temp_bytes(profile.optimizer, [1.0], foreach=mesh.optimizer_foreach) * _master_share(profile)
     problem = Problem(tuple(nodes), tuple(edges), budget_bytes, tuple((g, sync_latency_s(mesh, g)) for g in groups),
                       tuple(sorted(together)), tuple(sorted(crossing)), _cuts(traced, nodes, cls, together), mesh.recompute_region_s,
-                      shared, foreach_scratch)
+                      shared, step_scratch, mesh.optimizer_foreach)
     wire = {p.node: _summed_per_computed(p) for p in profile.params.values() if _summed_per_computed(p) != 1.0}
     return BuiltProblem(problem, grouping, strategies, dict(pricer.storage), len(grouping.cluster_of), wire)
 

@@ -462,6 +462,11 @@ _KNOWN_FIXES = (
      "for an index or a size",
      "keep it a tensor and index with it, e.g. `queue.index_copy_(1, (ptr + torch.arange(n)) % size, keys.T)` "
      "and `ptr.add_(n).remainder_(size)`, so the graph computes it at every step"),
+    # the copy the tracer runs is on meta or fake tensors; a real tensor it reaches past the copy is on another device
+    ("found at least two devices", "a tensor the forward reaches outside the model's own parameters and buffers (a "
+     "module or tensor kept in a global or a class attribute) or makes on a fixed device",
+     "reach parameters and buffers through the model's attributes (`self.mlp(x)`), and make new tensors on an "
+     "input's device (`torch.zeros(n, device=x.device)`)"),
     ("data-dependent", "data-dependent control flow",
      "replace the Python `if`/`while` on a tensor value with torch.where / torch.cond, or make the branch depend on shapes only"),
     ("is not supported", "an unsupported operation", "rewrite the construct with standard torch ops"),

@@ -38,7 +38,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from autopar.api import capture_copy
+from autopar.api import trace_copy
 from autopar.errors import AutoparError, InfeasibleError
 from autopar.profiler import profile
 from autopar.solver import fixed_plan, solve
@@ -51,7 +51,7 @@ from autopar.solver.reshard import reshard_cost
 from autopar.solver.search import batch_dependent, splits_batch, to_plan
 from autopar.solver.spec import Replicate, Shard, Spec
 from autopar.solver.strategies import enumerate_strategies, strategy_inputs
-from autopar.tracer import TracedGraph, module_path, output_vals, trace
+from autopar.tracer import TracedGraph, module_path, output_vals
 
 from benchmarks.baselines.tensor_parallel import COL, PLANS
 
@@ -64,7 +64,7 @@ BASELINE_OF = {"ddp": ("1d", "never"), "fsdp": ("1d", "always"), "tp": ("2d", "n
 class Predictor:
     def __init__(self, model: nn.Module, sample: Any, meshes: dict[str, Mesh], blocks: list[str], family: str,
                  optimizer: str = "adamw", time_limit_s: float = 30.0, tp_module_overhead_s: float = 0.0):
-        self.traced = trace(*capture_copy(model, sample, "cpu"))
+        self.traced = trace_copy(model, sample, "cpu")
         self.profile = profile(self.traced, optimizer=optimizer).evaluate()
         self.meshes = meshes
         self.time_limit_s = time_limit_s

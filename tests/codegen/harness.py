@@ -13,12 +13,12 @@ import logging
 import math
 import random
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
 import torch
 
-from autopar.api import capture_copy, make_retracer
+from autopar.api import make_retracer, trace_copy
 from autopar.codegen import ParallelModule, lower
 from autopar.codegen.module import Retracer
 from autopar.codegen.shapes import local_block
@@ -28,7 +28,8 @@ from autopar.runtime.launch import run_ranks
 from autopar.runtime.mesh import ProcessMesh
 from autopar.solver.plan import Plan
 from autopar.solver.strategies import enumerate_strategies
-from autopar.tracer import TracedGraph, split_sample_input, trace
+from autopar.tracer import TracedGraph, split_sample_input
+from autopar.tracer.closures import deep_copy
 from tests.codegen.plans import cpu_mesh, greedy_plan, load_zoo, random_plan
 
 LR = 1e-3
@@ -44,6 +45,7 @@ class Reference:
     grads: list[dict[str, torch.Tensor]]  # per step, by FQN
     params: list[dict[str, torch.Tensor]]  # after each step
     buffers: list[dict[str, torch.Tensor]]  # after each step (BatchNorm's running statistics)
+    requires_grad: list[dict[str, bool]] = field(default_factory=list)  # per step, by FQN, as the model had them
 
 
 def loss_of(out: Any) -> torch.Tensor:
@@ -59,7 +61,7 @@ def call(model: torch.nn.Module, sample: Any) -> Any:
 
 
 def trace_model(model: torch.nn.Module, sample: Any) -> TracedGraph:
-    return trace(*capture_copy(model, sample, "cpu"))
+    return trace_copy(model, sample, "cpu")
 
 
 @functools.lru_cache(maxsize=None)
@@ -77,9 +79,9 @@ def reference(model: torch.nn.Module, sample: Any, steps: int) -> Reference:
 
 def reference_steps(model: torch.nn.Module, samples: Sequence[Any], before_step: Callable[[torch.nn.Module, int], None] | None = None) -> Reference:
     """One device's AdamW steps, one per sample (their shapes may differ); `before_step(model, step)` first."""
-    ref = copy.deepcopy(model)
+    ref = deep_copy(model)  # (a lambda stored on the model trains the copy's weights, as the model's own)
     opt = torch.optim.AdamW(ref.parameters(), lr=LR, eps=EPS)
-    out = Reference([], [], [], [])
+    out = Reference([], [], [], [], [])
     for step, sample in enumerate(samples):
         if before_step:
             before_step(ref, step)
@@ -88,6 +90,7 @@ def reference_steps(model: torch.nn.Module, samples: Sequence[Any], before_step:
         loss.backward()
         out.losses.append(loss.item())
         out.grads.append({n: p.grad.clone() for n, p in ref.named_parameters() if p.grad is not None})  # none when frozen
+        out.requires_grad.append({n: p.requires_grad for n, p in ref.named_parameters()})
         opt.step()
         out.params.append({n: p.detach().clone() for n, p in ref.named_parameters()})
         out.buffers.append({n: b.clone() for n, b in ref.named_buffers()})
@@ -149,6 +152,8 @@ def check_steps(pm: ParallelModule, opt: torch.optim.Optimizer, ref: Reference, 
     each; raise AssertionError naming the first mismatch with `ref`; return the max errors."""
     mesh = pm.mesh
     worst = {"loss": 0.0, "grad": 0.0, "param": 0.0}
+    missing = sorted(set(ref.params[0]) - set(pm.info.param_storage))
+    assert not missing, f"{label}: the parallel module holds no {missing[:5]}, parameters of the model"
     for step, sample in zip(steps, samples, strict=True):
         if before_step:
             before_step(pm, step)
@@ -163,8 +168,9 @@ def check_steps(pm: ParallelModule, opt: torch.optim.Optimizer, ref: Reference, 
         # the full tensors, without a gather per check (the gathered path is tested in test_parallelize)
         storage = pm.info.param_storage
         for fqn, p in pm.named_parameters():
-            if fqn not in ref.grads[step]:  # frozen in the model: frozen here, no gradient
-                assert not p.requires_grad and p.grad is None, f"{label}: {fqn} is frozen in the model, not here"
+            if fqn not in ref.grads[step]:  # frozen in the model, or read by no op of this forward: no gradient
+                assert p.grad is None, f"{label}: step {step}: {fqn} got a gradient, where one device gets none"
+                assert p.requires_grad == ref.requires_grad[step][fqn], f"{label}: {fqn} requires_grad={p.requires_grad}, not as in the model"
                 continue
             if p.grad is None:
                 raise AssertionError(f"{label}: {fqn} got no gradient")
