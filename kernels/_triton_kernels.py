@@ -8,7 +8,8 @@ Three kernels:
 - `multi_tensor_pack_kernel`: many contiguous tensors of one dtype -> slices of a flat bucket,
   times `scale`, cast to the bucket's dtype. One launch for a whole bucket instead of one
   copy + one scale + one cast per gradient.
-- `multi_tensor_unpack_kernel`: the inverse; optionally adds into the existing values (.grad).
+- `multi_tensor_unpack_kernel`: the inverse; optionally adds into the existing values (.grad); its scale
+  may be a 0-d tensor on the device (a mean's divisor the host has not read).
 - `strided_ew_kernel`: out = x * scale [+ r] over a 4-d index space where every operand has its
   own strides. Without r it is a permuting copy (the resharding layouts: chunks of a non-leading
   dim <-> a leading chunk dim, cast on the way if out has another dtype); it also serves
@@ -82,8 +83,10 @@ def multi_tensor_unpack_kernel(
     table_ptr,  # int64 (n_chunks, 4): (address, numel, bucket offset, chunk start)
     bucket_ptr,  # the flat bucket
     scale,  # float32
+    scale_ptr,  # a float32 scale in device memory, read instead of `scale` when SCALE_IN_MEMORY (else any tensor)
     DST_DTYPE: tl.constexpr,  # dtype of every destination in this launch
     ACCUMULATE: tl.constexpr,  # dst = dst + bucket * scale instead of dst = bucket * scale
+    SCALE_IN_MEMORY: tl.constexpr,  # a scale the host does not know (a mean's global count): no sync to read it
     CHUNK: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
@@ -92,10 +95,13 @@ def multi_tensor_unpack_kernel(
     numel = tl.load(row + 1)
     src = bucket_ptr + tl.load(row + 2)
     start = tl.load(row + 3)
+    factor = scale
+    if SCALE_IN_MEMORY:
+        factor = tl.load(scale_ptr)
     for step in range(0, CHUNK, BLOCK):
         idx = start + step + tl.arange(0, BLOCK)
         mask = idx < numel
-        x = tl.load(src + idx, mask=mask).to(tl.float32) * scale
+        x = tl.load(src + idx, mask=mask).to(tl.float32) * factor
         if ACCUMULATE:
             x += tl.load(dst + idx, mask=mask).to(tl.float32)
         tl.store(dst + idx, _cast(x, DST_DTYPE), mask=mask)

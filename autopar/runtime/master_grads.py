@@ -39,13 +39,14 @@ class MasterGrads:
                 buffer[offset:offset + m.numel()].add_(m.grad.reshape(-1).to(buffer.dtype))
                 m.grad = None
 
-    def unpack_into(self, buffer: torch.Tensor, masters: Sequence[torch.Tensor]) -> None:
-        """A summed bucket cast into the masters' gradients (`kernels.unpack`), added to the sums already there."""
+    def unpack_into(self, buffer: torch.Tensor, masters: Sequence[torch.Tensor], scale: float | torch.Tensor = 1.0) -> None:
+        """A summed bucket times `scale` (a mean's 1 / global count, a 0-d tensor the host does not read) cast into
+        the masters' gradients (`kernels.unpack`: one pass), added to the sums already there."""
         grads = [m.grad for m in masters]
         accumulate = any(g is not None for g in grads)
         grads = [g if g is not None else torch.zeros_like(m) if accumulate else torch.empty_like(m)
                  for g, m in zip(grads, masters)]
-        unpack(buffer, grads, accumulate=accumulate)
+        unpack(buffer, grads, scale=scale, accumulate=accumulate)
         for m, grad in zip(masters, grads):
             m.grad = grad
             self._sums[id(m)] = weakref.ref(grad)

@@ -34,8 +34,9 @@ def _gpt2():
     return load_zoo("gpt2").build(batch_size=4, seq_len=8, size="tiny", device="cpu")
 
 
-def _watch_kernels(calls: list) -> None:
-    """Record (body, calling function, source dtypes, bucket dtype) for every pack and unpack from now on."""
+def _watch_kernels(calls: list, unpack_scales: list) -> None:
+    """Record (body, calling function, source dtypes, bucket dtype) for every pack and unpack from now on, and the
+    scale of every unpack."""
     for name in _BODIES:
         body = getattr(kernels.bucket, name)
 
@@ -46,6 +47,8 @@ def _watch_kernels(calls: list) -> None:
             caller = f"{frame.f_globals['__name__'].rsplit('.', 1)[-1]}.{frame.f_code.co_name}"
             tensors, bucket = (args[0], args[2]) if "pack" == _name.split("_")[1] else (args[1], args[0])
             calls.append((_name, caller, sorted({str(t.dtype) for t in tensors}), str(bucket.dtype)))
+            if "unpack" in _name:
+                unpack_scales.append(args[3])
             return _body(*args)
 
         setattr(kernels.bucket, name, watched)
@@ -57,14 +60,15 @@ def _spied_step(rank, world, plan, policy, interpret):
     if interpret:
         os.environ["TRITON_INTERPRET"] = "1"  # the Triton kernels on CPU tensors (`kernels._dispatch`)
     calls: list = []
-    _watch_kernels(calls)
+    unpack_scales: list = []
+    _watch_kernels(calls, unpack_scales)
     model, sample = _gpt2()
     pm = autopar.parallelize(model, sample, (world,), plan=plan, mixed_precision=policy)
     opt = torch.optim.AdamW(pm.parameters(), lr=1e-3)
     pm(**pm.local_batch(sample)).backward()
     grads = {fqn: gather_full(p.grad, pm.info.param_storage[fqn], pm.mesh) for fqn, p in pm.named_parameters()}
     opt.step()
-    return calls, grads
+    return calls, grads, unpack_scales
 
 
 def _plans():
@@ -87,24 +91,26 @@ def test_a_bf16_training_step_packs_and_unpacks_through_the_kernels(spmd):
     are bf16 and their unpack casts. Under TRITON_INTERPRET=1 the same calls run the Triton kernels, with the
     fallback's gradients bit for bit."""
     data_parallel, zero = _plans()
-    calls, grads = spmd(_spied_step, 2, data_parallel, BF16, False, timeout_s=200)[0]
+    calls, grads, unpack_scales = spmd(_spied_step, 2, data_parallel, BF16, False, timeout_s=200)[0]
     sites = {(name, caller, tuple(src), dst) for name, caller, src, dst in calls}
+    # the mean loss's division by its global count (the batch's 4 x 8 labels) is the unpack's scale, a tensor it reads
+    assert unpack_scales and all(isinstance(s, torch.Tensor) and s.item() == pytest.approx(1 / 32) for s in unpack_scales)
     assert sites == {("_pack_torch", "compute_copies.refresh", ("torch.float32",), "torch.bfloat16"),
                      ("_pack_torch", "grad_sync._launch", ("torch.bfloat16",), "torch.float32"),
-                     ("_unpack_torch", "grad_sync._unpack_into_masters", ("torch.float32",), "torch.float32")}, sites
+                     ("_unpack_torch", "master_grads.unpack_into", ("torch.float32",), "torch.float32")}, sites
     assert sum(c[1] == "compute_copies.refresh" for c in calls) == 1  # once for the step, all parameters in one pack
 
-    calls, _ = spmd(_spied_step, 2, data_parallel, autopar.MixedPrecision(torch.bfloat16, torch.bfloat16), False,
-                    timeout_s=200)[0]
+    calls, _, _ = spmd(_spied_step, 2, data_parallel, autopar.MixedPrecision(torch.bfloat16, torch.bfloat16), False,
+                       timeout_s=200)[0]
     assert ("_pack_torch", "grad_sync._launch", ["torch.bfloat16"], "torch.bfloat16") in calls
-    assert ("_unpack_torch", "grad_sync._unpack_into_masters", ["torch.float32"], "torch.bfloat16") in calls
+    assert ("_unpack_torch", "master_grads.unpack_into", ["torch.float32"], "torch.bfloat16") in calls
 
-    calls, zero_grads = spmd(_spied_step, 2, zero, BF16, False, timeout_s=200)[0]
+    calls, zero_grads, _ = spmd(_spied_step, 2, zero, BF16, False, timeout_s=200)[0]
     assert ("_pack_torch", "collectives._gather", ["torch.float32"], "torch.bfloat16") in calls
 
     pytest.importorskip("triton")
     for plan, want in ((data_parallel, grads), (zero, zero_grads)):
-        calls, got = spmd(_spied_step, 2, plan, BF16, True, timeout_s=200)[0]
+        calls, got, _ = spmd(_spied_step, 2, plan, BF16, True, timeout_s=200)[0]
         assert {c[0] for c in calls} == {"_pack_triton", "_unpack_triton"}
         for fqn, g in want.items():
             torch.testing.assert_close(got[fqn], g, rtol=0, atol=0, msg=lambda m: f"{fqn}: {m}")
