@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
+import importlib.util
 import os
 import random
 import sys
@@ -54,21 +56,27 @@ def _watch_kernels(calls: list, unpack_scales: list) -> None:
         setattr(kernels.bucket, name, watched)
 
 
-def _spied_step(rank, world, plan, policy, interpret):
-    """One bf16 training step of GPT-2 tiny through `parallelize` with the kernels watched: the calls and this rank's
-    gathered gradients."""
-    if interpret:
-        os.environ["TRITON_INTERPRET"] = "1"  # the Triton kernels on CPU tensors (`kernels._dispatch`)
+def _spied_steps(rank, world, runs):
+    """Per (plan, policy, interpret) of `runs`, one training step of GPT-2 tiny through `parallelize` with the kernels
+    watched: the calls, this rank's gathered gradients and the unpacks' scales. One world for all: its start and
+    imports are most of a run's time. `interpret` turns TRITON_INTERPRET on for this run and the rest."""
     calls: list = []
     unpack_scales: list = []
     _watch_kernels(calls, unpack_scales)
-    model, sample = _gpt2()
-    pm = autopar.parallelize(model, sample, (world,), plan=plan, mixed_precision=policy)
-    opt = torch.optim.AdamW(pm.parameters(), lr=1e-3)
-    pm(**pm.local_batch(sample)).backward()
-    grads = {fqn: gather_full(p.grad, pm.info.param_storage[fqn], pm.mesh) for fqn, p in pm.named_parameters()}
-    opt.step()
-    return calls, grads, unpack_scales
+    out = []
+    for plan, policy, interpret in runs:
+        if interpret:
+            os.environ["TRITON_INTERPRET"] = "1"  # the Triton kernels on CPU tensors (`kernels._dispatch`)
+        calls.clear()
+        unpack_scales.clear()
+        model, sample = _gpt2()
+        pm = autopar.parallelize(model, sample, (world,), plan=plan, mixed_precision=policy)
+        opt = torch.optim.AdamW(pm.parameters(), lr=1e-3)
+        pm(**pm.local_batch(sample)).backward()
+        grads = {fqn: gather_full(p.grad, pm.info.param_storage[fqn], pm.mesh) for fqn, p in pm.named_parameters()}
+        opt.step()
+        out.append((list(calls), grads, list(unpack_scales)))
+    return out
 
 
 def _plans():
@@ -91,7 +99,13 @@ def test_a_bf16_training_step_packs_and_unpacks_through_the_kernels(spmd):
     are bf16 and their unpack casts. Under TRITON_INTERPRET=1 the same calls run the Triton kernels, with the
     fallback's gradients bit for bit."""
     data_parallel, zero = _plans()
-    calls, grads, unpack_scales = spmd(_spied_step, 2, data_parallel, BF16, False, timeout_s=200)[0]
+    triton = importlib.util.find_spec("triton") is not None
+    bf16_sums = autopar.MixedPrecision(torch.bfloat16, torch.bfloat16)
+    runs = [(data_parallel, BF16, False), (data_parallel, bf16_sums, False), (zero, BF16, False)]
+    runs += [(data_parallel, BF16, True), (zero, BF16, True)] if triton else []
+    results = spmd(_spied_steps, 2, runs, timeout_s=200)[0]
+
+    calls, grads, unpack_scales = results[0]
     sites = {(name, caller, tuple(src), dst) for name, caller, src, dst in calls}
     # the mean loss's division by its global count (the batch's 4 x 8 labels) is the unpack's scale, a tensor it reads
     assert unpack_scales and all(isinstance(s, torch.Tensor) and s.item() == pytest.approx(1 / 32) for s in unpack_scales)
@@ -100,25 +114,30 @@ def test_a_bf16_training_step_packs_and_unpacks_through_the_kernels(spmd):
                      ("_unpack_torch", "master_grads.unpack_into", ("torch.float32",), "torch.float32")}, sites
     assert sum(c[1] == "compute_copies.refresh" for c in calls) == 1  # once for the step, all parameters in one pack
 
-    calls, _, _ = spmd(_spied_step, 2, data_parallel, autopar.MixedPrecision(torch.bfloat16, torch.bfloat16), False,
-                       timeout_s=200)[0]
+    calls = results[1][0]
     assert ("_pack_torch", "grad_sync._launch", ["torch.bfloat16"], "torch.bfloat16") in calls
     assert ("_unpack_torch", "master_grads.unpack_into", ["torch.float32"], "torch.bfloat16") in calls
 
-    calls, zero_grads, _ = spmd(_spied_step, 2, zero, BF16, False, timeout_s=200)[0]
+    calls, zero_grads, _ = results[2]
     assert ("_pack_torch", "collectives._gather", ["torch.float32"], "torch.bfloat16") in calls
 
-    pytest.importorskip("triton")
-    for plan, want in ((data_parallel, grads), (zero, zero_grads)):
-        calls, got, _ = spmd(_spied_step, 2, plan, BF16, True, timeout_s=200)[0]
+    if not triton:
+        pytest.skip("triton is not installed: the interpreter half of the test")
+    for (calls, got, _), want in zip(results[3:], (grads, zero_grads)):
         assert {c[0] for c in calls} == {"_pack_triton", "_unpack_triton"}
         for fqn, g in want.items():
             torch.testing.assert_close(got[fqn], g, rtol=0, atol=0, msg=lambda m: f"{fqn}: {m}")
 
 
+@functools.lru_cache(maxsize=1)
+def _traced_gpt2():
+    """GPT-2 tiny traced under bf16, once a process (every `_module` of a rank lowers the same graph)."""
+    return trace_mixed(*_gpt2())
+
+
 def _module(plan, world):
     model, sample = _gpt2()
-    pm = parallel_module(model, sample, trace_mixed(model, sample), plan, ProcessMesh((world,)), mixed_precision=BF16)
+    pm = parallel_module(model, sample, _traced_gpt2(), plan, ProcessMesh((world,)), mixed_precision=BF16)
     return pm, torch.optim.AdamW(pm.parameters(), lr=1e-3), local_sample(sample, pm)
 
 
