@@ -26,9 +26,9 @@ from autopar.solver.strategies import enumerate_strategies
 
 pytestmark = pytest.mark.xdist_group("zoo")  # one worker: the zoo's traces and references are made once (`zoo_case`)
 
-# plans per model for each mesh: 8 models * (8 + 2 + 3) = 104 random plans (232 in the twenty-sixth session, 176
-# in the twenty-seventh, 152 in the twenty-eighth: the suite's 10 minutes, where a gloo all-reduce among 4 ranks
-# on 2 cores takes 5 ms; the tests of single features add random plans of their own)
+# plans per model for each mesh: 8 models * (7 + 2 + 3) = 96 random plans, and 8 * 3 = 24 more under bf16 mixed
+# precision, what fits the suite's 10 minutes on 2 cores, where a gloo all-reduce among 4 ranks takes 5 ms; the
+# tests of single features add random plans of their own
 PLANS = {(2,): 7, (4,): 2, (2, 2): 3}
 MIXED_PLANS = 1  # per model and mesh, one step each under bf16 mixed precision
 THREE_STEP_PLANS = 1  # the first plan of each model and mesh trains 3 steps, the rest 1
