@@ -91,6 +91,7 @@ def _plans():
     return tuple(dataclasses.replace(p, fingerprint=fingerprint(traced, mesh, None)) for p in (data_parallel, zero))
 
 
+@pytest.mark.long
 @pytest.mark.timeout(240)
 def test_a_bf16_training_step_packs_and_unpacks_through_the_kernels(spmd):
     """Under bf16 on 2 ranks: the copies of the masters are made by one `pack` (float32 -> bf16); the gradient sync
