@@ -1,8 +1,8 @@
 """A DDP loop's `if rank == 0: evaluate(); save()` under a parallel module: refused, naming the call.
 
-Before `runtime.arrival`, rank 0's evaluation all-reduced its loss with the other ranks' next training
-step (gloo then aborted the process), and its `state_dict()` hung every rank. Each case runs on 2 gloo
-ranks with the wait shortened to seconds.
+Unchecked, rank 0's evaluation would all-reduce its loss with the other ranks' next training step (gloo
+then aborts the process), and its `state_dict()` would hang every rank. Each case runs on 2 gloo ranks
+with the wait shortened to seconds.
 """
 from __future__ import annotations
 
