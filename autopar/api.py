@@ -1,7 +1,8 @@
 """`autopar.parallelize`: trace, profile, solve (or take a plan) and lower, in one call.
 
-    pm = autopar.parallelize(model, {"input_ids": ids, "labels": labels}, device_mesh=(2, 2))
-    opt = torch.optim.AdamW(pm.parameters())
+    pm = autopar.parallelize(model, {"input_ids": ids, "labels": labels}, device_mesh=(2, 2),
+                             mixed_precision=autopar.MixedPrecision(torch.bfloat16))  # optional: bf16 compute
+    opt = torch.optim.AdamW(pm.parameters())  # float32 masters, float32 state
     loss = pm(**pm.local_batch(batch))  # rank r feeds rows [r*B/W, (r+1)*B/W) of the global batch, whatever the plan
     loss.backward(); opt.step()
 
@@ -28,8 +29,12 @@ from torch.utils import _pytree as pytree
 from autopar.codegen.module_tree import dress_like
 from autopar.codegen import ParallelModule, lower
 from autopar.codegen.module import Retracer
-from autopar.errors import PARALLELIZE_KNOBS, InfeasibleError, TraceError
+from autopar.errors import PARALLELIZE_KNOBS, InfeasibleError, InvalidValueError, TraceError
+from autopar.mixed_precision import MixedPrecision
 from autopar.profiler import profile
+from autopar.profiler.types import GraphProfile
+from autopar.runtime import arrival
+from autopar.runtime.lockstep import from_rank0, on_every_rank
 from autopar.runtime.mesh import ProcessMesh
 from autopar.runtime.optimizers import alike_by_design, replaced
 from autopar.solver import solve, solve_keeping_params
@@ -40,6 +45,7 @@ from autopar.tracer import TracedGraph, trace
 from autopar.tracer.batch_dims import BatchDim, BatchDimError
 from autopar.tracer.closures import rebind_closures
 from autopar.tracer.lifted import link_lifted_state
+from autopar.values import mesh_shape, positive
 
 log = logging.getLogger(__name__)
 
@@ -103,12 +109,26 @@ def _capture_device(mesh: ProcessMesh) -> str:
     return "cpu" if mesh.device_mesh.device_type == "cpu" else "meta"
 
 
-def capture_device_for(hardware: str) -> str:
+def capture_device_for(hardware: str, mixed_precision: MixedPrecision | None = None) -> str:
     """The device `parallelize` traces on where a plan for `hardware` (a `Mesh.hardware` name) runs: a plan
     made ahead (`autopar plan --save`) must be traced the same way to match. Exported on fake CPU tensors,
     a `.contiguous()` the CPU kernels already satisfy leaves no `clone` in the graph; on meta it does
-    (gpt2, llama, bert-tiny: two each)."""
-    return "cpu" if hardware == "cpu" or hardware.endswith("-cpu") else "meta"
+    (gpt2, llama, bert-tiny: two each). Under a mixed-precision policy: on CPU everywhere (its autocast
+    casts fake CPU tensors, not meta ones: `autopar.mixed_precision`)."""
+    return "cpu" if mixed_precision is not None or hardware == "cpu" or hardware.endswith("-cpu") else "meta"
+
+
+def traced_model(model: nn.Module, sample: Any, device: str, batch_dim: BatchDim = 0,
+                 mixed_precision: MixedPrecision | None = None, dtypes: Mapping[str, torch.dtype] | None = None,
+                 training: bool = True, owner: nn.Module | None = None) -> TracedGraph:
+    """`model` traced on a copy holding no memory (`trace_copy` on `device`, its tensors in `dtypes` where given,
+    `owner` as there), as `parallelize` traces it: under a mixed-precision policy with the parameters it computes
+    on in the compute dtype, under its autocast, on fake CPU tensors."""
+    if mixed_precision is None:
+        return trace_copy(model, sample, device, dtypes, owner, training=training, batch_dim=batch_dim)
+    dtypes = {**(dtypes or {}), **mixed_precision.compute_dtypes(model)}
+    with mixed_precision.autocast():
+        return trace_copy(model, sample, "cpu", dtypes, owner, training=training, batch_dim=batch_dim)
 
 
 def parallelize(
@@ -122,6 +142,9 @@ def parallelize(
     input_layout: Literal["shard", "replicate"] = "shard",
     time_limit_s: float = 30.0,
     batch_dim: BatchDim = 0,
+    mixed_precision: MixedPrecision | None = None,
+    call_timeout_s: float = arrival.TIMEOUT_S,
+    drift_check_every: int = 100,
 ) -> ParallelModule:
     """Return `model` parallelized over `device_mesh` as a `ParallelModule` (local shards, same FQNs).
 
@@ -143,28 +166,56 @@ def parallelize(
       one per input shaped as `sample_input` (`(1, 0)` for `(x, labels)` with labels `(batch,)`; None for an
       input fed whole). Each rank then feeds its slice along those dims, as a DDP loop does; a non-loss output
       comes back cut along the first batched input's dim (or dim 0) where it has the batch's size there.
+    call_timeout_s: how long a call every rank must make (a state dict, a checkpoint, the first forward and each
+      change of mode) waits for the other ranks before raising `CallMismatchError`, naming those that did not
+      come and the call each was last in (`runtime.arrival`); `pm.call_timeout_s` changes it later.
+    drift_check_every: compare the copies of every replicated parameter across ranks every this many training
+      forwards (`runtime.drift`: a checksum each), raising `DriftError` naming the parameter when they differ;
+      0: only before each save, where it always runs. `pm.drift_check_every` changes it later.
+    mixed_precision: `autopar.MixedPrecision(param_dtype, reduce_dtype)`: forward and backward compute in `param_dtype`
+      on copies of the float32 parameters (which the optimizer steps), the losses in float32 as autocast computes
+      them, gradients summed over ranks in `reduce_dtype` (`autopar.mixed_precision`); None: the model's own dtypes.
+
+    Errors are raised on every rank alike: one raised while tracing or checking a plan on any rank, or while
+    solving on rank 0, so that a loop catching it and calling `parallelize` again does so on every rank.
     """
     if input_layout == "replicate" and batch_dim != 0:
         raise BatchDimError(f"batch_dim={batch_dim!r} says along which dims the ranks split the batch, but with "
                             "input_layout='replicate' every rank feeds the whole batch: leave batch_dim out, or use 'shard'")
+    if memory_budget is not None:
+        memory_budget = positive("memory_budget", memory_budget, "bytes per device, e.g. 80e9, or None for the hardware's memory")
+    time_limit_s = positive("time_limit_s", time_limit_s, "seconds per ILP search, e.g. 30.0")
+    call_timeout_s = positive("call_timeout_s", call_timeout_s, "seconds, e.g. 60.0")
+    if isinstance(drift_check_every, bool) or not isinstance(drift_check_every, int) or drift_check_every < 0:
+        raise InvalidValueError(f"drift_check_every={drift_check_every!r}: a whole number of training steps, e.g. "
+                                "100, or 0 to compare replicated parameters only before each save")
+    if not isinstance(device_mesh, DeviceMesh):
+        device_mesh = mesh_shape("device_mesh", device_mesh)
     start = time.perf_counter()
     pmesh = ProcessMesh(device_mesh)
     device = _capture_device(pmesh)
-    traced = trace_copy(model, sample_input, device, batch_dim=batch_dim)
-    if plan is None:
-        plan = _solve_on_rank0(traced, pmesh, memory_budget, hardware, optimizer, time_limit_s)
-    else:
-        if not isinstance(plan, Plan):
-            plan = load_plan(plan)
+
+    def traced_and_checked() -> tuple[TracedGraph, Plan | None]:
+        traced = traced_model(model, sample_input, device, batch_dim, mixed_precision)
+        if plan is None:
+            return traced, None
+        given = plan if isinstance(plan, Plan) else load_plan(plan)
         # Checked against the mesh we run on (the plan's hardware numbers, this world's shape), so a plan
         # made for another device count fails here, naming the mesh, rather than somewhere in lowering.
-        running = plan.mesh.with_shape(pmesh.shape, pmesh.axis_names)
-        check_plan(plan, traced, running, plan.fingerprint.budget_bytes)
+        running = given.mesh.with_shape(pmesh.shape, pmesh.axis_names)
+        check_plan(given, traced, running, given.fingerprint.budget_bytes)
+        return traced, given
+
+    # an error on any rank (a trace that fails, a plan that does not match) is raised on every rank, as is the
+    # solver's on rank 0: a loop that catches it and tries again starts again on every rank at once
+    traced, given = on_every_rank(traced_and_checked)
+    plan = given or _solve_on_rank0(traced, pmesh, memory_budget, hardware, optimizer, time_limit_s, model, mixed_precision)
     gm = lower(
         traced, plan, pmesh,
         params=dict(model.named_parameters(remove_duplicate=False)),
         buffers=dict(model.named_buffers(remove_duplicate=False)),
         input_layout=input_layout,
+        reduce_dtype=None if mixed_precision is None else mixed_precision.reduce_dtype,
     )
     if dist.get_rank() == 0:
         log.info("parallelize: %s on mesh %s in %.2f s (est. step %.1f ms)", type(model).__name__, pmesh.shape,
@@ -178,7 +229,10 @@ def parallelize(
             log.warning("parallelize: forward hooks on %s ran once, while tracing (what they changed in the outputs is "
                         "in the graph), and do not run in the parallel module's forward, which calls ops, not modules: "
                         "read activations from the module's outputs instead", hooked[:5])
-    pm = ParallelModule(gm, traced, pmesh, plan, make_retracer(model, sample_input, device, optimizer, time_limit_s, batch_dim))
+    retracer = make_retracer(model, sample_input, device, optimizer, time_limit_s, batch_dim, mixed_precision)
+    pm = ParallelModule(gm, traced, pmesh, plan, retracer, mixed_precision)
+    pm.call_timeout_s = call_timeout_s
+    pm.drift_check_every = drift_check_every
     dress_like(pm, model)  # submodules of the model's classes: code that sorts parameters by module type
     replaced(model, pm)  # an optimizer made from the model's parameters is refused at its first step
     pm.expect_equal_blocks(*alike_by_design(dict(model.named_parameters()), pm.param_storage(), pmesh))
@@ -226,15 +280,16 @@ _stale_warned: list[bool] = []  # the warning was given in this process
 
 
 def make_retracer(model: nn.Module, sample_input: Any, device: str, optimizer: str = "adamw", time_limit_s: float = 30.0,
-                  batch_dim: BatchDim = 0) -> Retracer:
+                  batch_dim: BatchDim = 0, mixed_precision: MixedPrecision | None = None) -> Retracer:
     """How a `ParallelModule` of `model` traces it again (on `device`, as it was first) for inputs it was not
     lowered for, and plans a graph with other ops than its plan's (on rank 0: every rank calls it at once).
-    The model's code is kept with its parameters on `meta`."""
+    The model's code is kept with its parameters on `meta`. Under a mixed-precision policy every graph is
+    traced under it (a caller's autocast adds no casts of its own: the graph casts where the policy does)."""
     shape_only = capture_copy(model, sample_input, "meta")[0]
 
     def traced(batch: Any, training: bool, autocast: torch.dtype | None, dtypes: Mapping[str, torch.dtype]) -> TracedGraph:
-        if autocast is None:
-            return trace_copy(shape_only, batch, device, dtypes, model, training=training, batch_dim=batch_dim)
+        if autocast is None or mixed_precision is not None:
+            return traced_model(shape_only, batch, device, batch_dim, mixed_precision, dtypes, training, owner=model)
         # autocast casts the tensors of its device type, so on GPUs the model is traced on fake CUDA tensors
         # (meta ones it would leave alone)
         cast_device = "cpu" if device == "cpu" else "cuda"
@@ -244,23 +299,30 @@ def make_retracer(model: nn.Module, sample_input: Any, device: str, optimizer: s
     return Retracer(
         trace=traced,
         replan=lambda graph, planned, buffers: _on_rank0(lambda: solve_keeping_params(
-            graph, profile(graph, optimizer=optimizer), planned.mesh, planned.params, planned.fingerprint.budget_bytes,
+            graph, profiled(graph, optimizer, shape_only, mixed_precision), planned.mesh, planned.params, planned.fingerprint.budget_bytes,
             time_limit_s, buffers)),
     )
 
 
+def profiled(traced: TracedGraph, optimizer: str, model: nn.Module, mixed_precision: MixedPrecision | None) -> GraphProfile:
+    """`profile(traced)` of `model` traced under `mixed_precision` (its masters, its reduce dtype) if any."""
+    if mixed_precision is None:
+        return profile(traced, optimizer=optimizer)
+    return profile(traced, optimizer=optimizer, masters=mixed_precision.masters(model), reduce_dtype=mixed_precision.reduce_dtype)
+
+
 def _solve_on_rank0(traced: TracedGraph, pmesh: ProcessMesh, memory_budget: float | None, hardware: str | Mesh | None,
-                    optimizer: str, time_limit_s: float) -> Plan:
+                    optimizer: str, time_limit_s: float, model: nn.Module, mixed_precision: MixedPrecision | None) -> Plan:
     """Rank 0 solves and broadcasts the plan."""
     def solved() -> Plan:
         if isinstance(hardware, Mesh):
             mesh = hardware.with_shape(pmesh.shape, pmesh.axis_names)
         else:
             mesh = make_mesh(math.prod(pmesh.shape), pmesh.shape, hardware or local_preset(pmesh), pmesh.axis_names,
-                             precision=training_precision(traced))
+                             precision="bf16" if mixed_precision is not None else training_precision(traced))
         try:
-            return solve(traced, profile(traced, optimizer=optimizer), mesh, memory_budget_bytes=memory_budget,
-                         time_limit_s=time_limit_s)
+            return solve(traced, profiled(traced, optimizer, model, mixed_precision), mesh,
+                         memory_budget_bytes=memory_budget, time_limit_s=time_limit_s)
         except InfeasibleError as err:  # its fix in parallelize's words: memory_budget=
             raise err.worded_for(PARALLELIZE_KNOBS) from None
     return _on_rank0(solved)
@@ -287,7 +349,6 @@ def training_precision(traced: TracedGraph) -> Precision:
 
 
 def _on_rank0(make_plan: Callable[[], Plan]) -> Plan:
-    """The plan rank 0 makes, on every rank (as JSON): a time-limited ILP need not agree across ranks."""
-    text = [plan_to_json(make_plan()) if dist.get_rank() == 0 else None]
-    dist.broadcast_object_list(text, src=0)
-    return plan_from_json(text[0])
+    """The plan rank 0 makes, on every rank (as JSON): a time-limited ILP need not agree across ranks. What it
+    raises (no plan fits the budget) is raised on every rank."""
+    return from_rank0(make_plan, plan_to_json, plan_from_json)

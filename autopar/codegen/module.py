@@ -21,6 +21,10 @@ no labels, for logits), eval mode (`pm.eval()`: dropout off), `torch.autocast`, 
 frozen, unfrozen or converted since get a graph of their own, traced once over the same
 parameters and kept: under the same plan when it has the planned graph's ops, else under a
 plan of its own that keeps the parameters and buffers where they are.
+
+Under a mixed-precision policy (`autopar.MixedPrecision`) the parameters are float32 masters and
+the graph reads compute copies of them (`runtime.compute_copies`), refreshed before a forward when
+the masters changed; the gradient sync moves the copies' gradients into the masters' `.grad`.
 """
 from __future__ import annotations
 
@@ -48,16 +52,21 @@ from autopar.codegen.exchanges import exchanges_activations
 from autopar.codegen.lower import LoweringInfo, lower, share_tree
 from autopar.codegen.shapes import LoweringError
 from autopar.errors import AlreadyParallelError, TraceError
+from autopar.mixed_precision import MixedPrecision
+from autopar.runtime import arrival
 from autopar.runtime.arrival import all_ranks_make
 from autopar.runtime.batch import batch_slice, global_like, slice_leaves
 from autopar.runtime.deferred_loss import grads_scaled_by, other_output
+from autopar.runtime.drift import check_replicas
 from autopar.runtime.grad_norm import track
 from autopar.runtime.optimizers import watch_optimizers
 from autopar.runtime import join, rng
+from autopar.runtime.compute_copies import ComputeCopies
 from autopar.runtime.grad_sync import GradSync
 from autopar.runtime.mesh import ProcessMesh
 from autopar.runtime.same_inputs import agree
 from autopar.runtime.state_dict import (
+    checkpoint_to_load,
     full_state_dict,
     gather_full,
     gather_optimizer_state,
@@ -115,13 +124,18 @@ class _Graph(NamedTuple):
     param_positions: list[int]  # which arguments are parameters (the same FQNs, in order, in every graph)
     sync_key: tuple  # what the gradient sync it needs is built from: the axes each gradient is summed over, which train
     casts: bool  # traced under autocast: it holds autocast's casts, and runs with autocast off
+    copied: tuple[tuple[int, str], ...] = ()  # (argument, FQN) of the parameters it reads as compute copies
 
 
 class ParallelModule(nn.Module, Joinable):
-    def __init__(self, gm: fx.GraphModule, traced: TracedGraph, mesh: ProcessMesh, plan: Plan, retracer: Retracer | None = None):
+    def __init__(self, gm: fx.GraphModule, traced: TracedGraph, mesh: ProcessMesh, plan: Plan, retracer: Retracer | None = None,
+                 mixed_precision: MixedPrecision | None = None):
         """retracer: traces the model again for inputs the first graph was not lowered for: other shapes, eval
-        mode, autocast, parameters frozen or unfrozen since (None: such inputs raise, naming them)."""
+        mode, autocast, parameters frozen or unfrozen since (None: such inputs raise, naming them).
+        mixed_precision: the policy `gm` was traced under (its reduce dtype is the gradient sync's)."""
         super().__init__()
+        self._precision = mixed_precision
+        self._copies: ComputeCopies | None = None
         Joinable.__init__(self)  # torch's `Join` for ranks with different numbers of batches (`runtime.join`)
         info: LoweringInfo = gm.meta["autopar"]
         share_tree(self, gm)  # the graph's parameter tree, so FQNs are the original ones (no "graph." prefix)
@@ -141,6 +155,15 @@ class ParallelModule(nn.Module, Joinable):
         # and each change of mode (training, gradients) wait for every rank to make the same one (`runtime.arrival`).
         self._modes_must_agree = math.prod(mesh.shape) > 1 and not self._inputs_must_agree and traced.loss_index is not None
         self._mode: tuple[bool, bool] | None = None  # (training, gradients on) of the last forward checked
+        # how long a checked call (`runtime.arrival`: state dicts, checkpoints, each change of mode) waits for the
+        # other ranks before raising, naming those that did not come
+        self.call_timeout_s = arrival.TIMEOUT_S
+        # how many training forwards apart the copies of replicated parameters are compared across ranks
+        # (`runtime.drift`; 0: only before each save). A check costs one all-gather of a few integers per rank and
+        # one pass over the parameters: 7% of a step on gpt2-tiny, 2 gloo ranks (`benchmarks/drift_check.py`),
+        # so 0.07% of training every 100 steps
+        self.drift_check_every = 100
+        self._forwards_since_check = 0
         # each parameter's requires_grad is part of a graph's signature: freezing or unfreezing one after
         # `parallelize` lowers a graph whose backward follows the new flags (and rebuilds the sync)
         self._param_slots = [first.state_slots[i] for i in first.param_positions]
@@ -154,7 +177,8 @@ class ParallelModule(nn.Module, Joinable):
         # parameter frozen or unfrozen lowers these again, without another trace or solve)
         self._planned: dict[_Signature, tuple[TracedGraph, Plan, str]] = {_without_flags(self._key): (traced, plan, "the plan's graph")}
         self._use(first)
-        self._sync = _make_grad_sync(self, info, mesh)
+        self._copies = self._copies_for(first)
+        self._sync = _make_grad_sync(self, info, mesh, self._copies, self._reduce_dtype())
         self._syncing = True  # False inside `no_sync()`
         self._sync_key = first.sync_key
         self._synced_params = self._params_read()  # the sync's
@@ -172,7 +196,23 @@ class ParallelModule(nn.Module, Joinable):
         params = [i for i, (owner, name) in enumerate(slots) if isinstance(owner[name], nn.Parameter)]
         trainable = tuple(slots[i][0][slots[i][1]].requires_grad for i in params)
         sync_key = (tuple(sorted(info.grad_sync_axes.items())), trainable)
-        return _Graph(gm, traced.out_spec, traced.loss_index, slots, params, sync_key, casts)
+        copied = tuple((i, fqn) for i, fqn in enumerate(info.state_inputs) if fqn in info.compute_copies)
+        return _Graph(gm, traced.out_spec, traced.loss_index, slots, params, sync_key, casts, copied)
+
+    def _copies_for(self, graph: _Graph, rebuild: bool = False) -> ComputeCopies | None:
+        """The compute copies `graph` reads: the module's, made anew when they lack one of its parameters or
+        `rebuild` says the masters changed (a conversion, a parameter set anew)."""
+        names = [fqn for _, fqn in graph.copied]
+        copies = self._copies
+        if not names or (copies is not None and not rebuild and set(names) <= set(copies.names)):
+            return copies
+        held = [] if copies is None else copies.names
+        union = held + [n for n in names if n not in held]
+        dtype = graph.gm.meta["autopar"].compute_copies[names[0]]  # one policy: one compute dtype
+        return ComputeCopies([(fqn, _tensor(self, fqn)) for fqn in union], dtype)
+
+    def _reduce_dtype(self) -> torch.dtype | None:
+        return None if self._precision is None else self._precision.reduce_dtype
 
     def _trainable(self) -> tuple[bool, ...]:
         return tuple(owner[name].requires_grad for owner, name in self._param_slots)
@@ -196,9 +236,11 @@ class ParallelModule(nn.Module, Joinable):
                      *(t for t, _, _ in self._planned.values()))  # signatures, output structures, traces
         for shared in (self.mesh, self.plan, self._retracer, self._sync, *immutable):
             memo[id(shared)] = shared
+        memo[id(self._copies)] = None  # made again below, of the copy's own masters
         new = type(self).__new__(type(self))
         memo[id(self)] = new
         new.__dict__.update({k: copy.deepcopy(v, memo) for k, v in self.__dict__.items()})
+        new._copies = new._copies_for(new._graph)
         new._own_sync(new._graph)  # not `_sync_to`: that would take the original's hooks off
         track(new)
         watch_optimizers(new)
@@ -322,8 +364,12 @@ class ParallelModule(nn.Module, Joinable):
         if self._inputs_must_agree:
             agree(_described(key), self.mesh.cpu_group, _mode_text(mode))
         elif self._modes_must_agree and mode != self._mode and not in_join:  # a training step, checked above
-            all_ranks_make(f"pm(...) in {_mode_text(mode)}")
+            all_ranks_make(f"pm(...) in {_mode_text(mode)}", self.call_timeout_s)
             self._mode = mode
+        if mode == (True, True) and not in_join and self.drift_check_every:  # (a joined rank takes no forwards)
+            if self._forwards_since_check >= self.drift_check_every:
+                self._check_replicas(f"after {self._forwards_since_check} training steps")
+            self._forwards_since_check += 1
         if key != self._key:
             self._use_graph_for(key, flat, spec)
         graph = self._graph
@@ -332,6 +378,10 @@ class ParallelModule(nn.Module, Joinable):
             self._sync_to(graph)  # a parameter was set anew since the sync was built
         elif graph.sync_key != self._sync_key and torch.is_grad_enabled():
             self._sync_to(graph)  # another graph's gradients are summed over other axes
+        if graph.copied:  # mixed precision: the graph computes on the copies, made when the masters changed
+            self._copies.refresh()
+            for i, fqn in graph.copied:
+                state[i] = self._copies.by_name[fqn]
         # a mean loss may leave its division by the count to the sync; autocast's casts, if any, are in the graph
         with grads_scaled_by(self._sync), (torch.autocast(self._device_type, enabled=False) if graph.casts else nullcontext()):
             outs = list(graph.gm(*state, *flat))
@@ -357,6 +407,10 @@ class ParallelModule(nn.Module, Joinable):
             self._graphs[key] = self._lower_for(key, flat, spec)
         self._key = key
         self._use(self._graphs[key])
+        copies = self._copies_for(self._graph)
+        if copies is not self._copies:  # it reads a copy the others did not: the sync is made for the new ones
+            self._copies = copies
+            self._sync_to(self._graph)
 
     def _lower_for(self, key: _Signature, flat: list[Any], spec: Any) -> _Graph:
         """A graph for inputs of other shapes or values, for eval mode, for autocast, or for parameters frozen or
@@ -380,7 +434,7 @@ class ParallelModule(nn.Module, Joinable):
         try:
             gm = lower(traced, plan, self.mesh, params=dict(self.named_parameters(remove_duplicate=False)),
                        buffers=dict(self.named_buffers(remove_duplicate=False)), input_layout=self.info.input_layout,
-                       local=True, frozen=frozen)
+                       local=True, frozen=frozen, reduce_dtype=self._reduce_dtype())
         except (ValueError, LoweringError) as err:
             raise LoweringError(f"inputs {shapes} cannot run under this module's plan: {err}; feed sizes its sharded dims "
                                 "divide into, or parallelize again with a sample of these sizes") from err
@@ -461,12 +515,15 @@ class ParallelModule(nn.Module, Joinable):
         accumulation)."""
         old = self._sync
         old.remove()
+        self._copies = self._copies_for(graph, rebuild=True)
         self._own_sync(graph)
         self._sync.keep_marks(old)
 
     def _own_sync(self, graph: _Graph) -> None:
         """A gradient sync of this module's parameters for `graph`, off inside `no_sync()`."""
-        self._sync = _make_grad_sync(self, graph.gm.meta["autopar"], self.mesh)
+        if self._copies is not None:
+            self._copies.refresh()  # the copies' requires_grad follows the masters' before the sync registers them
+        self._sync = _make_grad_sync(self, graph.gm.meta["autopar"], self.mesh, self._copies, self._reduce_dtype())
         self._sync.enabled = self._syncing
         self._sync_key = graph.sync_key
         self._synced_params = self._params_read()
@@ -516,7 +573,7 @@ class ParallelModule(nn.Module, Joinable):
         if self._on_meta:  # (every rank alike: raised before meeting the others)
             raise LoweringError("pm.apply(fn) gathers each module's tensors whole, and the parameters are on the meta "
                                 "device (the model was built on meta): call pm.to_empty(device=...) first, then pm.apply(fn)")
-        all_ranks_make("pm.apply(fn)")
+        all_ranks_make("pm.apply(fn)", self.call_timeout_s)
         self._apply_whole(self, "", fn, self._specs())
         return self
 
@@ -605,7 +662,7 @@ class ParallelModule(nn.Module, Joinable):
         """Before `what` gathers split tensors, every rank must be making it (a plan that splits none gathers
         nothing: rank 0 alone may call it, as under DDP)."""
         if any(not spec.is_replicate() for spec in specs.values()):
-            all_ranks_make(what)
+            all_ranks_make(what, self.call_timeout_s)
 
     def optimizer_state_dict(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
         """`optimizer`'s state as one device's, full tensors by parameter name, on every rank (a collective):
@@ -621,38 +678,54 @@ class ParallelModule(nn.Module, Joinable):
         set_optimizer_state_dict(self, optimizer, shard_optimizer_state(state_dict, local, specs, self.mesh))
 
     def save_checkpoint(self, path: str | os.PathLike, optimizer: torch.optim.Optimizer | None = None,
-                        extra: dict[str, Any] | None = None, background: bool = False) -> Future | None:
-        """Write this module's parameters and buffers and `optimizer`'s state with torch.distributed.checkpoint,
-        each rank its shards (a collective). It loads under any plan or mesh (`load_checkpoint`) and into one
-        device's model and optimizer with torch alone (keys "model" and "optim", as torch's `get_state_dict`).
+                        extra: dict[str, Any] | None = None, background: bool = False,
+                        keep_last: int = 2) -> Future | None:
+        """Write this module's parameters and buffers and `optimizer`'s state as the next checkpoint under the
+        directory `path`, each rank its shards with torch.distributed.checkpoint (a collective). The checkpoint
+        is published whole or not at all (`runtime.checkpoints`: a crash at any moment leaves the checkpoints
+        before it as they were), and the newest `keep_last` are kept. It loads under any plan or mesh
+        (`load_checkpoint(path)`: the newest) and into one device's model and optimizer with torch alone
+        (`dcp.load` of `runtime.checkpoints.latest_checkpoint(path)`, keys "model" and "optim", as torch's
+        `get_state_dict`).
         extra: other state every rank holds alike, saved under "extra" (the loop's step, a scheduler's
-        `state_dict()`, a data generator's state).
+        `state_dict()`, a data generator's state): tensors, numbers, strings, and lists and dicts of them.
         background: return once the state is copied aside and write it while training goes on; the returned
-        future completes when the files are written (the next save or load waits for it first)."""
+        future completes when the checkpoint is published (the next save or load waits for it first)."""
         local, specs = self._shard_specs()
-        all_ranks_make(f"pm.save_checkpoint({os.fspath(path)!r})")
+        all_ranks_make(f"pm.save_checkpoint({os.fspath(path)!r})", self.call_timeout_s)
+        self._check_replicas("before saving a checkpoint")  # a drifted copy would be saved as the only one
         osd = None if optimizer is None else get_optimizer_state_dict(self, optimizer)
         extra = {**(extra or {}), _MASKS_RNG: rng.masks_state()}  # so a resumed run draws the masks it would have
-        return save_sharded(local, specs, self.mesh, path, osd, extra, background)
+        return save_sharded(local, specs, self.mesh, path, osd, extra, background, keep_last)
+
+    def _check_replicas(self, when: str) -> None:
+        """Raise `DriftError` on every rank if the copies of a replicated parameter differ (a collective)."""
+        check_replicas(self.named_parameters(), self.info.param_storage, self.mesh, when, self.drift_check_every)
+        self._forwards_since_check = 0
 
     def load_checkpoint(self, path: str | os.PathLike, optimizer: torch.optim.Optimizer | None = None,
-                        extra: dict[str, Any] | None = None) -> None:
-        """Fill the parameters, buffers and `optimizer`'s state from a checkpoint written by `save_checkpoint`
-        under any plan or mesh, or by torch's `dcp.save` of one device's `get_state_dict` (a collective).
-        extra: a dict with the keys of the saved `extra` to read; each value is replaced in place."""
+                        extra: dict[str, Any] | None = None) -> str:
+        """Fill the parameters, buffers and `optimizer`'s state from the newest checkpoint `save_checkpoint` wrote
+        under `path` under any plan or mesh, or from `path` itself when it is one checkpoint (torch's `dcp.save` of
+        one device's `get_state_dict`, a Hugging Face model directory) (a collective). Every file is checked against
+        the checksums saved with it first: a corrupt checkpoint raises, naming the file and tensor, and loads nothing.
+        extra: a dict with the keys of the saved `extra` to read; each value is replaced in place.
+        Returns the directory read."""
         local, specs = self._shard_specs()
-        all_ranks_make(f"pm.load_checkpoint({os.fspath(path)!r})")
+        all_ranks_make(f"pm.load_checkpoint({os.fspath(path)!r})", self.call_timeout_s)
+        directory = checkpoint_to_load(path)
         osd = None if optimizer is None else get_optimizer_state_dict(self, optimizer)
         wanted = dict(extra or {})
-        if _MASKS_RNG in saved_extra(path):  # (a checkpoint of torch's `dcp.save` or an older one has none)
+        if _MASKS_RNG in saved_extra(directory):  # (a checkpoint of torch's `dcp.save` or an older one has none)
             wanted[_MASKS_RNG] = rng.masks_state()
-        loaded = load_sharded(local, specs, self.mesh, path, osd, wanted or extra)
+        loaded = load_sharded(local, specs, self.mesh, directory, osd, wanted or extra)
         if _MASKS_RNG in wanted:
             rng.set_masks_state(wanted.pop(_MASKS_RNG))
         if extra:
             extra.update(wanted)
         if optimizer is not None:
             set_optimizer_state_dict(self, optimizer, loaded)
+        return directory
 
 
 def _signature(flat: list[Any], spec: pytree.TreeSpec, training: bool, trainable: tuple[bool, ...],
@@ -753,6 +826,11 @@ def _param_fqns(graph: _Graph) -> list[str]:
     return [graph.gm.meta["autopar"].state_inputs[i] for i in graph.param_positions]
 
 
+def _tensor(module: nn.Module, fqn: str) -> torch.Tensor:
+    owner, name = _slot(module, fqn)
+    return owner[name]
+
+
 def _slot(module: nn.Module, fqn: str) -> tuple[dict[str, torch.Tensor], str]:
     """The dict holding parameter or buffer `fqn` of `module`, and its key there."""
     owner_path, _, name = fqn.rpartition(".")
@@ -760,13 +838,20 @@ def _slot(module: nn.Module, fqn: str) -> tuple[dict[str, torch.Tensor], str]:
     return (owner._parameters if name in owner._parameters else owner._buffers), name
 
 
-def _make_grad_sync(module: nn.Module, info: LoweringInfo, mesh: ProcessMesh) -> GradSync:
-    """Bucketed sync of the grads the graph leaves partial: one group spanning all of a parameter's axes."""
+def _make_grad_sync(module: nn.Module, info: LoweringInfo, mesh: ProcessMesh, copies: ComputeCopies | None = None,
+                    reduce_dtype: torch.dtype | None = None) -> GradSync:
+    """Bucketed sync of the grads the graph leaves partial: one group spanning all of a parameter's axes. A parameter
+    read as its compute copy is synced as the copy, into its master (with no group if nothing is summed), in
+    `reduce_dtype` as every gradient is."""
     params = dict(module.named_parameters())
     # every rank builds the flattened groups in the same (graph) order: group creation is collective
-    entries = []
+    entries, masters = [], {}
     for fqn, axes in info.grad_sync_axes.items():
         axes = tuple(k for k in axes if mesh.shape[k] > 1)  # a one-rank axis has nothing to sum
-        if axes:
-            entries.append((fqn, params[fqn], (mesh.flat_group_name(axes),)))
-    return GradSync(entries, scaled=params.values())
+        groups = (mesh.flat_group_name(axes),) if axes else ()
+        if copies is not None and fqn in info.compute_copies:
+            entries.append((fqn, copies.by_name[fqn], groups))
+            masters[fqn] = params[fqn]
+        elif axes:
+            entries.append((fqn, params[fqn], groups))
+    return GradSync(entries, scaled=params.values(), reduce_dtype=reduce_dtype, masters=masters)

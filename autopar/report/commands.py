@@ -38,7 +38,8 @@ def _source(args: Any) -> PlanSource:
         )
     if args.model and not Path(args.model).is_file():
         raise UsageError(f"model file {args.model!r} does not exist\n  fix: pass the path of a .py file, e.g. examples/gpt2.py")
-    return PlanSource(args.model or "", args.hf_config or "", args.batch_size, args.seq_len, args.size, getattr(args, "optimizer", "adamw"))
+    return PlanSource(args.model or "", args.hf_config or "", args.batch_size, args.seq_len, args.size, getattr(args, "optimizer", "adamw"),
+                      getattr(args, "precision", ""))
 
 
 def _build(source: PlanSource):
@@ -53,26 +54,32 @@ def _build(source: PlanSource):
 
 
 def _trace_and_profile(source: PlanSource, hardware: str = ""):
-    """`hardware`: the `Mesh.hardware` the plan runs on; traced as `parallelize` will trace it there."""
-    from autopar.api import capture_device_for, trace_copy
+    """`hardware`: the `Mesh.hardware` the plan runs on; traced as `parallelize` will trace it there (under the
+    mixed-precision policy `source.precision` names, if any)."""
+    from autopar.api import capture_device_for, profiled, traced_model
+    from autopar.mixed_precision import POLICIES
     from autopar.model_file import model_file_batch_dim
-    from autopar.profiler import profile
     from autopar.tracer import trace
     from autopar.tracer.lifted import link_lifted_state
 
+    policy = POLICIES[source.precision or "fp32"]
     with phase("loading model"):
         model, sample = _build(source)
     with phase("tracing"):
-        device = capture_device_for(hardware)
+        device = capture_device_for(hardware, policy)
         batch_dim = model_file_batch_dim(source.model_file) if source.model_file else 0
-        traced = trace_copy(model, sample, device, batch_dim=batch_dim) if device != "meta" else link_lifted_state(trace(model, sample, batch_dim=batch_dim), model)
+        if device == "meta":
+            traced = link_lifted_state(trace(model, sample, batch_dim=batch_dim), model)
+        else:
+            traced = traced_model(model, sample, device, batch_dim, policy)
     with phase("profiling"):
-        prof = profile(traced, optimizer=source.optimizer)
+        prof = profiled(traced, source.optimizer, model, policy)
     return traced, prof
 
 
-def _mesh(hardware: str, gpus: int, shape: tuple[int, ...] | None) -> Mesh:
-    """A preset name, or a mesh file from `autopar calibrate --save` laid out as `shape` (default: 1-D)."""
+def _mesh(hardware: str, gpus: int, shape: tuple[int, ...] | None, precision: str = "") -> Mesh:
+    """A preset name priced at `precision` (`autopar plan --precision`), or a mesh file from `autopar calibrate --save`
+    laid out as `shape` (default: 1-D)."""
     if hardware.endswith(".json") or Path(hardware).is_file():
         from autopar.solver.plan_io import load_mesh
 
@@ -83,7 +90,7 @@ def _mesh(hardware: str, gpus: int, shape: tuple[int, ...] | None) -> Mesh:
 
     if hardware not in PRESETS:
         raise UsageError(f"unknown hardware {hardware!r}\n  fix: use one of {', '.join(sorted(PRESETS))}, or a mesh JSON from `autopar calibrate --save`")
-    return make_mesh(gpus, shape=shape, hardware=hardware)
+    return make_mesh(gpus, shape=shape, hardware=hardware, precision=precision or None)
 
 
 # ---------------------------------------------------------------- plan
@@ -94,10 +101,10 @@ def _solve(args: Any, traced, prof, budget: float | None) -> tuple[Plan, list]:
 
     with phase("solving and pricing baselines") as progress:
         if args.mesh or args.hardware.endswith(".json") or Path(args.hardware).is_file():
-            return solve(traced, prof, _mesh(args.hardware, args.gpus, args.mesh), memory_budget_bytes=budget,
+            return solve(traced, prof, _mesh(args.hardware, args.gpus, args.mesh, args.precision), memory_budget_bytes=budget,
                          time_limit_s=args.time_limit, baselines=True, progress=progress), []
         return solve_for_devices(traced, prof, args.gpus, hardware=args.hardware, memory_budget_bytes=budget,
-                                 time_limit_s=args.time_limit, baselines=True, progress=progress)
+                                 time_limit_s=args.time_limit, baselines=True, precision=args.precision, progress=progress)
 
 
 def _load_checked(args: Any, traced, budget: float | None) -> Plan:
@@ -106,7 +113,7 @@ def _load_checked(args: Any, traced, budget: float | None) -> Plan:
 
     plan = load_plan(args.load)
     shape = args.mesh or (plan.mesh.shape if math.prod(plan.mesh.shape) == args.gpus else (args.gpus,))
-    mesh = _mesh(args.hardware, args.gpus, shape)
+    mesh = _mesh(args.hardware, args.gpus, shape, args.precision)
     check_plan(plan, traced, mesh, budget_of(mesh, budget))  # the solver's default budget when none is given
     return plan
 
@@ -182,16 +189,20 @@ def cmd_show(args: Any) -> int:
 
 
 def _explain_context(plan: Plan, model_file: str | None) -> ExplainContext | None:
-    """Re-trace the planned model so alternatives can be priced; None when the plan says nothing of its model."""
+    """Re-trace the planned model so alternatives can be priced: the MODEL.py given on the command line, or the
+    Hugging Face preset the plan names; None without either. The model file a plan records is never imported (a
+    plan is data: whoever wrote it must not choose the code that runs), only named when --model is missing."""
     from autopar.solver.plan_io import plan_differences
 
     source = plan.source or PlanSource()
     if model_file:
+        if not Path(model_file).is_file():
+            raise UsageError(f"model file {model_file!r} does not exist\n  fix: pass the path of a .py file, e.g. examples/gpt2.py")
         source = replace(source, model_file=model_file, hf_config="")
+    elif source.model_file:
+        return None  # `cmd_explain` says to pass --model
     if not (source.model_file or source.hf_config):
         return None
-    if source.model_file and not Path(source.model_file).is_file():
-        raise UsageError(f"the plan's model file {source.model_file!r} does not exist here\n  fix: pass --model MODEL.py")
     traced, prof = _trace_and_profile(source, plan.mesh.hardware)
     diffs = [d for d in plan_differences(plan, traced, plan.mesh, plan.fingerprint.budget_bytes) if "mesh" not in d and "hardware" not in d]
     if diffs:

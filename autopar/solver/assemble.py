@@ -66,4 +66,4 @@ def to_plan(traced: TracedGraph, mesh: Mesh, built: BuiltProblem, sol: Solution)
     plan = Plan(fingerprint(traced, mesh, built.problem.budget_bytes), mesh, tuple(nodes), tuple(params),
                 sol.memory, sol.time, sol.report, notes=plan_notes(traced, mesh),
                 memory_timeline=memory_timeline(traced, built, a, sol.memory))
-    return dataclasses.replace(plan, comm_bytes_by_kind=comm_bytes_by_kind(traced, plan))
+    return dataclasses.replace(plan, comm_bytes_by_kind=comm_bytes_by_kind(traced, plan, built.summed_per_computed))

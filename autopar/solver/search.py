@@ -26,7 +26,7 @@ from autopar.solver.descent import descend
 from autopar.solver.assemble import budget_of, build_for, to_plan
 from autopar.solver.ilp import Restrictions, Solution
 from autopar.solver.layers import per_layer
-from autopar.solver.mesh import Mesh, candidate_shapes, make_mesh
+from autopar.solver.mesh import Mesh, Precision, candidate_shapes, make_mesh
 from autopar.solver.plan import Plan
 from autopar.solver.problem import BuiltProblem
 from autopar.solver.robust import ROBUST_MARGIN, Candidate, simplest_within
@@ -166,10 +166,11 @@ def solve_for_devices(
     baselines: bool = False,
     margin: float = ROBUST_MARGIN,
     progress: Progress = _quiet,
+    precision: Precision | None = None,
 ) -> tuple[Plan, list[ShapeResult]]:
     """Try every logical shape of `num_devices` devices within `time_limit_s` in all (each shape gets an equal
     share of what is left); keep the fastest plan, or the simplest within `margin` of it (`baselines`: priced on
-    its shape)."""
+    its shape; `precision`: the math mode of its float32 matmuls, `make_mesh`'s)."""
     began = cpu_s()
     shapes = candidate_shapes(num_devices)
     found: list[MeshSearch] = []
@@ -177,7 +178,7 @@ def solve_for_devices(
     errors: list[InfeasibleError] = []
     for k, shape in enumerate(shapes):
         share_s = max(0.0, time_limit_s - (cpu_s() - began)) / (len(shapes) - k)
-        mesh = make_mesh(num_devices, shape, hardware)
+        mesh = make_mesh(num_devices, shape, hardware, precision=precision)
         try:
             search = search_mesh(traced, profile, mesh, budget_of(mesh, memory_budget_bytes), share_s, backend, sizes,
                                  lambda step: progress(f"{step} ({k + 1} of {len(shapes)} shapes)"))

@@ -135,3 +135,22 @@ def test_a_plan_saved_at_a_gpus_default_budget_loads_back(tmp_path, capsys):
                          "--mesh", "2", "--load", str(path), "--json")
     assert code == 0, err
     assert json.loads(out)["time"]["total_s"] == saved.time.total_s
+
+
+def test_precision_bf16_plans_the_mixed_precision_step(tmp_path):
+    """`--precision bf16` traces under the policy: the plan holds float32 masters and their bf16 copies (1.5x fp32's
+    parameter bytes on a data-parallel mesh), bf16 activations, and its matmuls priced at the bf16 rate; it records the
+    precision, so `explain` traces the same graph."""
+    plans = {}
+    for precision in ("fp32", "bf16"):
+        path = tmp_path / f"{precision}.json"
+        assert main(["plan", GPT2, *TINY, "--gpus", "2", "--mesh", "2", "--hardware", "h100", "--precision", precision,
+                     "--save", str(path), "--json"]) == 0
+        plans[precision] = load_plan(path)
+    fp32, bf16 = plans["fp32"], plans["bf16"]
+    assert (fp32.source.precision, bf16.source.precision) == ("fp32", "bf16")
+    assert not any(p.zero for p in fp32.params + bf16.params)
+    assert bf16.memory.params_bytes == pytest.approx(1.5 * fp32.memory.params_bytes)
+    assert bf16.memory.grads_bytes == pytest.approx(fp32.memory.grads_bytes)
+    assert bf16.memory.activations_bytes < fp32.memory.activations_bytes
+    assert bf16.time.compute_s < fp32.time.compute_s
