@@ -117,10 +117,14 @@ def find_layers(traced: TracedGraph) -> Layers:
     batch_stats = any(n.target in _BATCH_STATISTICS and _training_norm(n) for n in ops)
     layers = Layers(names, starts, end, valid, len(ops), batch_stats)
     reason = ""
+    between = [p for p in layers.cut_points() if any(last < p for _, last in spans.values())
+               and any(first >= p for first, _ in spans.values())]
     if not names:
         reason = ("it has no numbered layers (no module path with a number, like `h.3`): pipeline stages are cut "
                   "between the layers of an nn.ModuleList or nn.Sequential")
-    elif not layers.cut_points():
+    elif len(names) == 1:
+        reason = f"it has one layer ({names[0]}): stages are cut between layers"
+    elif not between:
         reason = f"its layers {names[0]} .. {names[-1]} do not run one after another, so no stage boundary separates them"
     return replace(layers, reason=reason)
 

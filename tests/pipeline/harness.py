@@ -96,22 +96,29 @@ def check_case(case: Case) -> dict[str, float]:
     model, sample, ref = zoo_model(case.model)
     pm = build_pipeline(model, micro_trace(case.model, case.plan.microbatches), case.plan)
     opt = torch.optim.AdamW(pm.parameters(), lr=LR, eps=EPS)
+    return check_steps(pm, opt, sample, ref, range(STEPS), case.label)
+
+
+def check_steps(pm: PipelineModule, opt: torch.optim.Optimizer, sample: Any, ref: Reference, steps: range,
+                label: str) -> dict[str, float]:
+    """Train `pm` the reference's `steps` (numbers: a run may resume mid-way) on this rank's slice of `sample`,
+    comparing the loss, this rank's blocks of every gradient, parameter and buffer with the reference's."""
     args, kwargs = split_sample_input(pm.local_batch(sample))
     worst = {"loss": 0.0, "grad": 0.0, "param": 0.0}
-    for step in range(STEPS):
+    for step in steps:
         opt.zero_grad()
         loss = pm.step(*args, **kwargs)
         rel = abs(loss.item() - ref.losses[step]) / abs(ref.losses[step])
-        assert rel < 1e-5, f"{case.label}: step {step} loss {loss.item()} vs one device's {ref.losses[step]}"
+        assert rel < 1e-5, f"{label}: step {step} loss {loss.item()} vs one device's {ref.losses[step]}"
         worst["loss"] = max(worst["loss"], rel)
         for fqn, p in pm.named_parameters():
-            worst["grad"] = max(worst["grad"], _compare(pm, fqn, p.grad, ref.grads[step][fqn], f"{case.label}: step {step} grad"))
+            worst["grad"] = max(worst["grad"], _compare(pm, fqn, p.grad, ref.grads[step][fqn], f"{label}: step {step} grad"))
         opt.step()
         for fqn, p in pm.named_parameters():
-            worst["param"] = max(worst["param"], _compare(pm, fqn, p.detach(), ref.params[step][fqn], f"{case.label}: step {step} param"))
+            worst["param"] = max(worst["param"], _compare(pm, fqn, p.detach(), ref.params[step][fqn], f"{label}: step {step} param"))
         for fqn, b in pm.named_buffers():
             if fqn in ref.buffers[step]:
-                _compare(pm, fqn, b.float(), ref.buffers[step][fqn].float(), f"{case.label}: step {step} buffer")
+                _compare(pm, fqn, b.float(), ref.buffers[step][fqn].float(), f"{label}: step {step} buffer")
     return worst
 
 
