@@ -5,6 +5,10 @@
 The pipeline (each stage a package, data flowing one way):
 tracer.trace -> profiler.profile -> solver.solve -> codegen.lower -> runtime.
 """
+from autopar.compat import settle_autograd_engine
+
+settle_autograd_engine()  # first, before anything runs backward on fake tensors (torch 2.11 and 2.12)
+
 from autopar.api import parallelize
 from autopar.errors import AutoparError, InfeasibleError, MissingDependencyError, PlanFormatError, PlanMismatchError, TraceError
 from autopar.solver.plan import Plan

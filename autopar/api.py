@@ -33,7 +33,7 @@ from autopar.profiler import profile
 from autopar.runtime.mesh import ProcessMesh
 from autopar.runtime.optimizers import alike_by_design, replaced
 from autopar.solver import solve, solve_keeping_params
-from autopar.solver.mesh import Mesh, make_mesh
+from autopar.solver.mesh import Mesh, Precision, make_mesh, preset_for_device
 from autopar.solver.plan import Plan
 from autopar.solver.plan_io import check_plan, load_plan, plan_from_json, plan_to_json
 from autopar.tracer import TracedGraph, trace
@@ -128,8 +128,9 @@ def parallelize(
     sample_input: the GLOBAL batch (tensor, tuple of args, dict of kwargs, or `autopar.tracer.CallArguments(args,
         kwargs)` for both), used for tracing only.
     memory_budget: bytes per device (default: the hardware's memory).
-    hardware: a preset name of `autopar.solver.mesh.PRESETS` (default "cpu", or "h100" on CUDA) or a `Mesh`
-      whose numbers the solver uses; ignored when `plan` is given.
+    hardware: a preset name of `autopar.solver.mesh.PRESETS` (default: "cpu", or on CUDA the preset of this rank's
+      GPU by its name, `preset_for_device`) or a `Mesh` whose numbers the solver uses; ignored when `plan` is given.
+      A preset is priced at the model's math mode (`training_precision`).
     plan: a `Plan` or the path of a JSON plan file; checked against the traced model.
     input_layout: "shard": each rank feeds its contiguous slice of the global batch along dim 0
       (global_batch / world_size rows, ranks in row-major mesh order; `autopar.runtime.batch`), the
@@ -253,10 +254,30 @@ def _solve_on_rank0(traced: TracedGraph, pmesh: ProcessMesh, memory_budget: floa
         if isinstance(hardware, Mesh):
             mesh = hardware.with_shape(pmesh.shape, pmesh.axis_names)
         else:
-            preset = hardware or ("h100" if torch.cuda.is_available() else "cpu")
-            mesh = make_mesh(math.prod(pmesh.shape), pmesh.shape, preset, pmesh.axis_names)
+            mesh = make_mesh(math.prod(pmesh.shape), pmesh.shape, hardware or local_preset(pmesh), pmesh.axis_names,
+                             precision=training_precision(traced))
         return solve(traced, profile(traced, optimizer=optimizer), mesh, memory_budget_bytes=memory_budget, time_limit_s=time_limit_s)
     return _on_rank0(solved)
+
+
+def local_preset(pmesh: ProcessMesh) -> str:
+    """The preset of the devices `pmesh` runs on: "cpu", or this rank's GPU's by its name (an error naming the
+    fix for a GPU no preset describes)."""
+    if pmesh.device_mesh.device_type != "cuda":
+        return "cpu"
+    device = torch.cuda.current_device()
+    return preset_for_device(torch.cuda.get_device_name(device), torch.cuda.get_device_properties(device).total_memory)
+
+
+def training_precision(traced: TracedGraph) -> Precision:
+    """The math mode the model's matmuls run in: bf16 where its floating-point parameters are all bf16 or fp16,
+    else TF32 or fp32 as torch is set for float32 matmuls (`torch.set_float32_matmul_precision`: "highest", its
+    default, keeps fp32)."""
+    values = (traced.node(name).meta.get("val") for name in traced.param_fqns)
+    dtypes = {v.dtype for v in values if isinstance(v, torch.Tensor) and v.dtype.is_floating_point}
+    if dtypes and dtypes <= {torch.bfloat16, torch.float16}:
+        return "bf16"
+    return "fp32" if torch.get_float32_matmul_precision() == "highest" else "tf32"
 
 
 def _on_rank0(make_plan: Callable[[], Plan]) -> Plan:

@@ -2,6 +2,8 @@
 
     python benchmarks/profiler_accuracy.py                 # every zoo model, tiny, two batch sizes
     python benchmarks/profiler_accuracy.py --models gpt2 --speed   # + GPT-2 small (B=8, S=1024) profiling time
+    python benchmarks/profiler_accuracy.py --hf            # the 40 Hugging Face families of hf_families.py
+    python benchmarks/profiler_accuracy.py --hf llama,t5   # some of them
 
 FLOPs are compared with FlopCounterMode (CPU SDPA formulas registered, see
 autopar/profiler/flops.py); memory with the peak of live tensor storage of one
@@ -9,6 +11,8 @@ AdamW step (autopar/profiler/measure.py), without recomputation and with every
 transformer block checkpointed. "profile s" is `profile(traced)` from a cold
 probe cache; "step s" is one real training step. `--speed` times GPT-2 small in a
 fresh process (wall and CPU seconds: CPU time is what a loaded machine does not inflate).
+`--hf` does the same for the Hugging Face families, each traced at each batch size (16 tokens a row,
+the families' own sample, its rows repeated), with its config's dropout off.
 """
 from __future__ import annotations
 
@@ -67,6 +71,47 @@ def run_model(name: str, seq: int) -> list[dict]:
     return rows
 
 
+def _hf_row(name: str, build, kind: str, batch: int) -> dict:
+    from autopar.api import capture_copy
+    from hf_families import sample_for, without_dropout
+
+    sample = {k: v.repeat(batch // v.shape[0], *([1] * (v.dim() - 1))) for k, v in sample_for(kind).items()}
+
+    def fresh() -> torch.nn.Module:
+        torch.manual_seed(0)
+        return without_dropout(build())
+
+    model = fresh()
+    traced = trace(*capture_copy(model, sample, "cpu"))
+    cost = profile(traced).evaluate()
+    row = {"model": name, "batch": batch, "pred_flops": sum(c.fwd_flops + c.bwd_flops for c in cost.nodes.values()),
+           "meas_flops": measure_flops(model, sample)}
+    row["flops_err"] = _err(row["pred_flops"], row["meas_flops"])
+    for label, ckpt in (("mem", False), ("mem_ckpt", True)):
+        model, recompute = fresh(), frozenset()
+        if ckpt:
+            blocks = block_paths(model)
+            checkpoint_modules(model, blocks)
+            recompute = frozenset(n.name for n in traced.graph.nodes if block_of(n) in blocks)
+        pred, meas = peak_memory(traced, cost, recompute).peak_bytes, measure_step(model, sample).peak_bytes
+        row.update({f"{label}_pred": pred, f"{label}_meas": meas, f"{label}_err": _err(pred, meas)})
+    return row
+
+
+def run_hf(names: list[str]) -> list[dict]:
+    from hf_families import FAMILIES
+    rows = []
+    for name in names or FAMILIES:
+        build, kind = FAMILIES[name]
+        for batch in (4, 8):
+            try:
+                rows.append(_hf_row(name, build, kind, batch))
+            except Exception as err:  # one family failing should not hide the others' numbers
+                rows.append({"model": name, "batch": batch, "error": f"{type(err).__name__}: {str(err).splitlines()[0]}"})
+                break
+    return rows
+
+
 def gpt2_small_speed() -> dict:
     """Profiling time of GPT-2 small in this process right after its trace (run it in a fresh process)."""
     model, sample = load_example("gpt2").build(8, 1024, size="small", device="meta")
@@ -89,6 +134,8 @@ def main() -> None:
     parser.add_argument("--seq", type=int, default=64)
     parser.add_argument("--speed", action="store_true", help="also time profiling GPT-2 small (B=8, S=1024)")
     parser.add_argument("--speed-child", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--hf", nargs="?", const="", default=None,
+                        help="the Hugging Face families instead (comma-separated names; default: all)")
     args = parser.parse_args()
     torch.set_num_threads(1)
     if args.speed_child:
@@ -98,7 +145,13 @@ def main() -> None:
             "mem_ckpt_pred", "mem_ckpt_meas", "mem_ckpt_err", "profile_s", "step_s"]
     print(" | ".join(cols))
     results = []
-    for name in args.models:
+    if args.hf is not None:
+        cols = [c for c in cols if c not in ("profile_s", "step_s")]
+        for row in run_hf([n for n in args.hf.split(",") if n]):
+            results.append(row)
+            print(f"{row['model']} | {row['batch']} | failed: {row['error']}" if "error" in row else
+                  " | ".join(f"{row[c]:.4g}" if isinstance(row[c], float) else str(row[c]) for c in cols), flush=True)
+    for name in args.models if args.hf is None else ():
         try:
             rows = run_model(name, args.seq)
         except Exception as err:  # one model failing should not hide the others' numbers

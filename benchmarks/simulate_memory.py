@@ -105,7 +105,7 @@ def simulate_step(model: torch.nn.Module, sample, plan: Plan, rank: int = 0, opt
         # this rank's rows copied, as vs_baselines feeds them: a slice of the global batch is a view that keeps
         # the whole batch's storage alive (counted as static, it added the other ranks' rows to the peak)
         args, kwargs = local_inputs(pm, sample)
-        opt = make_optimizer(pm, optimizer)
+        opt = make_optimizer(pm, optimizer, foreach=plan.mesh.optimizer_foreach)  # as the plan's devices step
         with FakeTensorMode(allow_non_fake_inputs=True) as fake:
             for _ in range(2):
                 pm(*args, **kwargs).backward()

@@ -20,14 +20,38 @@ import torch
 from torch.utils import flop_counter
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from autopar.compat import TORCH_RELEASE
+
 aten = torch.ops.aten
 
 _CPU_SDPA_FWD = aten._scaled_dot_product_flash_attention_for_cpu
 _CPU_SDPA_BWD = aten._scaled_dot_product_flash_attention_for_cpu_backward
 
 
+def _counted_with_query_heads(count):
+    """`count(..., query_shape, key_shape, value_shape)` with the key and value taken at the query's head count."""
+    def counted(*shapes):
+        heads = shapes[-3][1]
+        return count(*shapes[:-2], *((s[0], heads, *s[2:]) for s in shapes[-2:]))
+    counted.gqa = True
+    return counted
+
+
+def _count_grouped_query_attention() -> None:
+    """torch 2.11 and 2.12: FlopCounterMode's attention formulas assert that the key and value have the query's
+    heads, so grouped-query attention (Llama's, Mistral's: fewer key/value heads) raised inside the profiler and the
+    reference measurement. Each query head multiplies against its group's key and value as against its own, so
+    2.13 counts with the query's heads; these releases are given the same count (the formulas look the two
+    functions up in their module when called)."""
+    if TORCH_RELEASE >= (2, 13) or getattr(flop_counter.sdpa_flop_count, "gqa", False):
+        return
+    flop_counter.sdpa_flop_count = _counted_with_query_heads(flop_counter.sdpa_flop_count)
+    flop_counter.sdpa_backward_flop_count = _counted_with_query_heads(flop_counter.sdpa_backward_flop_count)
+
+
 def register_flop_formulas() -> None:
     """Register the CPU flash-attention and the MoE formulas in torch's global flop registry (idempotent)."""
+    _count_grouped_query_attention()
     if _CPU_SDPA_FWD not in flop_counter.flop_registry:
         # get_raw: sdpa_flop is already wrapped by torch's shape_wrapper.
         flop_counter.register_flop_formula(_CPU_SDPA_FWD, get_raw=True)(flop_counter.sdpa_flop)
@@ -35,9 +59,10 @@ def register_flop_formulas() -> None:
         flop_counter.register_flop_formula(_CPU_SDPA_BWD, get_raw=True)(flop_counter.sdpa_backward_flop)
     if "transformers.integrations.moe" not in sys.modules:  # what registers the MoE ops, on import
         return
-    for op, formula in ((torch.ops.transformers.grouped_mm_fallback, grouped_mm_flop),
-                        (torch.ops.transformers.grouped_mm_fallback_backward, grouped_mm_backward_flop)):
-        if op not in flop_counter.flop_registry:
+    # transformers 5.17 (the GPU machines' release) differentiates the op in Python: it has no backward op
+    for name, formula in (("grouped_mm_fallback", grouped_mm_flop), ("grouped_mm_fallback_backward", grouped_mm_backward_flop)):
+        op = getattr(torch.ops.transformers, name, None)
+        if op is not None and op not in flop_counter.flop_registry:
             flop_counter.register_flop_formula(op)(formula)
 
 

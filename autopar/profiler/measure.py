@@ -95,20 +95,21 @@ class FakeStorageTracker(LiveStorageTracker):
         return st._cdata
 
 
-def make_optimizer(model: nn.Module, optimizer: str) -> torch.optim.Optimizer:
-    """The torch.optim optimizer the profiler's `optimizer` names (CPU defaults: single-tensor path)."""
+def make_optimizer(model: nn.Module, optimizer: str, foreach: bool = False) -> torch.optim.Optimizer:
+    """The torch.optim optimizer the profiler's `optimizer` names (default: CPU's single-tensor path; `foreach`:
+    CUDA's, every parameter at once, as `Mesh.optimizer_foreach` plans it)."""
     key = optimizer.lower()
     params = model.parameters()
     if key == "adamw":
-        return torch.optim.AdamW(params, lr=1e-4, foreach=False)
+        return torch.optim.AdamW(params, lr=1e-4, foreach=foreach)
     if key == "adam":
-        return torch.optim.Adam(params, lr=1e-4, foreach=False)
+        return torch.optim.Adam(params, lr=1e-4, foreach=foreach)
     if key in ("sgd_momentum", "sgd+momentum", "sgd-momentum", "momentum"):
-        return torch.optim.SGD(params, lr=1e-4, momentum=0.9, foreach=False)
+        return torch.optim.SGD(params, lr=1e-4, momentum=0.9, foreach=foreach)
     if key == "sgd":
-        return torch.optim.SGD(params, lr=1e-4, foreach=False)
+        return torch.optim.SGD(params, lr=1e-4, foreach=foreach)
     if key == "adafactor":
-        return torch.optim.Adafactor(params, lr=1e-4, foreach=False)
+        return torch.optim.Adafactor(params, lr=1e-4, foreach=foreach)
     if key == "muon":  # torch's Muon takes matrices only
         return torch.optim.Muon(params, lr=1e-4)
     raise ValueError(f"unknown optimizer {optimizer!r}")

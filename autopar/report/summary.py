@@ -71,7 +71,8 @@ def summarize(plan: Plan) -> dict[str, Any]:
             {"module": r.module, "count": r.count, "params": r.params, "output": r.output, "recompute": r.recompute, "kind": r.kind}
             for r in rollup(plan)
         ],
-        "memory": memory_dict(plan.memory),
+        # the device's fixed overheads (CUDA context, cuBLAS workspace, NCCL buffers) beside the step's tensors
+        "memory": {**memory_dict(plan.memory), "overhead_bytes": plan.mesh.overhead_bytes()},
         "memory_timeline": [{"at": where, "bytes": nbytes} for where, nbytes in plan.memory_timeline],
         "time": time_dict(plan.time),
         "comm_bytes_by_kind": dict(plan.comm_bytes_by_kind),

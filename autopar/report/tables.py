@@ -70,8 +70,11 @@ def memory_table(s: dict[str, Any]) -> TableData:
     rows = [(label, fmt_bytes(m[key]), _pct(m[key], m["total_bytes"])) for key, label in MEMORY_PARTS]
     rows.append(("peak", fmt_bytes(m["total_bytes"]), _pct(m["total_bytes"], budget) + " of budget" if budget else ""))
     rows.append(("budget", fmt_bytes(budget), ""))
+    peak_row = len(rows) - 2
+    if m.get("overhead_bytes"):  # the default budget is the device's memory less these
+        rows.append(("device overheads (CUDA context, cuBLAS, NCCL)", fmt_bytes(m["overhead_bytes"]), "beside the budget"))
     return TableData("Memory per device (at the step's peak)", ("part", "bytes", "share"), tuple(rows),
-                     frozenset({1, 2}), strong=frozenset({len(rows) - 2}))
+                     frozenset({1, 2}), strong=frozenset({peak_row}))
 
 
 def time_table(s: dict[str, Any]) -> TableData:

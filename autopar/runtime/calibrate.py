@@ -39,6 +39,7 @@ from typing import Callable, Sequence
 import torch
 import torch.distributed as dist
 
+from autopar.compat import all_gather_single, reduce_scatter_single
 from autopar.errors import AutoparError
 from autopar.runtime.checkpoint import checkpointed
 from autopar.solver.mesh import COLLECTIVE_KINDS, AxisGroup, LinkCost, Mesh, MeshAxis, default_axis_names
@@ -178,10 +179,10 @@ def collective_call(kind: str, local_bytes: int, n: int, axis_group, device: tor
         return lambda: dist.all_reduce(x, group=axis_group)
     if kind == "all_gather":
         full = torch.empty(numel * n, dtype=torch.float32, device=device)
-        return lambda: dist.all_gather_single(full, x, group=axis_group)
+        return lambda: all_gather_single(full, x, group=axis_group)
     if kind == "reduce_scatter":
         full = torch.ones(numel * n, dtype=torch.float32, device=device)
-        return lambda: dist.reduce_scatter_single(x, full, group=axis_group)
+        return lambda: reduce_scatter_single(x, full, group=axis_group)
     out = torch.empty_like(x)
     return lambda: dist.all_to_all_single(out, x, group=axis_group)
 

@@ -40,7 +40,10 @@ from torch.utils._pytree import tree_flatten, tree_leaves, tree_unflatten
 
 from autopar.runtime import rng
 
-_AUTOCAST_DEVICES = ("cpu", "cuda") if torch.cuda.is_available() else ("cpu",)
+# Autocast's state is per thread and per device type, readable with no device present: asking
+# `torch.cuda.is_available()` here instead would initialise CUDA at `import autopar`, before
+# `run_ranks` forks its ranks (a forked child cannot use CUDA initialised in its parent).
+_AUTOCAST_DEVICES = ("cpu", "cuda")
 
 
 def checkpointed(region: fx.GraphModule, *args: Any) -> Any:
@@ -50,7 +53,7 @@ def checkpointed(region: fx.GraphModule, *args: Any) -> Any:
 
 def checkpointed_with_rng(region: fx.GraphModule, *args: Any) -> Any:
     """`checkpointed` for a region with random ops: backward's rebuild draws what forward drew."""
-    return _run(region, rng.capture_states(), args)
+    return _run(region, rng.capture_states(tree_leaves(args)), args)
 
 
 def _run(region: fx.GraphModule, rng_states: Any, args: tuple) -> Any:

@@ -25,6 +25,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.distributed_c10d import _resolve_process_group
 
+from autopar.compat import all_gather_single, reduce_scatter_single
+
 _OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}
 
 
@@ -89,7 +91,7 @@ def all_gather(flat: torch.Tensor, group: str, async_op: bool = False) -> torch.
     pg = _resolve_process_group(group)
     flat = flat.detach().contiguous()
     out = flat.new_empty(pg.size() * flat.numel())
-    work = dist.all_gather_single(out, flat, group=pg, async_op=async_op)
+    work = all_gather_single(out, flat, group=pg, async_op=async_op)
     return Started(out, work) if async_op else out
 
 
@@ -98,7 +100,7 @@ def reduce_scatter(flat: torch.Tensor, group: str) -> torch.Tensor:
     pg = _resolve_process_group(group)
     flat = flat.detach().contiguous()
     out = flat.new_empty(flat.numel() // pg.size())
-    dist.reduce_scatter_single(out, flat, op=dist.ReduceOp.SUM, group=pg)
+    reduce_scatter_single(out, flat, op=dist.ReduceOp.SUM, group=pg)
     return out
 
 

@@ -7,9 +7,16 @@ parent binds a listening socket on port 0 (the OS picks a free port and holds it
 no race with other worlds started concurrently) and rank 0 serves the rendezvous
 TCPStore on that socket. The parent starts no store itself, so it forks with no
 store thread running (a thread holding a lock at fork time can deadlock a child).
+
+On a CUDA host: a forked child cannot use CUDA once its parent has initialised
+it, so a parent that has starts its ranks by spawn (which pickles `fn`: it must be
+a module's top-level function). Rank r's CUDA work goes to device r mod the
+number of visible devices (`_own_device`): set when the rank first uses CUDA, so
+a CPU rank on a GPU host makes no CUDA context.
 """
 from __future__ import annotations
 
+import functools
 import logging
 import multiprocessing as mp
 import multiprocessing.connection
@@ -19,7 +26,7 @@ import socket
 import time
 import traceback
 from datetime import timedelta
-from typing import Any, Callable
+from typing import Any, Callable, Literal
 
 import torch
 import torch.distributed as dist
@@ -46,6 +53,35 @@ def _send(conn: mp.connection.Connection, msg: tuple) -> None:
     conn.send_bytes(pickle.dumps(msg))
 
 
+def _own_device(rank: int, backend: str) -> None:
+    """Give rank `rank` CUDA device rank mod (visible devices), where there are any. NCCL needs it before the
+    process group exists; otherwise it is queued for CUDA's lazy initialisation (`torch.cuda._lazy_call`, which
+    torch's own seeding uses), so a rank that never touches CUDA never makes a context."""
+    count = torch.cuda.device_count()  # asks NVML where it can: initialises no CUDA
+    if backend == "nccl":
+        if count == 0:
+            raise AutoparError(f"run_ranks: backend='nccl' needs CUDA devices and this host shows none "
+                               f"(torch {torch.__version__}); use backend='gloo'")
+        torch.cuda.set_device(rank % count)
+    elif count:
+        torch.cuda._lazy_call(functools.partial(torch.cuda.set_device, rank % count))
+
+
+def _start_method() -> Literal["fork", "spawn"]:
+    """fork, unless this process has initialised CUDA, which a forked child could not use."""
+    return "spawn" if torch.cuda.is_initialized() else "fork"
+
+
+def _check_picklable(fn: Callable[..., Any], args: tuple) -> None:
+    try:
+        pickle.dumps((fn, args))
+    except Exception as err:
+        raise AutoparError(
+            f"run_ranks: the ranks start by spawn (start_method='spawn', or this process has initialised CUDA), which "
+            f"pickles fn and its arguments; {getattr(fn, '__qualname__', fn)!r} or an argument cannot be pickled ({err}). Define fn at a "
+            "module's top level and pass plain arguments, or start the ranks before this process uses CUDA") from err
+
+
 def _child(
     conn: mp.connection.Connection,
     listener: socket.socket,
@@ -59,6 +95,7 @@ def _child(
     # One intra-op thread per rank: ranks share few cores, oversubscription makes collectives crawl.
     torch.set_num_threads(1)
     try:
+        _own_device(rank, backend)
         port = listener.getsockname()[1]
         if rank == 0:
             store = dist.TCPStore(_HOST, port, world_size, is_master=True, timeout=timedelta(seconds=timeout_s), master_listen_fd=listener.fileno())
@@ -97,6 +134,7 @@ def run_ranks(
     *args: Any,
     timeout_s: float = 60.0,
     backend: str = "gloo",
+    start_method: Literal["fork", "spawn"] | None = None,
 ) -> list[Any]:
     """Run `fn(rank, world_size, *args)` on `world_size` forked ranks and return their results by rank.
 
@@ -104,11 +142,15 @@ def run_ranks(
     result must be picklable (tensors come back by value). The first rank to fail
     aborts the world: the others are killed and a `RankError` carrying that rank's
     traceback is raised. After `timeout_s` every rank still running is killed and a
-    `RankError` names them.
+    `RankError` names them. `start_method`: default fork, or spawn where this process
+    has initialised CUDA (module docstring); spawn pickles `fn` and `args`.
     """
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
-    ctx = mp.get_context("fork")
+    start_method = start_method or _start_method()
+    if start_method == "spawn":
+        _check_picklable(fn, args)
+    ctx = mp.get_context(start_method)
     listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     listener.bind((_HOST, 0))
     listener.listen(world_size)  # clients that connect before rank 0 serves wait in the backlog

@@ -32,7 +32,9 @@ class MeshError(AutoparError):
 
 
 def _default_device_type() -> str:
-    return "cuda" if torch.cuda.is_available() and dist.get_backend() == "nccl" else "cpu"
+    # NCCL works on CUDA tensors only; gloo's tensors stay on the host unless the caller passes a DeviceMesh or
+    # device_type="cuda" (asking CUDA whether it is there would initialise it in every CPU rank of a GPU host)
+    return "cuda" if dist.get_backend() == "nccl" else "cpu"
 
 
 class ProcessMesh:

@@ -48,6 +48,9 @@ Constraint families (each PuLP constraint is named after its family):
                       keeps its resharded copy holds the part `kept` counts as the producer's too)
   temp_{v}            T >= sum_s temp[v,s] x[v,s]                    (`_add_temp`)
   gather_{v}          T >= sum_g gathered[v,g] z[v,g]
+  optimizer_step      T >= c (sum_{v,s} param[v,s] x[v,s] - sum_g (1 - 1/f[v,g]) param[v,g] z[v,g]): the optimizer
+                      step's scratch, c per byte of the stepped parameters' local blocks, summed over them under
+                      foreach (one row), one row per parameter v otherwise (`optimizer_step_{v}`, `_add_optimizer_step`)
   reshard_buffers_{k} T >= sum_{a,b} buffers[k,a,b] e[k,a,b]        (a reshard's buffers, `Edge.buffer_bytes`;
                       left out where no option pair exceeds the least temp some node must have)
   Backward rebuilds a recomputed layer r's activations together (a tied class counts one layer's share);
@@ -237,6 +240,11 @@ def evaluate(problem: Problem, a: Assignment, saved_by_node: list[float] | None 
         temp = max(temp, held[region] + reshards.get(v, 0.0), held[region] + resaved[v] + flows[v])
         held[region] += rebuilds[v] + resaved[v]
     temp = max([temp, *held.values()])  # the whole layer rebuilt
+    stepped = [node.options[c].param_bytes / (node.options[c].zero.factor if z else 1)
+               for node, c, z in zip(problem.nodes, a.choice, a.zero) if node.options[c].optimizer_bytes > 0]
+    # the optimizer step's scratch, of every parameter at once under foreach, else of the largest alone (`_add_optimizer_step`)
+    step_bytes = problem.step_scratch_per_param_byte * (sum(stepped) if problem.step_scratch_foreach else max(stepped, default=0.0))
+    temp = max(temp, step_bytes)
     recompute_s += problem.region_s * checkpoint_regions(problem, a.recompute)
     used = frozenset().union(*(node.options[c].sync_groups for node, c in zip(problem.nodes, a.choice)))
     comm_s += sum(latency_s for g, latency_s in problem.sync_latency_s if g in used)
@@ -531,6 +539,7 @@ class _Model:
                 self.prob += self.temp >= pulp.LpAffineExpression(terms), f"temp_{v}"
         for v, terms in self.gathered.items():  # at most one of a node's z is 1: one row per node
             self.prob += self.temp >= pulp.LpAffineExpression(terms), f"gather_{v}"
+        self._add_optimizer_step()
         # a reshard's buffers (`Edge.buffer_bytes`); rows that no plan's T can bind (each node's least temp) left out
         floor = max((min(o.temp_bytes for o in node.options) for node in self.problem.nodes), default=0.0) * self.per_byte
         for k, ev in self.e.items():
@@ -539,6 +548,33 @@ class _Model:
             if terms and max(c for _, c in terms) > floor:
                 self.prob += self.temp >= pulp.LpAffineExpression(terms), f"reshard_buffers_{k}"
         self._add_rebuilds()
+
+    def _add_optimizer_step(self) -> None:
+        """optimizer_step: T >= the optimizer step's scratch (`Problem.step_scratch_per_param_byte` per byte of a
+        stepped parameter's local block; ZeRO storage steps 1/factor of it), of every parameter at once under
+        foreach, else of each parameter alone. The step runs after backward, when the activations are gone, but
+        the memory row adds T to them: the scratch is counted as one more transient beside them, an over-count
+        by at most the smaller of the two (a row of its own beside the static bytes alone made the MIP of a
+        tight GPT-2 budget on 2x2 stop at its time limit with a 69% gap)."""
+        per_byte = self.problem.step_scratch_per_param_byte * self.per_byte
+        if per_byte <= 0:
+            return
+        terms: dict[int, list[tuple[pulp.LpVariable, float]]] = {}  # parameter node -> its scratch
+        for v, node in enumerate(self.problem.nodes):
+            for s, o in enumerate(node.options):
+                if o.optimizer_bytes > 0:  # a frozen parameter is not stepped
+                    terms.setdefault(v, []).append((self.x[v][s], o.param_bytes * per_byte))
+        for z, (v, s) in {z: vs for vs, z in self.z.items()}.items():  # one saving per binary (its options share it)
+            o = self.problem.nodes[v].options[s]
+            if o.optimizer_bytes > 0 and o.zero is not None:
+                terms[v].append((z, -(1 - 1 / o.zero.factor) * o.param_bytes * per_byte))
+        if self.problem.step_scratch_foreach:
+            rows = {"optimizer_step": [t for v_terms in terms.values() for t in v_terms]}
+        else:
+            rows = {f"optimizer_step_{v}": v_terms for v, v_terms in terms.items()}
+        for name, row in rows.items():
+            if row:
+                self.prob += self.temp >= pulp.LpAffineExpression(row), name
 
     def _add_rebuilds(self) -> None:
         """What backward holds while it rebuilds a recomputed layer (see `evaluate`), as a chain over the layer's

@@ -5,11 +5,19 @@ A `Mesh` is plain data: axis names and sizes, per-axis alpha-beta link model
 an all-reduce), per-device compute rate, memory bandwidth, memory capacity and
 the fixed host cost of launching one op. It validates itself on construction. Presets for real hardware live in `PRESETS`;
 `autopar.runtime.calibrate` measures a mesh on a live process group.
+
+A GPU preset keeps its matmul rate for each math mode (`ComputeRates`: fp32, TF32, bf16) and
+the memory a training process holds whatever the plan (`FixedOverheads`); `Mesh.at_precision`
+picks a rate, `preset_for_device` a preset by the name CUDA gives the device.
+
+    mesh = make_mesh(8, (2, 4), preset_for_device("NVIDIA H100 80GB HBM3"), precision="tf32")
 """
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass, replace
+from typing import Literal
 
 
 COLLECTIVE_KINDS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all")
@@ -60,6 +68,43 @@ class AxisGroup:
     link: MeshAxis  # its numbers, as one axis of size prod(sizes of those axes)
 
 
+Precision = Literal["fp32", "tf32", "bf16"]
+PRECISIONS: tuple[Precision, ...] = ("fp32", "tf32", "bf16")
+
+
+@dataclass(frozen=True)
+class ComputeRates:
+    """Sustained dense matmul rates of one device per math mode: fp32 (torch's default for float32 matmuls,
+    `torch.set_float32_matmul_precision("highest")`), TF32 (float32 with "high") and bf16 (bf16 or fp16 operands,
+    fp32 accumulation)."""
+
+    fp32_flops_per_s: float
+    tf32_flops_per_s: float
+    bf16_flops_per_s: float
+
+    def at(self, precision: Precision) -> float:
+        if precision not in PRECISIONS:
+            raise ValueError(f"unknown precision {precision!r}; choose one of {PRECISIONS}")
+        return getattr(self, f"{precision}_flops_per_s")
+
+    def scaled(self, factor: float) -> "ComputeRates":
+        return ComputeRates(*(factor * r for r in (self.fp32_flops_per_s, self.tf32_flops_per_s, self.bf16_flops_per_s)))
+
+
+@dataclass(frozen=True)
+class FixedOverheads:
+    """Device memory a training process holds whatever the plan: no tensor of the step, so no per-node number
+    of the memory model, but off the device's capacity (the memory report's "device overheads" line)."""
+
+    cuda_context_bytes: float = 0.0  # the CUDA context and the kernels loaded into it (outside torch's allocator)
+    cublas_workspace_bytes: float = 0.0  # cuBLAS and cuBLASLt workspaces (from torch's caching allocator)
+    nccl_bytes_per_group: float = 0.0  # NCCL's buffers for one communicator (outside torch's allocator)
+
+    def total_bytes(self, num_groups: int) -> float:
+        """For a process that talks over `num_groups` NCCL communicators (0 on one device)."""
+        return self.cuda_context_bytes + self.cublas_workspace_bytes + num_groups * self.nccl_bytes_per_group
+
+
 @dataclass(frozen=True)
 class Mesh:
     axes: tuple[MeshAxis, ...]
@@ -85,6 +130,14 @@ class Mesh:
     # nested backward in backward), charged per region codegen makes (`Problem.region_s`, `ilp.checkpoint_regions`).
     # Measured on CPU: ~0.1 ms a region on one idle core, against ~2 us per op recomputed in it.
     recompute_region_s: float = 0.0
+    # The rate of each math mode (GPU presets), and the mode `flops_per_s` is for; None and "": one rate
+    # (a calibrated or hand-made mesh)
+    rates: ComputeRates | None = None
+    precision: str = ""
+    overheads: FixedOverheads = FixedOverheads()
+    # torch's optimizers step every parameter at once (`foreach`: CUDA's default, one state-sized scratch
+    # buffer for all parameters) or one after another (CPU's default: one parameter's scratch at a time)
+    optimizer_foreach: bool = False
 
     def __post_init__(self) -> None:
         if not self.axes:
@@ -104,6 +157,19 @@ class Mesh:
             if g.link.size != math.prod(self.axes[a].size for a in g.axes):
                 raise ValueError(f"mesh group over axes {g.axes} has size {g.link.size}, "
                                  f"not the product of those axes' sizes {[self.axes[a].size for a in g.axes]}")
+
+    def at_precision(self, precision: Precision) -> "Mesh":
+        """The same devices priced at another math mode's matmul rate."""
+        if self.rates is None:
+            raise ValueError(f"mesh {self} has one measured compute rate, not one per precision: calibrate it "
+                             f"running the training dtype, or use a preset ({', '.join(sorted(PRESETS))})")
+        return replace(self, flops_per_s=self.rates.at(precision), precision=precision)
+
+    def overhead_bytes(self) -> float:
+        """`overheads` for this layout: one NCCL communicator per axis of more than one device, and one for the
+        whole world where several axes are (the bucketed gradient sync over several axes)."""
+        split = sum(1 for a in self.axes if a.size > 1)
+        return self.overheads.total_bytes(split + (1 if split > 1 else 0))
 
     def group(self, axes: tuple[int, ...]) -> MeshAxis | None:
         """The measured group spanning exactly `axes` (ascending), if calibrate() measured one."""
@@ -154,33 +220,93 @@ def default_axis_names(ndim: int) -> tuple[str, ...]:
 
 
 # ---------------------------------------------------------------- presets
-# Numbers are per device and per direction, at the training dtype the preset names
-# (fp32 training on tensor cores uses TF32). `flops_per_s` is a sustained rate,
-# ~70% of the datasheet dense peak, which is what large matmuls reach in practice.
+# Numbers are per device and per direction. Compute: the datasheet's dense (not sparse) peak per math mode
+# times SUSTAINED, what large matmuls reach in practice. A preset's `flops_per_s` is its bf16 rate unless
+# `make_mesh(..., precision=...)` picks another.
+SUSTAINED = 0.7
+_MIB, _GIB = 2**20, 2**30
+
+
 def _axis(name: str, alpha_s: float, beta: float) -> MeshAxis:
     return MeshAxis(name, 1, alpha_s, beta)
 
 
+def _gpu(name: str, peak: ComputeRates, mem_bandwidth_bytes_per_s: float, memory_bytes: float,
+         links: tuple[MeshAxis, ...], cublas_workspace_bytes: float) -> Mesh:
+    rates = peak.scaled(SUSTAINED)
+    # CUDA context: ~0.5 GiB with lazy module loading (CUDA 12+); NCCL: NCCL_BUFFSIZE (4 MiB) per channel and
+    # peer, ~0.25 GiB a communicator on NVLink hosts. Both are estimates, for `benchmarks/gpu_check.py` to measure.
+    overheads = FixedOverheads(cuda_context_bytes=512 * _MIB, cublas_workspace_bytes=cublas_workspace_bytes,
+                               nccl_bytes_per_group=256 * _MIB)
+    return Mesh(links, flops_per_s=rates.bf16_flops_per_s, mem_bandwidth_bytes_per_s=mem_bandwidth_bytes_per_s,
+                memory_bytes=memory_bytes, hardware=name, rates=rates, precision="bf16", overheads=overheads,
+                optimizer_foreach=True)
+
+
+# torch's cuBLAS workspace: 4 MiB x 8 on Hopper (sm90), 4 MiB x 2 + 16 KiB x 8 elsewhere (CUBLAS_WORKSPACE_CONFIG)
+_HOPPER_WORKSPACE, _WORKSPACE = 32 * _MIB, 8 * _MIB + 128 * 1024
+_NVLINK3, _NVLINK4 = _axis("dp", 5e-6, 300e9), _axis("dp", 5e-6, 450e9)
+_PCIE4, _PCIE5 = _axis("dp", 1e-5, 25e9), _axis("dp", 1e-5, 50e9)  # through the host: ~80% of the link
+_H100_SXM = ComputeRates(67e12, 494.7e12, 989.4e12)
+
 PRESETS: dict[str, Mesh] = {
-    # 8x H100 SXM, NVLink 4: 450 GB/s per direction per GPU; bf16 dense 989 TFLOP/s (datasheet) -> 0.7x;
-    # HBM3 3.35 TB/s; 80 GB.
-    "h100": Mesh((_axis("dp", 5e-6, 450e9),), flops_per_s=0.7 * 989e12,
-                 mem_bandwidth_bytes_per_s=3.35e12, memory_bytes=80e9, hardware="h100"),
-    # 8x A100 SXM 80GB, NVLink 3: 300 GB/s per direction; bf16 dense 312 TFLOP/s -> 0.7x; HBM2e 2.0 TB/s.
-    "a100": Mesh((_axis("dp", 5e-6, 300e9),), flops_per_s=0.7 * 312e12,
-                 mem_bandwidth_bytes_per_s=2.0e12, memory_bytes=80e9, hardware="a100"),
+    # 8x H100 SXM, NVLink 4 (450 GB/s per direction); HBM3 3.35 TB/s; 80 GB (79.1 GiB as CUDA reports it)
+    "h100": _gpu("h100", _H100_SXM, 3.35e12, 79.1 * _GIB, (_NVLINK4,), _HOPPER_WORKSPACE),
+    # H100 PCIe: fp32 51, TF32 378, bf16 756 TFLOP/s; HBM2e 2.0 TB/s; PCIe 5
+    "h100-pcie": _gpu("h100-pcie", ComputeRates(51e12, 378e12, 756e12), 2.0e12, 79.1 * _GIB, (_PCIE5,),
+                      _HOPPER_WORKSPACE),
+    # H200 SXM: H100's compute; HBM3e 4.8 TB/s; 141 GB (140.4 GiB); NVLink 4
+    "h200": _gpu("h200", _H100_SXM, 4.8e12, 140.4 * _GIB, (_NVLINK4,), _HOPPER_WORKSPACE),
+    # A100 SXM: fp32 19.5, TF32 156, bf16 312 TFLOP/s; NVLink 3 (300 GB/s per direction); 80 GB: HBM2e 2.0 TB/s
+    "a100": _gpu("a100", ComputeRates(19.5e12, 156e12, 312e12), 2.0e12, 79.2 * _GIB, (_NVLINK3,), _WORKSPACE),
+    # A100 40 GB: HBM2 1.555 TB/s
+    "a100-40gb": _gpu("a100-40gb", ComputeRates(19.5e12, 156e12, 312e12), 1.555e12, 39.4 * _GIB, (_NVLINK3,),
+                      _WORKSPACE),
+    # L4: fp32 30.3, TF32 60, bf16 121 TFLOP/s; GDDR6 300 GB/s; 24 GB; PCIe 4, no NVLink
+    "l4": _gpu("l4", ComputeRates(30.3e12, 60e12, 121e12), 300e9, 22.0 * _GIB, (_PCIE4,), _WORKSPACE),
+    # RTX 4090: fp32 82.6, TF32 82.6, bf16 165.2 TFLOP/s (fp32 accumulation); GDDR6X 1.0 TB/s; 24 GB; PCIe 4 with
+    # no peer-to-peer: every collective goes through host memory
+    "rtx4090": _gpu("rtx4090", ComputeRates(82.6e12, 82.6e12, 165.2e12), 1.008e12, 23.6 * _GIB,
+                    (_axis("dp", 2e-5, 12e9),), _WORKSPACE),
     # N nodes x 8 H100: outer axis over InfiniBand NDR (400 Gb/s = 50 GB/s per GPU), inner axis NVLink.
-    "h100-ib": Mesh((_axis("node", 2e-5, 50e9), _axis("gpu", 5e-6, 450e9)), flops_per_s=0.7 * 989e12,
-                    mem_bandwidth_bytes_per_s=3.35e12, memory_bytes=80e9, hardware="h100-ib"),
+    "h100-ib": _gpu("h100-ib", _H100_SXM, 3.35e12, 79.1 * _GIB, (_axis("node", 2e-5, 50e9), _axis("gpu", 5e-6, 450e9)),
+                    _HOPPER_WORKSPACE),
     # This kind of machine: gloo over loopback between CPU processes (rough; `calibrate()` measures it).
     "cpu": Mesh((_axis("dp", 5e-5, 2e9),), flops_per_s=5e10, mem_bandwidth_bytes_per_s=1e10,
                 memory_bytes=16e9, hardware="cpu"),
 }
 
+# Patterns of `torch.cuda.get_device_name()` (lower case), in order: the first that matches names the preset.
+# The A100s are told apart by memory, the only part of some of their names that differs.
+DEVICE_NAMES: tuple[tuple[str, str], ...] = (
+    (r"h200", "h200"),
+    (r"h100.*(pcie|nvl)", "h100-pcie"),
+    (r"h100", "h100"),
+    (r"a100.*(80\s*gb|-80g)", "a100"),
+    (r"a100", "a100-40gb"),
+    (r"\bl4\b", "l4"),
+    (r"rtx 4090", "rtx4090"),
+)
+
+
+def preset_for_device(device_name: str, memory_bytes: float | None = None) -> str:
+    """The preset of a GPU by the name CUDA gives it (`torch.cuda.get_device_name()`); `memory_bytes` (its
+    total memory) tells an A100 of 80 GB from one of 40 GB whose name does not say."""
+    name = device_name.lower()
+    for pattern, preset in DEVICE_NAMES:
+        if re.search(pattern, name):
+            if preset == "a100-40gb" and memory_bytes is not None and memory_bytes > 60 * _GIB:
+                return "a100"
+            return preset
+    raise ValueError(f"no preset for the GPU {device_name!r} (presets: {', '.join(sorted(PRESETS))}): measure it with "
+                     "`autopar calibrate --save mesh.json` and plan with --hardware mesh.json (parallelize(..., "
+                     "hardware=calibrate(...))), or name the preset closest to it")
+
 
 def make_mesh(num_devices: int, shape: tuple[int, ...] | None = None, hardware: str = "h100",
-              names: tuple[str, ...] | None = None) -> Mesh:
-    """A preset's hardware laid out as `shape` (default: one axis of all devices).
+              names: tuple[str, ...] | None = None, precision: Precision | None = None) -> Mesh:
+    """A preset's hardware laid out as `shape` (default: one axis of all devices), priced at `precision`'s matmul
+    rate (default: the preset's, bf16 on GPUs).
 
     Multi-level presets ("h100-ib") map the LAST preset axis (the fast link) to
     the last mesh axis and the first to all outer axes."""
@@ -198,7 +324,8 @@ def make_mesh(num_devices: int, shape: tuple[int, ...] | None = None, hardware: 
     for i, (name, size) in enumerate(zip(names, shape)):
         src = preset.axes[-1] if i == len(shape) - 1 else preset.axes[0]
         axes.append(replace(src, name=name, size=size))
-    return replace(preset, axes=tuple(axes))
+    mesh = replace(preset, axes=tuple(axes))
+    return mesh if precision is None or preset.rates is None else mesh.at_precision(precision)
 
 
 def parse_mesh_shape(text: str) -> tuple[int, ...]:
@@ -246,18 +373,32 @@ def mesh_to_json(mesh: Mesh) -> dict:
         "recompute_op_overhead_s": mesh.recompute_op_overhead_s,
         "recompute_region_s": mesh.recompute_region_s,
         "groups": [{"axes": list(g.axes), **axis_to_json(g.link)} for g in mesh.groups],
+        "rates": None if mesh.rates is None else {p: mesh.rates.at(p) for p in PRECISIONS},
+        "precision": mesh.precision,
+        "overheads": vars(mesh.overheads),
+        "optimizer_foreach": mesh.optimizer_foreach,
     }
 
 
 def mesh_from_json(data: dict) -> Mesh:
-    """Inverse of `mesh_to_json`; files written before `per_kind`, the overheads or `groups` existed load
-    with their defaults."""
+    """Inverse of `mesh_to_json`; files written before `per_kind`, the overheads, `groups` or the rates existed
+    load with their defaults."""
     try:
         axes = tuple(_axis_from_json(a) for a in data["axes"])
         groups = tuple(AxisGroup(tuple(int(i) for i in g["axes"]), _axis_from_json(g)) for g in data.get("groups", ()))
         return Mesh(axes, float(data["flops_per_s"]), float(data["mem_bandwidth_bytes_per_s"]),
                     float(data["memory_bytes"]), str(data.get("hardware", "custom")),
                     float(data.get("op_overhead_s", 0.0)), float(data.get("recompute_op_overhead_s", 0.0)), groups,
-                    float(data.get("recompute_region_s", 0.0)))
+                    float(data.get("recompute_region_s", 0.0)), **device_fields_from_json(data))
     except (KeyError, TypeError) as err:
         raise ValueError(f"not a mesh description (missing or bad field {err}): {data!r}") from err
+
+
+def device_fields_from_json(data: dict) -> dict:
+    """The `Mesh` fields of a GPU preset (`rates`, `precision`, `overheads`, `optimizer_foreach`) from a mesh's
+    JSON, as keyword arguments; a file written before they existed gets the defaults (one rate, no overheads)."""
+    rates = data.get("rates")
+    return {"rates": None if rates is None else ComputeRates(*(float(rates[p]) for p in PRECISIONS)),
+            "precision": str(data.get("precision", "")),
+            "overheads": FixedOverheads(**{k: float(v) for k, v in (data.get("overheads") or {}).items()}),
+            "optimizer_foreach": bool(data.get("optimizer_foreach", False))}

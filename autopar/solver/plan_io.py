@@ -21,7 +21,7 @@ from typing import Any, Callable, get_args
 import torch
 
 from autopar.errors import PlanFormatError, PlanMismatchError
-from autopar.solver.mesh import AxisGroup, LinkCost, Mesh, MeshAxis
+from autopar.solver.mesh import AxisGroup, LinkCost, Mesh, MeshAxis, device_fields_from_json
 from autopar.solver.plan import (
     SCHEMA_VERSION,
     BaselineResult,
@@ -173,8 +173,8 @@ def _mesh_from(f: _Field) -> Mesh:
         # the overheads and groups are optional: plan files written before they existed price without them
         return Mesh(axes, f["flops_per_s"].num(), f["mem_bandwidth_bytes_per_s"].num(), f["memory_bytes"].num(),
                     f["hardware"].of(str), f.get("op_overhead_s", 0.0).num(), f.get("recompute_op_overhead_s", 0.0).num(),
-                    groups, f.get("recompute_region_s", 0.0).num())
-    except ValueError as err:
+                    groups, f.get("recompute_region_s", 0.0).num(), **device_fields_from_json(f.value))
+    except (ValueError, KeyError, TypeError) as err:
         raise f.fail(f"field '{f.path}': {err}") from None
 
 

@@ -20,6 +20,7 @@ import torch
 from torch import fx
 
 from autopar.profiler import storage_facts
+from autopar.profiler.memory import optimizer_step_temp_bytes
 from autopar.profiler.types import ConcreteProfile
 from autopar.solver.cluster import Cluster, Grouping, group, singletons
 from autopar.solver.cost import (bucketed_all_reduce_s, bucketed_sync_s, collective_time_s, grad_sync_groups, input_partial_axes, optimizer_step_s,
@@ -195,6 +196,11 @@ class Problem:
     region_s: float = 0.0
     # parameters whose bucketed gradient sync several nodes' prices include: charged once, the largest
     shared_syncs: tuple[SharedSync, ...] = ()
+    # The optimizer step's scratch, per byte of a stepped parameter's local block (Adam's: 1 under foreach, the
+    # square roots of the second moments; 2 per tensor, the square root and its quotient), held for every
+    # parameter at once under foreach (`Mesh.optimizer_foreach`, CUDA's default) or for one at a time (CPU's)
+    step_scratch_per_param_byte: float = 0.0
+    step_scratch_foreach: bool = False
 
     def __post_init__(self) -> None:
         for e in self.edges:
@@ -669,9 +675,10 @@ def build_problem(
     crossing = {(cls[p.name], cls[n.name]) for n, p in sources
                 if p.op == "call_function" and p.name in cls and n.name in cls and cls[p.name] != cls[n.name]
                 and layer_key(module_path(p)) != layer_key(module_path(n))}
+    step_scratch = optimizer_step_temp_bytes(profile.optimizer, [1.0], foreach=mesh.optimizer_foreach)
     problem = Problem(tuple(nodes), tuple(edges), budget_bytes, tuple((g, sync_latency_s(mesh, g)) for g in groups),
                       tuple(sorted(together)), tuple(sorted(crossing)), _cuts(traced, nodes, cls, together), mesh.recompute_region_s,
-                      shared)
+                      shared, step_scratch, mesh.optimizer_foreach)
     return BuiltProblem(problem, grouping, strategies, dict(pricer.storage), len(grouping.cluster_of))
 
 

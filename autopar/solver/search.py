@@ -56,7 +56,9 @@ def _build(traced, profile, mesh, budget, sizes, grouped: bool = True) -> BuiltP
 
 
 def _budget(mesh: Mesh, memory_budget_bytes: float | None) -> float:
-    return mesh.memory_bytes if memory_budget_bytes is None else float(memory_budget_bytes)
+    """What the step's tensors may hold: the device's memory less its fixed overheads (`Mesh.overhead_bytes`),
+    unless the caller names a budget (for the tensors: what `torch.cuda.max_memory_allocated` measures)."""
+    return mesh.memory_bytes - mesh.overhead_bytes() if memory_budget_bytes is None else float(memory_budget_bytes)
 
 
 

@@ -35,3 +35,19 @@ def test_causal_mask_and_repeat_kv_are_gone(traced_zoo, name, heads, kv_heads):
     cost = profile(traced).evaluate(batch=B, **({"seq": SEQ} if "seq" in DYNAMIC[name] else {}))
     for node in attn:
         assert cost.nodes[node.name].extra_saved_bytes == B * heads * SEQ * 4
+
+
+def test_grouped_query_attention_is_counted_with_the_query_heads(traced_zoo):
+    """A hand count: each of the query heads multiplies against its group's key and value, (T x d)(d x T) then
+    (T x T)(T x d) in forward, 5 such products in backward; fewer key/value heads save memory, not FLOPs (torch
+    2.11's FlopCounterMode raised on such shapes: `profiler.flops`)."""
+    traced = traced_zoo("hf_llama")
+    B = 4
+    cost = profile(traced).evaluate(batch=B, **({"seq": SEQ} if "seq" in DYNAMIC["hf_llama"] else {}))
+    for node in (n for n in traced.graph.nodes if n.target is SDPA):
+        q, k, _ = (a.meta["val"] for a in node.args)
+        assert k.shape[1] < q.shape[1]  # grouped
+        heads, head_dim = q.shape[1], q.shape[3]
+        product = 2 * B * heads * SEQ * SEQ * head_dim
+        assert cost.nodes[node.name].fwd_flops == 2 * product
+        assert cost.nodes[node.name].bwd_flops == 5 * product

@@ -9,6 +9,7 @@ import pytest
 from autopar.cli import main
 from autopar.errors import PlanFormatError
 from autopar.solver.plan_io import load_plan, plan_from_json, plan_to_json
+from autopar.solver.spec import Shard
 
 pytestmark = pytest.mark.xdist_group("report")  # one worker: the session's plans (conftest) are made once
 
@@ -38,7 +39,12 @@ def test_an_older_plan_file_loads_and_says_what_it_cannot_tell(plans, tmp_path, 
     rows = {r["module"]: r["params"] for r in s["layers"]}
     # HF's c_fc weight is (64, 256): split by its outputs on dim 1; without the layout the report names the dim
     assert rows["transformer.h.0..1.mlp.c_fc"] == "weight: split on dim 1 over tp; bias: replicated"
-    assert rows["transformer.wpe"] == "split on dim 1 over tp"  # no more "hidden-split": that needs the layout too
+    # no more "hidden-split" for the position table, whichever axis the solver split it over: that needs the layout too
+    wpe = {p.fqn: p for p in plan.params}["transformer.wpe.weight"].use
+    axes = {dim: [plan.mesh.axis_names[k] for k, pl in enumerate(wpe.placements) if isinstance(pl, Shard) and pl.dim == dim]
+            for dim in range(2)}
+    words = "; ".join(f"split on dim {dim} over {'+'.join(names)}" for dim, names in axes.items() if names)
+    assert rows["transformer.wpe"] == (words or "replicated")
     assert any("does not record parameter layouts" in n for n in s["unrecorded"])
     assert main(["show", str(old), "--html", str(tmp_path / "old.html")]) == 0
     out = " ".join(capsys.readouterr().out.split())

@@ -68,3 +68,33 @@ def test_init_from_env_names_the_launcher(monkeypatch):
         monkeypatch.delenv(var, raising=False)
     with pytest.raises(AutoparError, match=r"RANK is not set; launch with `torchrun --nproc_per_node N script.py`"):
         init_from_env()
+
+
+def _rank_and_start_method(rank: int, world_size: int) -> tuple[int, str]:
+    import multiprocessing as mp
+    return rank, mp.get_start_method(allow_none=True) or ""
+
+
+def test_spawn_runs_a_top_level_function():
+    # what run_ranks does where the parent has initialised CUDA (a forked child could not use it)
+    assert run_ranks(_rank_and_start_method, 2, timeout_s=120, start_method="spawn") == [(0, "spawn"), (1, "spawn")]
+
+
+def test_a_parent_that_initialised_cuda_spawns_and_names_what_cannot_be_pickled(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    with pytest.raises(AutoparError, match="start by spawn.*initialised CUDA.*cannot be pickled.*module's top level"):
+        run_ranks(lambda rank, world_size: rank, 2)
+
+
+def test_each_rank_gets_its_own_device_when_it_first_uses_cuda(monkeypatch):
+    from autopar.runtime import launch
+
+    queued = []
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setattr(torch.cuda, "_lazy_call", queued.append)
+    for rank in range(4):
+        launch._own_device(rank, "gloo")
+    assert [(call.func, call.args) for call in queued] == [(torch.cuda.set_device, (r % 2,)) for r in range(4)]
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
+    with pytest.raises(AutoparError, match="backend='nccl' needs CUDA devices"):
+        launch._own_device(0, "nccl")

@@ -51,3 +51,25 @@ def test_masks_follow_the_sharding(spmd):
 def test_shard_index_is_row_major_over_shard_axes():
     spec = Spec.parse("S(0)RS(1)")
     assert [shard_index(spec, (i, j, k), (2, 3, 4)) for i, j, k in ((0, 2, 0), (0, 0, 3), (1, 1, 0), (1, 0, 3))] == [0, 3, 4, 7]
+
+
+def test_a_random_op_forks_only_the_generator_of_its_device(monkeypatch):
+    """On a CPU tensor no CUDA generator is read or seeded, however many GPUs are visible (each fork of
+    every GPU's generator cost a state copy per device per dropout, and initialised CUDA in CPU ranks)."""
+    def touched(*args, **kwargs):
+        raise AssertionError("a CUDA generator was touched")
+
+    torch.manual_seed(0)  # (seeds every GPU's generator too: before they are watched)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 8)
+    for name in ("get_rng_state", "set_rng_state", "manual_seed", "manual_seed_all"):
+        monkeypatch.setattr(torch.cuda, name, touched)
+    x = torch.ones(256)
+    before = torch.get_rng_state()
+    with fork_rng_for(Spec.parse("S(0)"), (1,), (2,), seed=5):
+        first = F.dropout(x, 0.5)
+    assert torch.equal(torch.get_rng_state(), before)  # the CPU generator is restored
+    with fork_rng_for(Spec.parse("S(0)"), (1,), (2,), seed=5):
+        assert torch.equal(F.dropout(x, 0.5), first)  # the same seed and shard draw the same mask
+    with fork_rng_for(Spec.parse("S(0)"), (0,), (2,), seed=5):
+        assert not torch.equal(F.dropout(x, 0.5), first)  # another shard draws another

@@ -57,3 +57,47 @@ def test_json_round_trip_of_calibrated_fields_and_old_files():
                                           recompute_op_overhead_s=0.0, recompute_region_s=0.0)
     with pytest.raises(ValueError, match="recompute_region_s must be >= 0"):
         replace(m, op_overhead_s=-1.0)
+
+
+# what `torch.cuda.get_device_name()` says on each, and the memory CUDA reports where the name does not tell
+DEVICES = [("NVIDIA H100 80GB HBM3", None, "h100"), ("NVIDIA H100 PCIe", None, "h100-pcie"), ("NVIDIA H200", None, "h200"),
+           ("NVIDIA A100-SXM4-40GB", None, "a100-40gb"), ("NVIDIA A100-SXM4-80GB", None, "a100"),
+           ("NVIDIA A100 80GB PCIe", None, "a100"), ("NVIDIA A100-SXM4", 85.1e9, "a100"), ("NVIDIA A100-SXM4", 42.5e9, "a100-40gb"),
+           ("NVIDIA L4", None, "l4"), ("NVIDIA GeForce RTX 4090", None, "rtx4090")]
+
+
+@pytest.mark.parametrize("name, memory_bytes, preset", DEVICES)
+def test_presets_by_device_name(name, memory_bytes, preset):
+    from autopar.solver.mesh import preset_for_device
+    assert preset_for_device(name, memory_bytes) == preset
+
+
+def test_an_unknown_gpu_is_named_with_the_fix():
+    from autopar.solver.mesh import preset_for_device
+    with pytest.raises(ValueError, match="no preset for the GPU 'NVIDIA B200'.*autopar calibrate"):
+        preset_for_device("NVIDIA B200")
+
+
+def test_a_preset_is_priced_at_a_precisions_rate():
+    from autopar.solver.mesh import PRECISIONS, SUSTAINED
+    # the H100 SXM datasheet's dense rates: fp32 67, TF32 494.7, bf16 989.4 TFLOP/s
+    datasheet = {"fp32": 67e12, "tf32": 494.7e12, "bf16": 989.4e12}
+    for precision in PRECISIONS:
+        mesh = make_mesh(8, (2, 4), "h100", precision=precision)
+        assert mesh.flops_per_s == pytest.approx(SUSTAINED * datasheet[precision]) and mesh.precision == precision
+        assert Mesh.from_json(mesh.to_json()) == mesh
+    assert make_mesh(8, hardware="h100").precision == "bf16"  # the preset's own
+    with pytest.raises(ValueError, match="one measured compute rate"):
+        make_mesh(2, hardware="cpu").at_precision("tf32")
+
+
+def test_fixed_overheads_per_layout_and_the_default_budget():
+    from autopar.solver.search import _budget
+    h100 = make_mesh(8, (2, 4), "h100")
+    o = h100.overheads
+    # one communicator per split axis and one for the world (a sync over both axes)
+    assert h100.overhead_bytes() == o.cuda_context_bytes + o.cublas_workspace_bytes + 3 * o.nccl_bytes_per_group
+    assert make_mesh(1, hardware="h100").overhead_bytes() == o.cuda_context_bytes + o.cublas_workspace_bytes
+    assert _budget(h100, None) == h100.memory_bytes - h100.overhead_bytes()
+    assert _budget(h100, 3e9) == 3e9  # a budget the caller names is for the step's tensors
+    assert make_mesh(4, hardware="cpu").overhead_bytes() == 0

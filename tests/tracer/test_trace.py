@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 from torch.utils import _pytree as pytree
 
+from autopar.compat import TORCH_RELEASE
 from autopar.errors import TraceError
 from autopar.tracer import split_sample_input, trace, with_device
 from tests.codegen.harness import LogRecords, call, loss_of
@@ -349,12 +350,14 @@ def test_one_hot_checks_become_rank_local_checks_that_still_raise():
     traced = trace(model, (x, labels))
     targets = [n.target for n in traced.graph.nodes if n.op == "call_function"]
     assert torch.ops.aten._assert_async.msg not in targets and torch.ops.aten.any.dims not in targets, targets
-    assert targets.count(torch.ops.autopar.check_all.default) == 2
     exported = torch.export.export(model, (x, labels)).run_decompositions().graph_module.graph
-    assert sum(n.target is torch.ops.aten._assert_async.msg for n in exported.nodes) == 2  # what the pass replaced
+    checks = sum(n.target is torch.ops.aten._assert_async.msg for n in exported.nodes)  # what the pass replaces
+    # torch 2.11 and 2.12 export F.one_hot without checking the labels: nothing to rewrite, and nothing raises
+    assert checks == (2 if TORCH_RELEASE >= (2, 13) else 0)
+    assert targets.count(torch.ops.autopar.check_all.default) == checks
     got = pytree.tree_leaves(traced.gm(*placeholder_values(traced, model, (x, labels))))[0]
     torch.testing.assert_close(got, model(x, labels), rtol=1e-6, atol=1e-6)
-    for bad, message in ((5, "smaller than num_classes"), (-1, "non-negative")):
+    for bad, message in ((5, "smaller than num_classes"), (-1, "non-negative")) if checks else ():
         wrong = labels.clone()
         wrong[3] = bad
         with pytest.raises(RuntimeError, match=message):

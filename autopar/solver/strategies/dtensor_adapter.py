@@ -17,8 +17,10 @@ A `DeviceMesh` built with `_init_backend=False` is enough for both: the rules
 only read the mesh shape, so no process group is created and a later real
 `init_process_group` is unaffected.
 
-Pinned to torch 2.13 (`pyproject`): these private names changed in 2.5, 2.8
-and since; `_check_features()` fails loudly at import when they move.
+Tested on torch 2.11 through 2.13 (`autopar.compat.SUPPORTED_TORCH`): these
+private names changed in 2.5, 2.8 and since; `_check_features()` fails loudly
+at import when they move. What differs between those releases is handled here
+and named with its release (`_zipped`, `_raises_on_partial`).
 """
 from __future__ import annotations
 
@@ -31,6 +33,7 @@ from typing import Any, Callable, Iterator, Sequence
 import torch
 from torch.utils import _pytree as pytree
 
+from autopar.compat import SUPPORTED_TORCH, TORCH_RELEASE
 from autopar.errors import AutoparError
 from autopar.solver.spec import Partial, Placement, Replicate, Shard, Spec
 from autopar.solver.strategies.expand import Rule, expand_over_mesh
@@ -54,7 +57,7 @@ try:  # every private torch import of the solver: keep it to this block
 except ImportError as err:  # pragma: no cover - only on an untested torch
     raise DTensorAdapterError(
         f"torch {torch.__version__} moved a DTensor internal the strategy adapter imports ({err}); "
-        "autopar is tested with torch>=2.13,<2.14: install that version or update autopar/solver/strategies/dtensor_adapter.py"
+        f"autopar is tested with torch {SUPPORTED_TORCH}: install one of those or update autopar/solver/strategies/dtensor_adapter.py"
     ) from err
 
 
@@ -64,7 +67,7 @@ def _check_features() -> Any:
         if not isinstance(getattr(prop, attr, None), dict):
             raise DTensorAdapterError(
                 f"torch {torch.__version__}: ShardingPropagator has no dict {attr!r}; "
-                "autopar is tested with torch>=2.13,<2.14 (update dtensor_adapter.py for this release)"
+                f"autopar is tested with torch {SUPPORTED_TORCH} (update dtensor_adapter.py for this release)"
             )
     return prop
 
@@ -191,16 +194,17 @@ def _op_strategy_rules(op: Any, args: tuple, kwargs: dict, mesh_shape: tuple[int
     in_args = tuple(to_strategy(a) for a in args)
     in_kwargs = {k: to_strategy(v) for k, v in kwargs.items()}
     schema = OpSchema(op, in_args, in_kwargs)
-    if _per_candidate(func) and isinstance(in_args[0], OpStrategy):
+    if (_per_candidate(func) or _zipped(func) or _raises_on_partial(func)) and isinstance(in_args[0], OpStrategy):
         # A view rule maps each input candidate on its own, but prices a redistribution from
         # every candidate to each target (quadratic; ~90% of cold strategy time on GPT-2).
         # Asking once per candidate gives the same strategies, in the same order, in linear time.
         # A candidate the rule rejects by raising (e.g. unflattening a dim sharded unevenly) drops
         # only that candidate, not the whole op.
+        rest = tuple(_first_candidate(a) for a in in_args[1:]) if _zipped(func) else in_args[1:]
         specs = []
         for c in in_args[0].strategies:
             try:
-                specs += func(OpSchema(op, (OpStrategy([c]),) + in_args[1:], in_kwargs)).strategies
+                specs += func(OpSchema(op, (OpStrategy([c]),) + rest, in_kwargs)).strategies
             except (RuntimeError, AssertionError, ValueError) as err:
                 log.debug("strategies: %s rejects input %s: %s", op, c.output_spec, err)
     else:
@@ -230,6 +234,31 @@ def _op_strategy_rules(op: Any, args: tuple, kwargs: dict, mesh_shape: tuple[int
         if len(converted) == 2:
             rules.append((converted[0], converted[1]))
     return rules
+
+
+# torch 2.11 and 2.12 (2.13 moved the norms to the single-dim registry): the layer and RMS norm rules read the
+# weight's and bias's k-th candidate beside the input's k-th, as DTensor's dispatch passes one candidate per
+# input, and raise IndexError given every candidate of each. They replicate the weight and bias whatever their
+# source, so asking per input candidate with the weight and bias offered replicated gives every strategy.
+_ZIPPED_NORM_RULES = ("layer_norm_strategy", "fused_rms_norm_strategy") if TORCH_RELEASE < (2, 13) else ()
+
+
+def _zipped(func: Any) -> bool:
+    return func.__name__ in _ZIPPED_NORM_RULES and func.__module__.endswith("_ops._math_ops")
+
+
+# torch 2.11 and 2.12: the random ops' rule (`bernoulli(x)`, ...) raises on a Partial candidate of its input where
+# 2.13 leaves that candidate out; asked per candidate, the Partial one alone is dropped.
+_PARTIAL_RAISING_RULES = ("random_op_strategy",) if TORCH_RELEASE < (2, 13) else ()
+
+
+def _raises_on_partial(func: Any) -> bool:
+    return func.__name__ in _PARTIAL_RAISING_RULES and func.__module__.endswith("_ops._random_ops")
+
+
+def _first_candidate(x: Any) -> Any:
+    """An input's strategy cut to its first candidate, which `candidate_specs` makes the replicated one."""
+    return OpStrategy(x.strategies[:1]) if isinstance(x, OpStrategy) else x
 
 
 def _per_candidate(func: Any) -> bool:
