@@ -122,6 +122,7 @@ def parallelize(
     input_layout: Literal["shard", "replicate"] = "shard",
     time_limit_s: float = 30.0,
     batch_dim: BatchDim = 0,
+    pp: Literal["auto"] | int | None = None,
 ) -> ParallelModule:
     """Return `model` parallelized over `device_mesh` as a `ParallelModule` (local shards, same FQNs).
 
@@ -141,7 +142,17 @@ def parallelize(
       one per input shaped as `sample_input` (`(1, 0)` for `(x, labels)` with labels `(batch,)`; None for an
       input fed whole). Each rank then feeds its slice along those dims, as a DDP loop does; a non-loss output
       comes back cut along the first batched input's dim (or dim 0) where it has the batch's size there.
+    pp: "auto" lets the solver cut the model into pipeline stages where that predicts a faster step than any plan
+      without them; a number asks for that many pp ranks. A pipeline comes back as an
+      `autopar.pipeline.PipelineModule` (train with `loss = pm.step(**pm.local_batch(batch))`, then the optimizer's
+      step), and so does a pipeline plan given as `plan` (`PipelinePlan` or its JSON file).
     """
+    from autopar.pipeline.api import is_pipeline_plan, pipeline_or_flat  # (it builds on this module)
+
+    if pp is not None or is_pipeline_plan(plan):
+        return pipeline_or_flat(model, sample_input, device_mesh, pp, plan, memory_budget, hardware, optimizer, time_limit_s,
+                                batch_dim, lambda flat: parallelize(model, sample_input, device_mesh, memory_budget, hardware,
+                                                                    flat, optimizer, input_layout, time_limit_s, batch_dim))
     if input_layout == "replicate" and batch_dim != 0:
         raise BatchDimError(f"batch_dim={batch_dim!r} says along which dims the ranks split the batch, but with "
                             "input_layout='replicate' every rank feeds the whole batch: leave batch_dim out, or use 'shard'")

@@ -9,20 +9,30 @@ stages start, and each stage this rank runs is lowered under its stage plan on t
 """
 from __future__ import annotations
 
+import json
 import logging
-from typing import Any
+import math
+from pathlib import Path
+from typing import Any, Callable
 
+import torch
 import torch.distributed as dist
 from torch import nn
 
 from autopar.api import _capture_device, trace_copy
 from autopar.codegen import lower
+from autopar.errors import InfeasibleError
 from autopar.pipeline.cut import CutError, StageGraph, cut, find_layers
 from autopar.pipeline.module import PipelineModule
-from autopar.pipeline.plan import PipelinePlan
+from autopar.pipeline.choose import PP, check_pp, choose
+from autopar.pipeline.plan import PipelinePlan, is_pipeline_dict, load_pipeline_plan, pipeline_from_dict, pipeline_to_dict
 from autopar.pipeline.runtime import PipelineError, PipelineMesh, StageModule
+from autopar.profiler import profile
 from autopar.runtime.batch import batch_slice
-from autopar.solver.plan_io import check_plan
+from autopar.solver import solve
+from autopar.solver.mesh import Mesh, make_mesh
+from autopar.solver.plan import Plan
+from autopar.solver.plan_io import check_plan, plan_from_json, plan_to_json
 from autopar.tracer import TracedGraph
 from autopar.tracer.batch_dims import BatchDim
 
@@ -49,6 +59,66 @@ def stages_for(traced: TracedGraph, plan: PipelinePlan) -> tuple[StageGraph, ...
             raise CutError(f"the plan's stage {i} starts at op {s.start} ({s.first_op}), but this model's op {s.start} is "
                            f"{found}: the plan was made for another model or batch; plan again")
     return cut(traced, tuple(s.start for s in plan.stages[1:]), layers)
+
+
+def is_pipeline_plan(plan: Any) -> bool:
+    """`plan` is a `PipelinePlan` or the path of a pipeline plan's JSON file."""
+    if isinstance(plan, PipelinePlan):
+        return True
+    if not isinstance(plan, (str, Path)) or not Path(plan).is_file():
+        return False
+    try:
+        return is_pipeline_dict(json.loads(Path(plan).read_text()))
+    except json.JSONDecodeError:
+        return False
+
+
+def pipeline_or_flat(model: nn.Module, sample_input: Any, device_mesh: Any, pp: PP | None, plan: Any,
+                     memory_budget: float | None, hardware: str | Mesh | None, optimizer: str, time_limit_s: float,
+                     batch_dim: BatchDim, flat: Callable[[Plan | None], Any]) -> Any:
+    """`autopar.parallelize` with `pp` or a pipeline plan: the plan given, or rank 0's choice between pipeline
+    stages and the single-mesh plan (`choose`), run as a `PipelineModule` or handed to `flat` (`parallelize`
+    with that plan)."""
+    if pp is not None:
+        check_pp(pp)
+    if plan is not None:
+        if not isinstance(plan, PipelinePlan):
+            plan = load_pipeline_plan(plan)
+        return parallelize_pipeline(model, sample_input, plan, batch_dim)
+    shape = tuple(device_mesh.shape) if hasattr(device_mesh, "shape") else tuple(device_mesh)
+    num_devices = math.prod(shape)
+    chosen = [None]
+    if dist.get_rank() == 0:
+        preset = hardware or ("h100" if torch.cuda.is_available() else "cpu")
+        mesh = preset.with_shape(shape) if isinstance(preset, Mesh) else make_mesh(num_devices, shape, preset)
+        device = "meta" if torch.cuda.is_available() and dist.get_backend() == "nccl" else "cpu"
+        whole = trace_copy(model, sample_input, device, batch_dim=batch_dim)
+
+        def trace_at(m: int) -> TracedGraph:
+            return trace_copy(model, microbatch_sample(sample_input, m, batch_dim), device, batch_dim=batch_dim)
+
+        try:
+            flat_plan = solve(whole, profile(whole, optimizer=optimizer), mesh, memory_budget_bytes=memory_budget,
+                              time_limit_s=time_limit_s)
+        except InfeasibleError:
+            flat_plan = None
+        found = choose(flat_plan, trace_at, global_batch(whole), num_devices, pp or "auto", preset, memory_budget, optimizer,
+                       time_limit_s)
+        chosen = [json.dumps(pipeline_to_dict(found)) if isinstance(found, PipelinePlan) else plan_to_json(found)]
+    dist.broadcast_object_list(chosen, src=0)
+    obj = json.loads(chosen[0])
+    if is_pipeline_dict(obj):
+        return parallelize_pipeline(model, sample_input, pipeline_from_dict(obj), batch_dim)
+    return flat(plan_from_json(chosen[0]))
+
+
+def global_batch(traced: TracedGraph) -> int:
+    """The batch size the model was traced at: its first batched input's size along its batch dim."""
+    for name, dim in traced.batch_dim_of().items():
+        if dim is not None:
+            return int(traced.node(name).meta["val"].shape[dim])
+    raise CutError(f"{traced.model_name} has no input with a batch dim to cut into micro-batches: pass batch_dim, or "
+                   "leave pp out")
 
 
 def parallelize_pipeline(model: nn.Module, sample_input: Any, plan: PipelinePlan, batch_dim: BatchDim = 0) -> PipelineModule:
