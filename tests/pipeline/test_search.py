@@ -13,13 +13,15 @@ from autopar.pipeline.api import global_batch, microbatch_sample
 from autopar.pipeline.choose import choose
 from autopar.pipeline.cut import find_layers
 from autopar.pipeline.plan import PipelinePlan, load_pipeline_plan, save_pipeline_plan
+from autopar.pipeline.search import PipelineSearchError
 from autopar.profiler import profile
 from autopar.runtime.launch import run_ranks
 from autopar.solver import solve
-from autopar.solver.mesh import PRESETS
+from autopar.solver.mesh import PRESETS, make_mesh
 from autopar.solver.plan import Plan
-from tests.codegen.harness import EPS, LR
+from tests.codegen.harness import EPS, LR, trace_model
 from tests.pipeline.harness import STEPS, check_steps, zoo_model
+from tests.pipeline.test_cut import _Twice
 
 MODEL = "mlp"  # three layers, traced in a fraction of a second at each micro-batch count
 
@@ -69,3 +71,14 @@ def test_parallelize_pp_trains_like_one_device():
     zoo_model(MODEL)  # the reference, made once in the parent
     worst = run_ranks(_train, 2, timeout_s=240)
     assert all(w["loss"] < 1e-5 for w in worst)
+
+
+def test_a_model_that_cannot_be_cut_keeps_its_plan_and_says_why():
+    x = torch.randn(4, 8)
+    traced = trace_model(_Twice(), (x,))
+    flat = solve(traced, profile(traced), make_mesh(2, (2,), "cpu"), time_limit_s=5)
+    kept = choose(flat, lambda m: traced, 4, 2, "auto", "cpu")
+    assert isinstance(kept, Plan) and kept.nodes == flat.nodes
+    assert kept.notes[-1].startswith("no pipeline stages:") and "do not run one after another" in kept.notes[-1]
+    with pytest.raises(PipelineSearchError, match="do not run one after another"):
+        choose(flat, lambda m: traced, 4, 2, 2, "cpu")
