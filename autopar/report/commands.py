@@ -237,6 +237,9 @@ def _load(path: str) -> Plan:
 
     if not Path(path).is_file():
         raise UsageError(f"plan file {path!r} does not exist\n  fix: create one with `autopar plan MODEL.py --gpus N --save {path}`")
+    if _is_pipeline_file(path):
+        raise UsageError(f"{path} is a pipeline plan, which explain and diff do not read yet\n  fix: `autopar show {path}` "
+                         "lists its stages; each stage's plan is under \"stages\" in the JSON")
     return load_plan(path)
 
 
