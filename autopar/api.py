@@ -1,7 +1,8 @@
 """`autopar.parallelize`: trace, profile, solve (or take a plan) and lower, in one call.
 
-    pm = autopar.parallelize(model, {"input_ids": ids, "labels": labels}, device_mesh=(2, 2))
-    opt = torch.optim.AdamW(pm.parameters())
+    pm = autopar.parallelize(model, {"input_ids": ids, "labels": labels}, device_mesh=(2, 2),
+                             mixed_precision=autopar.MixedPrecision(torch.bfloat16))  # optional: bf16 compute
+    opt = torch.optim.AdamW(pm.parameters())  # float32 masters, float32 state
     loss = pm(**pm.local_batch(batch))  # rank r feeds rows [r*B/W, (r+1)*B/W) of the global batch, whatever the plan
     loss.backward(); opt.step()
 
@@ -29,7 +30,9 @@ from autopar.codegen.module_tree import dress_like
 from autopar.codegen import ParallelModule, lower
 from autopar.codegen.module import Retracer
 from autopar.errors import TraceError
+from autopar.mixed_precision import MixedPrecision
 from autopar.profiler import profile
+from autopar.profiler.types import GraphProfile
 from autopar.runtime.mesh import ProcessMesh
 from autopar.runtime.optimizers import alike_by_design, replaced
 from autopar.solver import solve, solve_keeping_params
@@ -103,12 +106,26 @@ def _capture_device(mesh: ProcessMesh) -> str:
     return "cpu" if mesh.device_mesh.device_type == "cpu" else "meta"
 
 
-def capture_device_for(hardware: str) -> str:
+def capture_device_for(hardware: str, mixed_precision: MixedPrecision | None = None) -> str:
     """The device `parallelize` traces on where a plan for `hardware` (a `Mesh.hardware` name) runs: a plan
     made ahead (`autopar plan --save`) must be traced the same way to match. Exported on fake CPU tensors,
     a `.contiguous()` the CPU kernels already satisfy leaves no `clone` in the graph; on meta it does
-    (gpt2, llama, bert-tiny: two each)."""
-    return "cpu" if hardware == "cpu" or hardware.endswith("-cpu") else "meta"
+    (gpt2, llama, bert-tiny: two each). Under a mixed-precision policy: on CPU everywhere (its autocast
+    casts fake CPU tensors, not meta ones: `autopar.mixed_precision`)."""
+    return "cpu" if mixed_precision is not None or hardware == "cpu" or hardware.endswith("-cpu") else "meta"
+
+
+def traced_model(model: nn.Module, sample: Any, device: str, batch_dim: BatchDim = 0,
+                 mixed_precision: MixedPrecision | None = None, dtypes: Mapping[str, torch.dtype] | None = None,
+                 training: bool = True, owner: nn.Module | None = None) -> TracedGraph:
+    """`model` traced on a copy holding no memory (`trace_copy` on `device`, its tensors in `dtypes` where given,
+    `owner` as there), as `parallelize` traces it: under a mixed-precision policy with the parameters it computes
+    on in the compute dtype, under its autocast, on fake CPU tensors."""
+    if mixed_precision is None:
+        return trace_copy(model, sample, device, dtypes, owner, training=training, batch_dim=batch_dim)
+    dtypes = {**(dtypes or {}), **mixed_precision.compute_dtypes(model)}
+    with mixed_precision.autocast():
+        return trace_copy(model, sample, "cpu", dtypes, owner, training=training, batch_dim=batch_dim)
 
 
 def parallelize(
@@ -122,6 +139,7 @@ def parallelize(
     input_layout: Literal["shard", "replicate"] = "shard",
     time_limit_s: float = 30.0,
     batch_dim: BatchDim = 0,
+    mixed_precision: MixedPrecision | None = None,
     pp: Literal["auto"] | int | None = None,
 ) -> ParallelModule:
     """Return `model` parallelized over `device_mesh` as a `ParallelModule` (local shards, same FQNs).
@@ -146,10 +164,16 @@ def parallelize(
       without them; a number asks for that many pp ranks. A pipeline comes back as an
       `autopar.pipeline.PipelineModule` (train with `loss = pm.step(**pm.local_batch(batch))`, then the optimizer's
       step), and so does a pipeline plan given as `plan` (`PipelinePlan` or its JSON file).
+    mixed_precision: `autopar.MixedPrecision(param_dtype, reduce_dtype)`: forward and backward compute in `param_dtype`
+      on copies of the float32 parameters (which the optimizer steps), the losses in float32 as autocast computes
+      them, gradients summed over ranks in `reduce_dtype` (`autopar.mixed_precision`); None: the model's own dtypes.
     """
     from autopar.pipeline.api import is_pipeline_plan, pipeline_or_flat  # (it builds on this module)
 
     if pp is not None or is_pipeline_plan(plan):
+        if mixed_precision is not None:
+            raise ValueError("pipeline stages run in the model's own dtypes: pass mixed_precision or pp, not both (cast "
+                             "the model with model.to(dtype) for a low-precision pipeline)")
         return pipeline_or_flat(model, sample_input, device_mesh, pp, plan, memory_budget, hardware, optimizer, time_limit_s,
                                 batch_dim, lambda flat: parallelize(model, sample_input, device_mesh, memory_budget, hardware,
                                                                     flat, optimizer, input_layout, time_limit_s, batch_dim))
@@ -159,9 +183,9 @@ def parallelize(
     start = time.perf_counter()
     pmesh = ProcessMesh(device_mesh)
     device = _capture_device(pmesh)
-    traced = trace_copy(model, sample_input, device, batch_dim=batch_dim)
+    traced = traced_model(model, sample_input, device, batch_dim, mixed_precision)
     if plan is None:
-        plan = _solve_on_rank0(traced, pmesh, memory_budget, hardware, optimizer, time_limit_s)
+        plan = _solve_on_rank0(traced, pmesh, memory_budget, hardware, optimizer, time_limit_s, model, mixed_precision)
     else:
         if not isinstance(plan, Plan):
             plan = load_plan(plan)
@@ -174,6 +198,7 @@ def parallelize(
         params=dict(model.named_parameters(remove_duplicate=False)),
         buffers=dict(model.named_buffers(remove_duplicate=False)),
         input_layout=input_layout,
+        reduce_dtype=None if mixed_precision is None else mixed_precision.reduce_dtype,
     )
     if dist.get_rank() == 0:
         log.info("parallelize: %s on mesh %s in %.2f s (est. step %.1f ms)", type(model).__name__, pmesh.shape,
@@ -187,7 +212,8 @@ def parallelize(
             log.warning("parallelize: forward hooks on %s ran once, while tracing (what they changed in the outputs is "
                         "in the graph), and do not run in the parallel module's forward, which calls ops, not modules: "
                         "read activations from the module's outputs instead", hooked[:5])
-    pm = ParallelModule(gm, traced, pmesh, plan, make_retracer(model, sample_input, device, optimizer, time_limit_s, batch_dim))
+    retracer = make_retracer(model, sample_input, device, optimizer, time_limit_s, batch_dim, mixed_precision)
+    pm = ParallelModule(gm, traced, pmesh, plan, retracer, mixed_precision)
     dress_like(pm, model)  # submodules of the model's classes: code that sorts parameters by module type
     replaced(model, pm)  # an optimizer made from the model's parameters is refused at its first step
     pm.expect_equal_blocks(*alike_by_design(dict(model.named_parameters()), pm.param_storage(), pmesh))
@@ -235,15 +261,16 @@ _stale_warned: list[bool] = []  # the warning was given in this process
 
 
 def make_retracer(model: nn.Module, sample_input: Any, device: str, optimizer: str = "adamw", time_limit_s: float = 30.0,
-                  batch_dim: BatchDim = 0) -> Retracer:
+                  batch_dim: BatchDim = 0, mixed_precision: MixedPrecision | None = None) -> Retracer:
     """How a `ParallelModule` of `model` traces it again (on `device`, as it was first) for inputs it was not
     lowered for, and plans a graph with other ops than its plan's (on rank 0: every rank calls it at once).
-    The model's code is kept with its parameters on `meta`."""
+    The model's code is kept with its parameters on `meta`. Under a mixed-precision policy every graph is
+    traced under it (a caller's autocast adds no casts of its own: the graph casts where the policy does)."""
     shape_only = capture_copy(model, sample_input, "meta")[0]
 
     def traced(batch: Any, training: bool, autocast: torch.dtype | None, dtypes: Mapping[str, torch.dtype]) -> TracedGraph:
-        if autocast is None:
-            return trace_copy(shape_only, batch, device, dtypes, model, training=training, batch_dim=batch_dim)
+        if autocast is None or mixed_precision is not None:
+            return traced_model(shape_only, batch, device, batch_dim, mixed_precision, dtypes, training, owner=model)
         # autocast casts the tensors of its device type, so on GPUs the model is traced on fake CUDA tensors
         # (meta ones it would leave alone)
         cast_device = "cpu" if device == "cpu" else "cuda"
@@ -253,21 +280,29 @@ def make_retracer(model: nn.Module, sample_input: Any, device: str, optimizer: s
     return Retracer(
         trace=traced,
         replan=lambda graph, planned, buffers: _on_rank0(lambda: solve_keeping_params(
-            graph, profile(graph, optimizer=optimizer), planned.mesh, planned.params, planned.fingerprint.budget_bytes,
+            graph, profiled(graph, optimizer, shape_only, mixed_precision), planned.mesh, planned.params, planned.fingerprint.budget_bytes,
             time_limit_s, buffers)),
     )
 
 
+def profiled(traced: TracedGraph, optimizer: str, model: nn.Module, mixed_precision: MixedPrecision | None) -> GraphProfile:
+    """`profile(traced)` of `model` traced under `mixed_precision` (its masters, its reduce dtype) if any."""
+    if mixed_precision is None:
+        return profile(traced, optimizer=optimizer)
+    return profile(traced, optimizer=optimizer, masters=mixed_precision.masters(model), reduce_dtype=mixed_precision.reduce_dtype)
+
+
 def _solve_on_rank0(traced: TracedGraph, pmesh: ProcessMesh, memory_budget: float | None, hardware: str | Mesh | None,
-                    optimizer: str, time_limit_s: float) -> Plan:
+                    optimizer: str, time_limit_s: float, model: nn.Module, mixed_precision: MixedPrecision | None) -> Plan:
     """Rank 0 solves and broadcasts the plan."""
     def solved() -> Plan:
         if isinstance(hardware, Mesh):
             mesh = hardware.with_shape(pmesh.shape, pmesh.axis_names)
         else:
             mesh = make_mesh(math.prod(pmesh.shape), pmesh.shape, hardware or local_preset(pmesh), pmesh.axis_names,
-                             precision=training_precision(traced))
-        return solve(traced, profile(traced, optimizer=optimizer), mesh, memory_budget_bytes=memory_budget, time_limit_s=time_limit_s)
+                             precision="bf16" if mixed_precision is not None else training_precision(traced))
+        return solve(traced, profiled(traced, optimizer, model, mixed_precision), mesh, memory_budget_bytes=memory_budget,
+                     time_limit_s=time_limit_s)
     return _on_rank0(solved)
 
 

@@ -96,6 +96,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--memory", type=_memory, help="per-device budget: 80GB (10^9 bytes), 80GiB (2^30 bytes), 512MB or plain bytes; default: the device's memory")
     p.add_argument("--optimizer", default="adamw", help="optimizer whose state is budgeted: adamw, adam, sgd, sgd-momentum, adafactor, muon "
                    "(the last two read whole matrices: their plans keep every parameter whole)")
+    p.add_argument("--precision", choices=("fp32", "tf32", "bf16"), default="fp32",
+                   help="fp32: float32 parameters and matmuls (parallelize's default); tf32: the same with TF32 matmuls "
+                        "(torch.backends.cuda.matmul.allow_tf32); bf16: mixed precision, bf16 compute on float32 masters "
+                        "(parallelize(..., mixed_precision=autopar.MixedPrecision(torch.bfloat16)))")
     p.add_argument("--time-limit", type=float, default=30.0,
                    help="seconds per ILP search (a budget the first search finds no plan for gets two more: the leanest plan, then the fastest from it)")
     p.add_argument("--pp", type=_pp, help="pipeline stages: 'auto' keeps them where they predict a faster step than "

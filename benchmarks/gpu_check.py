@@ -43,7 +43,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 STAGE_TIMEOUT_S = {"versions": 50, "kernels": 60, "world_of_one": 180, "fake_world": 80, "gloo_shared": 80,
-                   "train_example": 90}  # 540 s in all: the 9 minutes
+                   "train_example": 90}  # 540 s in all: 9 minutes, leaving a 10-minute device call room
 
 
 def _limit_s(stage: str) -> float:
@@ -117,8 +117,6 @@ def stage_kernels(cpu: bool) -> dict:
         same("chunk_to_leading", lambda impl: kernels.chunk_to_leading(x, 1, 2, impl=impl))
         buf = kernels.chunk_to_leading(x, 1, 2, impl="torch")
         same("leading_to_dim", lambda impl: kernels.leading_to_dim(buf, 1, 2, x.shape, impl=impl))
-        bias, residual = torch.randn(4, generator=gen).to(device, dtype), torch.randn_like(x)
-        same("add_epilogue", lambda impl: kernels.add_epilogue(x, bias, residual, impl=impl))
     failed = sorted(k for k, ok in results.items() if not ok)
     if failed:
         raise AssertionError(f"Triton and torch differ on {failed}")
@@ -306,7 +304,7 @@ def stage_gloo_shared(cpu: bool) -> dict:
     bad = {k: v for k, v in out.items() if v["loss_error"] > 1e-4 or v["param_error"] > 1e-4}
     if bad:
         raise AssertionError(f"plans differ from one device: {bad}")
-    return out
+    return {"plans": out}  # nested: the stage's line also carries "stage", "ok" and "seconds"
 
 
 def stage_train_example(cpu: bool) -> dict:

@@ -1,15 +1,16 @@
-"""Fused vs unfused gradient-bucket packing (kernels.pack / kernels.unpack).
+"""Fused vs unfused packing of the buckets a bf16 training step fills (kernels.pack / kernels.unpack).
 
-    python benchmarks/kernel_fusion.py                          # 200 bf16 grads -> fp32 bucket, CPU (+ CUDA if present)
-    python benchmarks/kernel_fusion.py --tensors 400 --grad-dtype float32 --bucket-dtype bfloat16
+    python benchmarks/kernel_fusion.py                              # GPT-2 small, bf16 on float32 masters, CPU
+    python benchmarks/kernel_fusion.py --reduce-dtype bfloat16 --device cuda
 
-Unfused is what a naive runtime writes: per gradient `bucket[o:o+n].copy_(g.view(-1) * scale)`
-to pack and `g.add_(bucket[o:o+n].view_as(g) * scale)` to unpack (two kernels and a temporary
-per gradient). Fused is one `kernels.pack` / `kernels.unpack` call: the torch fallback on any
-device, and the Triton kernels when a CUDA device is present (the interpreter is a correctness
-tool, not timed). Warm-up, then the median over --iters runs; the table names the path that ran.
+A `parallelize` step of GPT-2 under `MixedPrecision(torch.bfloat16, reduce_dtype)` on a world of one rank is
+watched where the runtime calls the kernels, and each call's tensors are kept: the compute copies made from the
+float32 masters (`runtime.compute_copies`), each gradient bucket packed from the copies' bf16 gradients into the
+reduce dtype, and each summed bucket unpacked into the masters' float32 gradients (`runtime.grad_sync`). Those
+exact tensors are then packed and unpacked again, timed: fused, the one call the runtime makes (the torch
+fallback on CPU, Triton on CUDA); unfused, what a runtime without the kernels writes, a cast and copy (or add)
+per tensor. Warm-up, then the median over --iters runs, interleaved; ratios against unfused in the same run.
 """
-
 from __future__ import annotations
 
 import argparse
@@ -26,36 +27,57 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # the `kernels` package, not this file (also named kernels)
 
+import autopar  # noqa: E402
+from autopar.model_file import load_model_file  # noqa: E402
+from autopar.runtime import compute_copies, grad_sync, master_grads  # noqa: E402
+from autopar.runtime.launch import run_ranks  # noqa: E402
 from kernels import _dispatch, bucket_offsets, pack, unpack  # noqa: E402
 
 
-def grad_sizes(n: int, max_numel: int) -> list[int]:
-    """n log-uniform sizes in [1, max_numel]: biases and norms next to big matrices, as in a
-    transformer; seeded so every run packs the same bucket."""
-    gen = torch.Generator().manual_seed(0)
-    return torch.exp(torch.rand(n, generator=gen) * torch.log(torch.tensor(float(max_numel)))).long().tolist()
+def captured_calls(args: argparse.Namespace, device: torch.device) -> list[tuple[str, list[torch.Tensor], torch.Tensor]]:
+    """(what, tensors, bucket) of every pack and unpack one training step makes, as the runtime made them."""
+    calls: list[tuple[str, list[torch.Tensor], torch.Tensor]] = []
+
+    def watch(module, name: str, what: str) -> None:
+        fn = getattr(module, name)
+
+        def watched(*a, **kw):
+            out = fn(*a, **kw)
+            tensors, bucket = (a[0], out if out is not None else kw["out"]) if name == "pack" else (a[1], a[0])
+            calls.append((what, [t.detach().clone() for t in tensors], bucket.detach().clone()))
+            return out
+
+        setattr(module, name, watched)
+
+    watch(compute_copies, "pack", "copies from masters")
+    watch(grad_sync, "pack", "bucket from grads")
+    watch(master_grads, "unpack", "bucket into masters")
+    model, sample = load_model_file(str(ROOT / "examples" / "gpt2.py"), batch_size=args.batch_size, seq_len=args.seq_len,
+                                    size=args.size, device=str(device))
+    policy = autopar.MixedPrecision(torch.bfloat16, getattr(torch, args.reduce_dtype))
+    pm = autopar.parallelize(model, sample, (1,), mixed_precision=policy, hardware="cpu" if device.type == "cpu" else None)
+    pm(**sample).backward()
+    return calls
 
 
-def make_grads(sizes: list[int], dtype: torch.dtype, device: torch.device) -> list[torch.Tensor]:
-    gen = torch.Generator().manual_seed(1)
-    return [torch.randn(n, generator=gen).to(dtype=dtype, device=device) for n in sizes]
+def unfused(what: str, tensors: list[torch.Tensor], bucket: torch.Tensor) -> Callable[[], None]:
+    """The same data movement, a cast and copy (or add) per tensor."""
+    offsets = bucket_offsets(tensors)
+    if what == "bucket into masters":
+        return lambda: [t.add_(bucket[o:o + t.numel()].view_as(t).to(t.dtype)) for t, o in zip(tensors, offsets)]
+    return lambda: [bucket[o:o + t.numel()].copy_(t.view(-1)) for t, o in zip(tensors, offsets)]
 
 
-def unfused_pack(grads: list[torch.Tensor], offsets: list[int], flat: torch.Tensor, scale: float) -> None:
-    for g, o in zip(grads, offsets):
-        flat[o:o + g.numel()].copy_(g.view(-1) * scale)
+def fused(what: str, tensors: list[torch.Tensor], bucket: torch.Tensor) -> Callable[[], None]:
+    """The runtime's call: one pack (copies, buckets) or one unpack adding into the masters' gradients."""
+    if what == "bucket into masters":
+        return lambda: unpack(bucket, tensors, accumulate=True)
+    return lambda: pack(tensors, out=bucket)
 
 
-def unfused_unpack(flat: torch.Tensor, grads: list[torch.Tensor], offsets: list[int], scale: float) -> None:
-    for g, o in zip(grads, offsets):
-        g.add_(flat[o:o + g.numel()].view_as(g) * scale)
-
-
-def time_ms(fns: list[Callable[[], None]], device: torch.device, warmup: int, iters: int
-            ) -> list[tuple[float, float]]:
-    """(median wall ms, median process CPU ms) of each fn. Runs are interleaved (fn0, fn1, ...,
-    fn0, ...) so a change in machine load hits every variant alike; CPU time (all threads) is
-    the steadier number on a shared machine, wall time the one that matters on a GPU."""
+def time_ms(fns: list[Callable[[], None]], device: torch.device, warmup: int, iters: int) -> list[tuple[float, float]]:
+    """(median wall ms, median process CPU ms) of each fn, interleaved so a change in machine load hits each alike;
+    CPU time (all threads) is the steadier number on a shared machine, wall time the one that matters on a GPU."""
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     for fn in fns:
         for _ in range(warmup):
@@ -73,6 +95,20 @@ def time_ms(fns: list[Callable[[], None]], device: torch.device, warmup: int, it
     return [(statistics.median(w), statistics.median(c)) for w, c in zip(wall, cpu)]
 
 
+def bench(rank: int, world: int, args: argparse.Namespace) -> list[dict]:
+    device = torch.device("cuda", 0) if args.device == "cuda" else torch.device("cpu")
+    rows = []
+    for what, tensors, bucket in captured_calls(args, device):
+        (base_ms, base_cpu), (ms, cpu_ms) = time_ms([unfused(what, tensors, bucket), fused(what, tensors, bucket)],
+                                                    device, args.warmup, args.iters)
+        path = "triton" if _dispatch.use_triton("auto", [bucket, *tensors], "bench") else "torch fallback"
+        rows.append({"what": what, "tensors": len(tensors), "numel": bucket.numel(),
+                     "from": str(tensors[0].dtype)[6:], "to": str(bucket.dtype)[6:], "path": path,
+                     "unfused_ms": base_ms, "fused_ms": ms, "speedup": base_ms / ms,
+                     "unfused_cpu_ms": base_cpu, "fused_cpu_ms": cpu_ms})
+    return rows
+
+
 def git_sha() -> str:
     try:
         return subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True,
@@ -81,70 +117,30 @@ def git_sha() -> str:
         return "unknown"
 
 
-def bench_device(device: torch.device, args: argparse.Namespace) -> list[dict]:
-    grad_dtype, bucket_dtype = getattr(torch, args.grad_dtype), getattr(torch, args.bucket_dtype)
-    grads = make_grads(grad_sizes(args.tensors, args.max_numel), grad_dtype, device)
-    offsets = bucket_offsets(grads)
-    flat = torch.empty(offsets[-1], dtype=bucket_dtype, device=device)
-    scale = 1.0 / args.world
-    impls = ["torch"]
-    if device.type == "cuda" and _dispatch.triton_importable() and not _dispatch.interpret_requested():
-        impls.append("triton")
-    cases = [("pack", "unfused", lambda: unfused_pack(grads, offsets, flat, scale))]
-    cases += [("pack", impl, lambda impl=impl: pack(grads, out=flat, scale=scale, impl=impl)) for impl in impls]
-    cases += [("unpack+=", "unfused", lambda: unfused_unpack(flat, grads, offsets, scale))]
-    cases += [("unpack+=", impl, lambda impl=impl: unpack(flat, grads, scale=scale, accumulate=True, impl=impl))
-              for impl in impls]
-    rows, baseline = [], {}
-    timings = time_ms([fn for _, _, fn in cases], device, args.warmup, args.iters)
-    for (op, impl, _), (ms, cpu_ms) in zip(cases, timings):
-        baseline.setdefault(op, ms)  # the unfused variant comes first
-        path = {"unfused": "torch, per tensor", "torch": "torch fallback (foreach)",
-                "triton": "triton (compiled)"}[impl]
-        rows.append({"device": device.type, "op": op, "impl": impl, "path": path, "ms": ms, "cpu_ms": cpu_ms,
-                     "speedup": baseline[op] / ms})
-    return rows
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--tensors", type=int, default=200, help="gradients per bucket")
-    parser.add_argument("--max-numel", type=int, default=1 << 18, help="largest gradient (elements)")
-    parser.add_argument("--grad-dtype", default="bfloat16", choices=["float32", "bfloat16", "float16"])
-    parser.add_argument("--bucket-dtype", default="float32", choices=["float32", "bfloat16", "float16"])
-    parser.add_argument("--world", type=int, default=8, help="scale = 1 / world (a gradient average)")
-    parser.add_argument("--warmup", type=int, default=3)
-    parser.add_argument("--iters", type=int, default=10)
-    parser.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto",
-                        help="auto: cpu, and cuda too when present")
+    parser.add_argument("--size", default="small", help="examples/gpt2.py size (tiny, small, medium, ...)")
+    parser.add_argument("--batch-size", type=int, default=1)
+    parser.add_argument("--seq-len", type=int, default=128)
+    parser.add_argument("--reduce-dtype", default="float32", choices=["float32", "bfloat16"])
+    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--iters", type=int, default=7)
     args = parser.parse_args()
 
-    devices = [torch.device("cpu")] if args.device in ("auto", "cpu") else []
-    if args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available()):
-        devices.append(torch.device("cuda"))
-    numel = sum(grad_sizes(args.tensors, args.max_numel))
-    print(f"{args.tensors} {args.grad_dtype} gradients, {numel:,} elements -> {args.bucket_dtype} bucket, "
-          f"scale 1/{args.world}; torch threads {torch.get_num_threads()}")
-    if not torch.cuda.is_available():
-        print("no CUDA device: Triton kernels not timed (the interpreter is for tests only)")
-    rows = [row for device in devices for row in bench_device(device, args)]
-
-    print(f"{'device':<7}{'op':<10}{'path':<27}{'ms':>9}{'vs unfused':>12}{'cpu ms':>9}")
+    rows = run_ranks(bench, 1, args, timeout_s=1800, backend="gloo" if args.device == "cpu" else "nccl")[0]
+    print(f"GPT-2 {args.size}, batch {args.batch_size} x {args.seq_len}, bf16 on float32 masters, gradients summed in "
+          f"{args.reduce_dtype}; torch threads {torch.get_num_threads()}")
+    print(f"{'call':<22}{'tensors':>8}{'elements':>12}{'cast':>18}  {'path':<16}{'unfused ms':>11}{'fused ms':>10}"
+          f"{'speedup':>9}{'cpu ms (u/f)':>16}")
     for r in rows:
-        print(f"{r['device']:<7}{r['op']:<10}{r['path']:<27}{r['ms']:>9.2f}{r['speedup']:>11.2f}x"
-              f"{r['cpu_ms']:>9.2f}")
-    triton_version = None
-    if _dispatch.triton_importable():
-        import triton
-
-        triton_version = triton.__version__
+        cast = f"{r['from']}->{r['to']}"
+        print(f"{r['what']:<22}{r['tensors']:>8}{r['numel']:>12,}{cast:>18}  {r['path']:<16}{r['unfused_ms']:>11.2f}"
+              f"{r['fused_ms']:>10.2f}{r['speedup']:>8.2f}x{r['unfused_cpu_ms']:>8.1f}/{r['fused_cpu_ms']:<7.1f}")
     print(json.dumps({
-        "benchmark": "kernels", "torch": torch.__version__, "triton": triton_version,
-        "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
-        "git": git_sha(), "tensors": args.tensors, "numel": numel, "grad_dtype": args.grad_dtype,
-        "bucket_dtype": args.bucket_dtype,
-        "ms": {f"{r['device']}/{r['op']}/{r['impl']}": round(r["ms"], 3) for r in rows},
-        "cpu_ms": {f"{r['device']}/{r['op']}/{r['impl']}": round(r["cpu_ms"], 3) for r in rows},
+        "benchmark": "kernel_fusion", "torch": torch.__version__, "git": git_sha(), "model": f"gpt2-{args.size}",
+        "device": torch.cuda.get_device_name() if args.device == "cuda" else "cpu", "reduce_dtype": args.reduce_dtype,
+        "rows": [{k: (round(v, 3) if isinstance(v, float) else v) for k, v in r.items()} for r in rows],
     }))
 
 

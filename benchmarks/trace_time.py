@@ -4,7 +4,7 @@
     python benchmarks/trace_time.py --models gpt2:small,hf_llama:7b
 
 Each model runs in a fresh subprocess so that peak RSS (ru_maxrss) is its own.
-Targets (issue 2): GPT-2 small under 3 s, LLaMA-7B shape under 30 s and 2 GiB.
+Targets: GPT-2 small under 3 s, LLaMA-7B shape under 30 s and 2 GiB.
 """
 from __future__ import annotations
 

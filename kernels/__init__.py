@@ -11,20 +11,22 @@ Triton on CUDA tensors, or on CPU tensors under TRITON_INTERPRET=1, else torch):
 - `chunk_to_leading(x, dim, parts)`: split `dim` into `parts` chunks laid out back to back,
   the send buffer of an all-to-all / reduce-scatter along `dim`.
 - `leading_to_dim(buf, dim, parts, shape)`: the inverse, after an all-gather / all-to-all.
-- `add_epilogue(x, bias=None, residual=None)`: (x + bias) + residual in one pass.
+
+Each is called by `parallelize`'s training step: `pack` by the gradient sync (a bucket's gradients, cast to the
+reduce dtype) and, under mixed precision, by the compute copies (float32 masters to bf16) and by a ZeRO
+parameter's all-gather (its float32 shard to bf16); `unpack` by the gradient sync (a summed bucket into the
+float32 gradients, cast and added); the layouts by the collectives of a split along a dim other than 0.
 
 This package imports neither `autopar` nor (until a Triton path runs) `triton`.
 """
 
 from kernels._dispatch import Impl, TritonUnavailableError, interpret_requested, triton_importable
 from kernels.bucket import bucket_offsets, pack, unpack
-from kernels.epilogue import add_epilogue
 from kernels.layout import chunk_to_leading, leading_to_dim
 
 __all__ = [
     "Impl",
     "TritonUnavailableError",
-    "add_epilogue",
     "bucket_offsets",
     "chunk_to_leading",
     "interpret_requested",

@@ -3,7 +3,7 @@
 The kernel indexes (S0, S1, S2, S3) with its own strides per operand. Most real layouts need
 far fewer dims once neighbours that are contiguous for *every* operand are merged (the same
 coalescing torch's TensorIterator does): a Shard(1) -> Shard(2) layout of a contiguous (B, S, H)
-tensor is 4 dims, an epilogue over a contiguous activation is 2 (rows, hidden).
+tensor is 4 dims, a copy between contiguous tensors is 1.
 """
 
 from __future__ import annotations
@@ -49,23 +49,21 @@ def launch_strided(
     x: torch.Tensor,
     *,
     scale: float = 1.0,
-    b: torch.Tensor | None = None,
     r: torch.Tensor | None = None,
 ) -> None:
-    """out = round(float32(x) * scale + float32(b) + float32(r)); all operands have out's shape
-    (broadcast a bias with `expand`). `r` may be `out` itself (accumulate in place)."""
+    """out = round(float32(x) * scale + float32(r)); all operands have out's shape. `r` may be `out` itself
+    (accumulate in place)."""
     if out.numel() == 0:
         return
-    operands = [out, x] + [t for t in (b, r) if t is not None]
+    operands = [out, x] + ([r] if r is not None else [])
     sizes, strides = collapse_dims(out.shape, *(t.stride() for t in operands))
     if len(sizes) > _KERNEL_DIMS:  # only for exotic layouts; costs one extra copy
-        if not all(t is None or t is out or t.is_contiguous() for t in (x, b, r)):
-            dense = [None if t is None or t is out else t.contiguous() for t in (b, r)]
-            r_arg = out if r is out else dense[1]
-            launch_strided(out, x.contiguous(), scale=scale, b=dense[0], r=r_arg)
+        if not all(t is None or t is out or t.is_contiguous() for t in (x, r)):
+            r_arg = out if r is out else None if r is None else r.contiguous()
+            launch_strided(out, x.contiguous(), scale=scale, r=r_arg)
         else:  # the output itself is fragmented: compute into a dense buffer, then copy
             tmp = torch.empty(out.shape, dtype=out.dtype, device=out.device)
-            launch_strided(tmp, x, scale=scale, b=b, r=None if r is None else r.contiguous())
+            launch_strided(tmp, x, scale=scale, r=None if r is None else r.contiguous())
             out.copy_(tmp)
         return
 
@@ -73,19 +71,18 @@ def launch_strided(
     s0, s1, s2, s3 = [1] * pad + sizes
     full = [[0] * pad + st for st in strides]
     so, sx = full[0], full[1]
-    sb = full[2] if b is not None else [0] * 4
-    sr = full[-1] if r is not None else [0] * 4
+    sr = full[2] if r is not None else [0] * 4
     block_c = min(_pow2_at_least(s3), _MAX_BLOCK_C)
     block_r = max(1, _TILE_ELEMENTS // block_c)
     rows = s0 * s1 * s2
     grid = (-(-rows // block_r) * -(-s3 // block_c),)
     with device_guard(out.device):
         triton_kernels().strided_ew_kernel[grid](
-            out, x, x if b is None else b, x if r is None else r,
+            out, x, x if r is None else r,
             float(scale),
             rows, s1, s2, s3,
-            *so, *sx, *sb, *sr,
-            HAS_B=b is not None, HAS_R=r is not None,
+            *so, *sx, *sr,
+            HAS_R=r is not None,
             BLOCK_R=block_r, BLOCK_C=block_c,
-            enable_fp_fusion=False,  # x * scale + b stays two roundings, as in the torch fallback
+            enable_fp_fusion=False,  # x * scale + r stays two roundings, as in the torch fallback
         )

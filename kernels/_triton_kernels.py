@@ -8,11 +8,12 @@ Three kernels:
 - `multi_tensor_pack_kernel`: many contiguous tensors of one dtype -> slices of a flat bucket,
   times `scale`, cast to the bucket's dtype. One launch for a whole bucket instead of one
   copy + one scale + one cast per gradient.
-- `multi_tensor_unpack_kernel`: the inverse; optionally adds into the existing values (.grad).
-- `strided_ew_kernel`: out = x * scale [+ b] [+ r] over a 4-d index space where every operand
-  has its own strides. With b = r = absent it is a permuting copy (the resharding layouts:
-  chunks of a non-leading dim <-> a leading chunk dim); with a broadcast bias and a residual it
-  is the reduce-scatter epilogue; it also serves non-contiguous members of pack/unpack.
+- `multi_tensor_unpack_kernel`: the inverse; optionally adds into the existing values (.grad); its scale
+  may be a 0-d tensor on the device (a mean's divisor the host has not read).
+- `strided_ew_kernel`: out = x * scale [+ r] over a 4-d index space where every operand has its
+  own strides. Without r it is a permuting copy (the resharding layouts: chunks of a non-leading
+  dim <-> a leading chunk dim, cast on the way if out has another dtype); it also serves
+  non-contiguous members of pack/unpack (r = out: accumulate).
 
 Only builtins of triton.language are used (load, store, where, arange, ...), no functions that
 triton.language itself defines with @triton.jit (tl.cdiv, tl.sum, ...): those are decorated when
@@ -82,8 +83,10 @@ def multi_tensor_unpack_kernel(
     table_ptr,  # int64 (n_chunks, 4): (address, numel, bucket offset, chunk start)
     bucket_ptr,  # the flat bucket
     scale,  # float32
+    scale_ptr,  # a float32 scale in device memory, read instead of `scale` when SCALE_IN_MEMORY (else any tensor)
     DST_DTYPE: tl.constexpr,  # dtype of every destination in this launch
     ACCUMULATE: tl.constexpr,  # dst = dst + bucket * scale instead of dst = bucket * scale
+    SCALE_IN_MEMORY: tl.constexpr,  # a scale the host does not know (a mean's global count): no sync to read it
     CHUNK: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
@@ -92,10 +95,13 @@ def multi_tensor_unpack_kernel(
     numel = tl.load(row + 1)
     src = bucket_ptr + tl.load(row + 2)
     start = tl.load(row + 3)
+    factor = scale
+    if SCALE_IN_MEMORY:
+        factor = tl.load(scale_ptr)
     for step in range(0, CHUNK, BLOCK):
         idx = start + step + tl.arange(0, BLOCK)
         mask = idx < numel
-        x = tl.load(src + idx, mask=mask).to(tl.float32) * scale
+        x = tl.load(src + idx, mask=mask).to(tl.float32) * factor
         if ACCUMULATE:
             x += tl.load(dst + idx, mask=mask).to(tl.float32)
         tl.store(dst + idx, _cast(x, DST_DTYPE), mask=mask)
@@ -109,19 +115,17 @@ def _offsets(i0, i1, i2, cols, s0, s1, s2, s3):
 
 @triton.jit
 def strided_ew_kernel(
-    out_ptr, x_ptr, b_ptr, r_ptr,  # b_ptr / r_ptr are ignored (pass any tensor) unless HAS_B / HAS_R
+    out_ptr, x_ptr, r_ptr,  # r_ptr is ignored (pass any tensor) unless HAS_R
     scale,  # float32: multiplies x only
     ROWS, S1, S2, S3,  # index space (S0, S1, S2, S3); ROWS = S0 * S1 * S2
     so0, so1, so2, so3,  # strides of out
     sx0, sx1, sx2, sx3,  # strides of x
-    sb0, sb1, sb2, sb3,  # strides of b (0 on broadcast dims)
     sr0, sr1, sr2, sr3,  # strides of r
-    HAS_B: tl.constexpr,
     HAS_R: tl.constexpr,
     BLOCK_R: tl.constexpr,  # rows (flattened dims 0-2) per tile: index math is per row
     BLOCK_C: tl.constexpr,  # columns (dim 3) per tile: unit-stride columns vectorize
 ):
-    # out = round(float32(x) * scale + float32(b) + float32(r)), in that order.
+    # out = round(float32(x) * scale + float32(r)), in that order.
     pid = tl.program_id(0)
     # A 1-d grid (a 2-d one caps columns at 65535 blocks). Not tl.cdiv: see the module docstring.
     col_blocks = (S3 + BLOCK_C - 1) // BLOCK_C
@@ -133,8 +137,6 @@ def strided_ew_kernel(
     mask = (rows < ROWS)[:, None] & (cols < S3)[None, :]
     x = tl.load(x_ptr + _offsets(i0, i1, i2, cols, sx0, sx1, sx2, sx3), mask=mask)
     acc = x.to(tl.float32) * scale
-    if HAS_B:
-        acc += tl.load(b_ptr + _offsets(i0, i1, i2, cols, sb0, sb1, sb2, sb3), mask=mask).to(tl.float32)
     if HAS_R:
         acc += tl.load(r_ptr + _offsets(i0, i1, i2, cols, sr0, sr1, sr2, sr3), mask=mask).to(tl.float32)
     out = _cast(acc, out_ptr.dtype.element_ty)

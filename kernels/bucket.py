@@ -77,21 +77,29 @@ def pack(
 def unpack(
     bucket: torch.Tensor,
     tensors: Sequence[torch.Tensor],
-    scale: float = 1.0,
+    scale: float | torch.Tensor = 1.0,
     accumulate: bool = False,
     *,
     impl: Impl = "auto",
 ) -> None:
     """Inverse of `pack`: tensor i = bucket slice i * scale (or += with `accumulate`, e.g. into
-    an existing .grad), cast to each tensor's own dtype. Writes in place, any strides."""
+    an existing .grad), cast to each tensor's own dtype. Writes in place, any strides. `scale` may
+    be a 0-d tensor (a mean's divisor still on the device): the kernel reads it (in float32, as a
+    number's; float64 for a float64 bucket) where a Python float would make the host wait for the device."""
     tensors = list(tensors)
     offsets = bucket_offsets(tensors)
     _check_bucket(bucket, tensors, offsets[-1], "unpack", "bucket")
+    if isinstance(scale, torch.Tensor):
+        if scale.dim() != 0:
+            raise ValueError(f"unpack: scale must be a number or a 0-d tensor, got shape {tuple(scale.shape)}")
+        scale = scale.to(device=bucket.device, dtype=torch.promote_types(bucket.dtype, torch.float32))
+    else:
+        scale = float(scale)
     with torch.no_grad():
         if use_triton(impl, [bucket, *tensors], "unpack"):
-            _unpack_triton(bucket, tensors, offsets, float(scale), accumulate)
+            _unpack_triton(bucket, tensors, offsets, scale, accumulate)
         else:
-            _unpack_torch(bucket, tensors, offsets, float(scale), accumulate)
+            _unpack_torch(bucket, tensors, offsets, scale, accumulate)
 
 
 def _check_bucket(bucket: torch.Tensor, tensors: list[torch.Tensor], total: int, op: str, name: str) -> None:
@@ -109,7 +117,12 @@ def _views(bucket: torch.Tensor, tensors: list[torch.Tensor], offsets: list[int]
     return [bucket[o:o + t.numel()].view(t.shape) for t, o in zip(tensors, offsets)]
 
 
-def _scaled(t: torch.Tensor, scale: float) -> torch.Tensor:
+def _is_one(scale: float | torch.Tensor) -> bool:
+    """A scale known on the host to be 1 (a tensor's value is not read: that would wait for the device)."""
+    return not isinstance(scale, torch.Tensor) and scale == 1.0
+
+
+def _scaled(t: torch.Tensor, scale: float | torch.Tensor) -> torch.Tensor:
     """A new tensor float32(t) * scale (float64 stays float64), not yet rounded to a target."""
     compute = torch.promote_types(t.dtype, torch.float32)
     return t * scale if t.dtype == compute else t.to(compute).mul_(scale)
@@ -135,11 +148,11 @@ def _pack_torch(tensors: list[torch.Tensor], offsets: list[int], out: torch.Tens
 
 
 def _unpack_torch(bucket: torch.Tensor, tensors: list[torch.Tensor], offsets: list[int],
-                  scale: float, accumulate: bool) -> None:
+                  scale: float | torch.Tensor, accumulate: bool) -> None:
     if not tensors:
         return
     # Scale into a float32 copy first: add_(b, alpha=scale) of two bf16 tensors rounds twice.
-    src = bucket if scale == 1.0 else _scaled(bucket[:offsets[-1]], scale)
+    src = bucket if _is_one(scale) else _scaled(bucket[:offsets[-1]], scale)
     views = _views(src, tensors, offsets)
     if not accumulate:
         torch._foreach_copy_(tensors, views)
@@ -202,16 +215,21 @@ def _pack_triton(tensors: list[torch.Tensor], offsets: list[int], out: torch.Ten
 
 
 def _unpack_triton(bucket: torch.Tensor, tensors: list[torch.Tensor], offsets: list[int],
-                   scale: float, accumulate: bool) -> None:
+                   scale: float | torch.Tensor, accumulate: bool) -> None:
     mod = triton_kernels()
     groups, strided = _grouped(tensors, offsets)
+    in_memory = isinstance(scale, torch.Tensor)
     for dtype, rows in groups.items():
         table = _chunk_table(tuple(rows), bucket.device)
         with device_guard(bucket.device):
             mod.multi_tensor_unpack_kernel[(table.shape[0],)](
-                table, bucket, scale, DST_DTYPE=mod.TL_DTYPES[dtype], ACCUMULATE=accumulate,
+                table, bucket, 1.0 if in_memory else scale, scale if in_memory else bucket,
+                DST_DTYPE=mod.TL_DTYPES[dtype], ACCUMULATE=accumulate, SCALE_IN_MEMORY=in_memory,
                 CHUNK=_CHUNK, BLOCK=_BLOCK, enable_fp_fusion=False)  # no FMA: same bits as torch
     for i in strided:
         t = tensors[i]
+        if in_memory:  # rare (a transposed gradient): the fallback's ops take the tensor scale as it is
+            _unpack_torch(bucket[offsets[i]:offsets[i] + t.numel()], [t], [0, t.numel()], scale, accumulate)
+            continue
         src = bucket[offsets[i]:offsets[i] + t.numel()].view(t.shape)
         launch_strided(t, src, scale=scale, r=t if accumulate else None)

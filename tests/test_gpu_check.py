@@ -25,5 +25,5 @@ def test_every_stage_of_the_gpu_check_passes_on_cpu():
     assert one["collectives"] == ["all_gather", "all_reduce", "all_to_all", "reduce_scatter"] and one["grad_sync"]
     assert one["loss_error"] == 0.0 and one["grad_max_abs_error"] == 0.0  # one device: the same ops as eager
     assert one["fp32"]["step_ms"] > 0 and one["fp32"]["predicted_peak_bytes"] > 0
-    assert all(v["loss_error"] < 1e-4 and v["param_error"] < 1e-4 for v in lines["gloo_shared"].values())
+    assert all(v["loss_error"] < 1e-4 and v["param_error"] < 1e-4 for v in lines["gloo_shared"]["plans"].values())
     assert len(lines["train_example"]["first_losses"]) == 1 and len(lines["train_example"]["resumed_losses"]) == 1

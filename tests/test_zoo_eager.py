@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import time
 from types import ModuleType
 
 import pytest
@@ -45,11 +44,8 @@ def test_same_seed_same_loss(zoo):
     assert not torch.equal(a, c)
 
 
-def test_default_size_builds_on_meta_quickly(zoo):
-    start = time.perf_counter()
-    model, sample = zoo.build()  # the real default size, on meta
-    elapsed_s = time.perf_counter() - start
-    assert elapsed_s < 5.0, f"build() took {elapsed_s:.1f} s on meta"
+def test_default_size_builds_on_meta(zoo):
+    model, sample = zoo.build()  # the real default size, on meta: no memory, whatever its size
     assert all(p.is_meta for p in model.parameters())
     tensors = sample.values() if isinstance(sample, dict) else sample if isinstance(sample, tuple) else [sample]
     assert all(t.is_meta for t in tensors)

@@ -12,6 +12,10 @@ order, applying the plan in one fixed order per node:
   2. shape arguments are rewritten to local sizes (`shapes.py`) and device
      arguments to the runtime device (the trace ran on `meta`);
   3. random ops are wrapped so their masks follow the Megatron rule (`random.py`).
+Mixed precision (`autopar.MixedPrecision`): a parameter the graph was traced in another
+dtype than its tensor's (a bf16 graph of float32 masters) is read as its compute copy,
+which the module passes in its place (`LoweringInfo.compute_copies`), or, stored as a ZeRO
+shard, cast by its first all-gather on the way (gradients reduce-scattered in `reduce_dtype`).
 Parameters and buffers are this rank's shards, stored on the GraphModule under
 their original FQNs and passed in as its first arguments (named as the trace names
 them: `p_<fqn>`, `b_<fqn>`; `LoweringInfo.state_inputs` lists their FQNs), not read
@@ -79,6 +83,8 @@ class LoweringInfo:
     input_layout: str = "shard"  # how ranks feed inputs and get outputs back: their batch slice, or everything
     unsaved: frozenset[str] = frozenset()  # buffers outside the model's state_dict: non-persistent ones, lifted constants
     state_inputs: tuple[str, ...] = ()  # FQNs of the parameters and buffers the graph takes first, in argument order
+    # FQN -> dtype of the parameters the graph reads as compute copies of that dtype (mixed precision), not themselves
+    compute_copies: Mapping[str, torch.dtype] = field(default_factory=dict)
 
 
 def lower(
@@ -91,17 +97,19 @@ def lower(
     device: torch.device | None = None,
     local: bool = False,
     frozen: frozenset[str] | None = None,
+    reduce_dtype: torch.dtype | None = None,
 ) -> fx.GraphModule:
     """This rank's GraphModule for `plan`. `params`/`buffers`: full tensors by FQN (zeros when omitted,
     for a look at the code only; given, each must hold every tensor the graph reads). local=True:
     they are this rank's blocks already, taken as they are (a `ParallelModule` lowering the same plan
     for inputs of other shapes: the new graph reads the parameters the first one trains). frozen: the FQNs of
-    the parameters that take no gradient (default: those the trace recorded with requires_grad=False)."""
+    the parameters that take no gradient (default: those the trace recorded with requires_grad=False).
+    reduce_dtype: what a ZeRO parameter cast for its gather (mixed precision) has its gradient reduce-scattered in."""
     if tuple(plan.mesh.shape) != tuple(mesh.shape):
         raise LoweringError(f"plan is for mesh {plan.mesh.shape} but the process mesh is {mesh.shape}; solve again for this mesh")
     if input_layout not in ("shard", "replicate"):
         raise LoweringError(f"input_layout={input_layout!r}; use 'shard' (each rank feeds its slice of the batch) or 'replicate'")
-    return _Lowerer(traced, plan.on_mesh(), mesh, params, buffers, input_layout, device, local, frozen).run()
+    return _Lowerer(traced, plan.on_mesh(), mesh, params, buffers, input_layout, device, local, frozen, reduce_dtype).run()
 
 
 def _device_of(mesh: ProcessMesh) -> torch.device:
@@ -111,8 +119,11 @@ def _device_of(mesh: ProcessMesh) -> torch.device:
 
 
 class _Lowerer:
-    def __init__(self, traced, plan, mesh, params, buffers, input_layout, device, local, frozen):
+    def __init__(self, traced, plan, mesh, params, buffers, input_layout, device, local, frozen, reduce_dtype):
         self.traced, self.plan, self.mesh = traced, plan, mesh
+        self.reduce_dtype = reduce_dtype
+        self.compute_copies: dict[str, torch.dtype] = {}  # `LoweringInfo.compute_copies`
+        self.casts: dict[fx.Node, torch.dtype] = {}  # a ZeRO shard's read -> the dtype its first gather casts it to
         self.local = local
         self.full_params = params
         self.full_buffers = None if buffers is None else {**traced.constants, **buffers}  # a lifted constant is no buffer of the model
@@ -242,6 +253,13 @@ class _Lowerer:
         s, g = step.step, self.mesh.group_name(step.step.mesh_axis)
         if self.mesh.shape[s.mesh_axis] == 1:
             return x  # one rank on the axis: every step is the identity
+        cast = self.casts.get(x)
+        if cast is not None:  # a float32 ZeRO shard of a lower-precision graph
+            if s.kind == "all_gather" and needs_grad:  # cast in the gather's packing, the gradient reduced in reduce_dtype
+                extra = (cast, self.reduce_dtype) if step.reduce_scatter_grad else (cast,)
+                return self.graph.call_function(C.all_gather_rs if step.reduce_scatter_grad else C.all_gather,
+                                                (x, s.src_dim, g, *extra))
+            x = self.graph.call_function(aten._to_copy.default, (x,), {"dtype": cast})
         if s.kind == "all_gather" and not needs_grad:  # started early, waited here (`codegen.schedule`)
             started = self.graph.call_function(C.all_gather_start, (x, g))
             return self.graph.call_function(C.wait_all_gather, (started, x, s.src_dim, g))
@@ -282,6 +300,19 @@ class _Lowerer:
     def reshard(self, x: fx.Node, producer: fx.Node, src: Spec, dst: Spec) -> fx.Node:
         steps, _ = plan_steps(src, dst, tuple(producer.meta["val"].shape), self.plan.mesh, set())
         return self.emit_steps(x, steps, (), producer.name in self.grad_carrying)
+
+    def emit_param(self, node: fx.Node, owner: str, read: fx.Node, steps: tuple[Step, ...]) -> fx.Node:
+        """A parameter as its uses read it: its storage resharded to its use spec by `steps`. Traced in another
+        dtype than its tensor's (mixed precision), it is read as its compute copy, or cast by its first gather."""
+        traced_dtype = node.meta["val"].dtype
+        if _get_nested(self.root, owner).dtype == traced_dtype:
+            return self.emit_steps(read, steps, ())
+        if not steps:
+            self.compute_copies[owner] = traced_dtype  # the module passes the copy in the master's place
+            return read
+        self.casts[read] = traced_dtype
+        out = self.emit_steps(read, steps, ())
+        return out if out is not read else self.graph.call_function(aten._to_copy.default, (read,), {"dtype": traced_dtype})
 
     def state_input(self, node: fx.Node, fqn: str, value: torch.Tensor, is_param: bool) -> fx.Node:
         """Store `value` under `fqn` and take it as the graph's next argument, named as the traced placeholder."""
@@ -350,7 +381,7 @@ class _Lowerer:
                     read = self.graph.call_function(aten.clone.default, (held[owner],)) if owner in moved else held[owner]
                     if zero_steps[node.name]:
                         zero_nodes.append(read)
-                    self.env[node.name] = self.emit_steps(read, zero_steps[node.name], ())
+                    self.env[node.name] = self.emit_param(node, owner, read, zero_steps[node.name])
                 elif node.name in self.traced.buffer_fqns:
                     fqn = self.traced.buffer_fqns[node.name]
                     spec = self.src_spec(node)
@@ -391,7 +422,7 @@ class _Lowerer:
         bind_python_calls(gm, self.nodes, self.origin)  # last: every pass above reads ATen targets
         unsaved = (frozenset(self.traced.constants) | self.traced.nonpersistent_buffers) & buffer_specs.keys()
         gm.meta["autopar"] = LoweringInfo(storage, sync_axes, buffer_specs, tuple(fed_specs), dp_axes, aliases, self.input_layout,
-                                          unsaved, tuple(self.state_fqns))
+                                          unsaved, tuple(self.state_fqns), self.compute_copies)
         log.info("codegen: %d nodes, %d collectives", len(gm.graph.nodes), _count_collectives(gm))
         return gm
 

@@ -21,6 +21,10 @@ no labels, for logits), eval mode (`pm.eval()`: dropout off), `torch.autocast`, 
 frozen, unfrozen or converted since get a graph of their own, traced once over the same
 parameters and kept: under the same plan when it has the planned graph's ops, else under a
 plan of its own that keeps the parameters and buffers where they are.
+
+Under a mixed-precision policy (`autopar.MixedPrecision`) the parameters are float32 masters and
+the graph reads compute copies of them (`runtime.compute_copies`), refreshed before a forward when
+the masters changed; the gradient sync moves the copies' gradients into the masters' `.grad`.
 """
 from __future__ import annotations
 
@@ -48,12 +52,14 @@ from autopar.codegen.exchanges import exchanges_activations
 from autopar.codegen.lower import LoweringInfo, lower, share_tree
 from autopar.codegen.shapes import LoweringError
 from autopar.errors import AlreadyParallelError, TraceError
+from autopar.mixed_precision import MixedPrecision
 from autopar.runtime.arrival import all_ranks_make
 from autopar.runtime.batch import batch_slice, global_like, slice_leaves
 from autopar.runtime.deferred_loss import grads_scaled_by, other_output
 from autopar.runtime.grad_norm import track
 from autopar.runtime.optimizers import watch_optimizers
 from autopar.runtime import join, rng
+from autopar.runtime.compute_copies import ComputeCopies
 from autopar.runtime.grad_sync import GradSync
 from autopar.runtime.mesh import ProcessMesh
 from autopar.runtime.same_inputs import agree
@@ -115,13 +121,18 @@ class _Graph(NamedTuple):
     param_positions: list[int]  # which arguments are parameters (the same FQNs, in order, in every graph)
     sync_key: tuple  # what the gradient sync it needs is built from: the axes each gradient is summed over, which train
     casts: bool  # traced under autocast: it holds autocast's casts, and runs with autocast off
+    copied: tuple[tuple[int, str], ...] = ()  # (argument, FQN) of the parameters it reads as compute copies
 
 
 class ParallelModule(nn.Module, Joinable):
-    def __init__(self, gm: fx.GraphModule, traced: TracedGraph, mesh: ProcessMesh, plan: Plan, retracer: Retracer | None = None):
+    def __init__(self, gm: fx.GraphModule, traced: TracedGraph, mesh: ProcessMesh, plan: Plan, retracer: Retracer | None = None,
+                 mixed_precision: MixedPrecision | None = None):
         """retracer: traces the model again for inputs the first graph was not lowered for: other shapes, eval
-        mode, autocast, parameters frozen or unfrozen since (None: such inputs raise, naming them)."""
+        mode, autocast, parameters frozen or unfrozen since (None: such inputs raise, naming them).
+        mixed_precision: the policy `gm` was traced under (its reduce dtype is the gradient sync's)."""
         super().__init__()
+        self._precision = mixed_precision
+        self._copies: ComputeCopies | None = None
         Joinable.__init__(self)  # torch's `Join` for ranks with different numbers of batches (`runtime.join`)
         info: LoweringInfo = gm.meta["autopar"]
         share_tree(self, gm)  # the graph's parameter tree, so FQNs are the original ones (no "graph." prefix)
@@ -154,7 +165,8 @@ class ParallelModule(nn.Module, Joinable):
         # parameter frozen or unfrozen lowers these again, without another trace or solve)
         self._planned: dict[_Signature, tuple[TracedGraph, Plan, str]] = {_without_flags(self._key): (traced, plan, "the plan's graph")}
         self._use(first)
-        self._sync = _make_grad_sync(self, info, mesh)
+        self._copies = self._copies_for(first)
+        self._sync = _make_grad_sync(self, info, mesh, self._copies, self._reduce_dtype())
         self._syncing = True  # False inside `no_sync()`
         self._sync_key = first.sync_key
         self._synced_params = self._params_read()  # the sync's
@@ -172,7 +184,23 @@ class ParallelModule(nn.Module, Joinable):
         params = [i for i, (owner, name) in enumerate(slots) if isinstance(owner[name], nn.Parameter)]
         trainable = tuple(slots[i][0][slots[i][1]].requires_grad for i in params)
         sync_key = (tuple(sorted(info.grad_sync_axes.items())), trainable)
-        return _Graph(gm, traced.out_spec, traced.loss_index, slots, params, sync_key, casts)
+        copied = tuple((i, fqn) for i, fqn in enumerate(info.state_inputs) if fqn in info.compute_copies)
+        return _Graph(gm, traced.out_spec, traced.loss_index, slots, params, sync_key, casts, copied)
+
+    def _copies_for(self, graph: _Graph, rebuild: bool = False) -> ComputeCopies | None:
+        """The compute copies `graph` reads: the module's, made anew when they lack one of its parameters or
+        `rebuild` says the masters changed (a conversion, a parameter set anew)."""
+        names = [fqn for _, fqn in graph.copied]
+        copies = self._copies
+        if not names or (copies is not None and not rebuild and set(names) <= set(copies.names)):
+            return copies
+        held = [] if copies is None else copies.names
+        union = held + [n for n in names if n not in held]
+        dtype = graph.gm.meta["autopar"].compute_copies[names[0]]  # one policy: one compute dtype
+        return ComputeCopies([(fqn, _tensor(self, fqn)) for fqn in union], dtype)
+
+    def _reduce_dtype(self) -> torch.dtype | None:
+        return None if self._precision is None else self._precision.reduce_dtype
 
     def _trainable(self) -> tuple[bool, ...]:
         return tuple(owner[name].requires_grad for owner, name in self._param_slots)
@@ -196,9 +224,11 @@ class ParallelModule(nn.Module, Joinable):
                      *(t for t, _, _ in self._planned.values()))  # signatures, output structures, traces
         for shared in (self.mesh, self.plan, self._retracer, self._sync, *immutable):
             memo[id(shared)] = shared
+        memo[id(self._copies)] = None  # made again below, of the copy's own masters
         new = type(self).__new__(type(self))
         memo[id(self)] = new
         new.__dict__.update({k: copy.deepcopy(v, memo) for k, v in self.__dict__.items()})
+        new._copies = new._copies_for(new._graph)
         new._own_sync(new._graph)  # not `_sync_to`: that would take the original's hooks off
         track(new)
         watch_optimizers(new)
@@ -332,6 +362,10 @@ class ParallelModule(nn.Module, Joinable):
             self._sync_to(graph)  # a parameter was set anew since the sync was built
         elif graph.sync_key != self._sync_key and torch.is_grad_enabled():
             self._sync_to(graph)  # another graph's gradients are summed over other axes
+        if graph.copied:  # mixed precision: the graph computes on the copies, made when the masters changed
+            self._copies.refresh()
+            for i, fqn in graph.copied:
+                state[i] = self._copies.by_name[fqn]
         # a mean loss may leave its division by the count to the sync; autocast's casts, if any, are in the graph
         with grads_scaled_by(self._sync), (torch.autocast(self._device_type, enabled=False) if graph.casts else nullcontext()):
             outs = list(graph.gm(*state, *flat))
@@ -357,6 +391,10 @@ class ParallelModule(nn.Module, Joinable):
             self._graphs[key] = self._lower_for(key, flat, spec)
         self._key = key
         self._use(self._graphs[key])
+        copies = self._copies_for(self._graph)
+        if copies is not self._copies:  # it reads a copy the others did not: the sync is made for the new ones
+            self._copies = copies
+            self._sync_to(self._graph)
 
     def _lower_for(self, key: _Signature, flat: list[Any], spec: Any) -> _Graph:
         """A graph for inputs of other shapes or values, for eval mode, for autocast, or for parameters frozen or
@@ -380,7 +418,7 @@ class ParallelModule(nn.Module, Joinable):
         try:
             gm = lower(traced, plan, self.mesh, params=dict(self.named_parameters(remove_duplicate=False)),
                        buffers=dict(self.named_buffers(remove_duplicate=False)), input_layout=self.info.input_layout,
-                       local=True, frozen=frozen)
+                       local=True, frozen=frozen, reduce_dtype=self._reduce_dtype())
         except (ValueError, LoweringError) as err:
             raise LoweringError(f"inputs {shapes} cannot run under this module's plan: {err}; feed sizes its sharded dims "
                                 "divide into, or parallelize again with a sample of these sizes") from err
@@ -461,12 +499,15 @@ class ParallelModule(nn.Module, Joinable):
         accumulation)."""
         old = self._sync
         old.remove()
+        self._copies = self._copies_for(graph, rebuild=True)
         self._own_sync(graph)
         self._sync.keep_marks(old)
 
     def _own_sync(self, graph: _Graph) -> None:
         """A gradient sync of this module's parameters for `graph`, off inside `no_sync()`."""
-        self._sync = _make_grad_sync(self, graph.gm.meta["autopar"], self.mesh)
+        if self._copies is not None:
+            self._copies.refresh()  # the copies' requires_grad follows the masters' before the sync registers them
+        self._sync = _make_grad_sync(self, graph.gm.meta["autopar"], self.mesh, self._copies, self._reduce_dtype())
         self._sync.enabled = self._syncing
         self._sync_key = graph.sync_key
         self._synced_params = self._params_read()
@@ -753,6 +794,11 @@ def _param_fqns(graph: _Graph) -> list[str]:
     return [graph.gm.meta["autopar"].state_inputs[i] for i in graph.param_positions]
 
 
+def _tensor(module: nn.Module, fqn: str) -> torch.Tensor:
+    owner, name = _slot(module, fqn)
+    return owner[name]
+
+
 def _slot(module: nn.Module, fqn: str) -> tuple[dict[str, torch.Tensor], str]:
     """The dict holding parameter or buffer `fqn` of `module`, and its key there."""
     owner_path, _, name = fqn.rpartition(".")
@@ -760,13 +806,20 @@ def _slot(module: nn.Module, fqn: str) -> tuple[dict[str, torch.Tensor], str]:
     return (owner._parameters if name in owner._parameters else owner._buffers), name
 
 
-def _make_grad_sync(module: nn.Module, info: LoweringInfo, mesh: ProcessMesh) -> GradSync:
-    """Bucketed sync of the grads the graph leaves partial: one group spanning all of a parameter's axes."""
+def _make_grad_sync(module: nn.Module, info: LoweringInfo, mesh: ProcessMesh, copies: ComputeCopies | None = None,
+                    reduce_dtype: torch.dtype | None = None) -> GradSync:
+    """Bucketed sync of the grads the graph leaves partial: one group spanning all of a parameter's axes. A parameter
+    read as its compute copy is synced as the copy, into its master (with no group if nothing is summed), in
+    `reduce_dtype` as every gradient is."""
     params = dict(module.named_parameters())
     # every rank builds the flattened groups in the same (graph) order: group creation is collective
-    entries = []
+    entries, masters = [], {}
     for fqn, axes in info.grad_sync_axes.items():
         axes = tuple(k for k in axes if mesh.shape[k] > 1)  # a one-rank axis has nothing to sum
-        if axes:
-            entries.append((fqn, params[fqn], (mesh.flat_group_name(axes),)))
-    return GradSync(entries, scaled=params.values())
+        groups = (mesh.flat_group_name(axes),) if axes else ()
+        if copies is not None and fqn in info.compute_copies:
+            entries.append((fqn, copies.by_name[fqn], groups))
+            masters[fqn] = params[fqn]
+        elif axes:
+            entries.append((fqn, params[fqn], groups))
+    return GradSync(entries, scaled=params.values(), reduce_dtype=reduce_dtype, masters=masters)

@@ -30,7 +30,7 @@ from autopar.pipeline.runtime import PipelineError, PipelineMesh, StageModule
 from autopar.profiler import profile
 from autopar.runtime.batch import batch_slice
 from autopar.solver import solve
-from autopar.solver.mesh import Mesh, make_mesh
+from autopar.solver.mesh import Mesh, make_mesh, preset_for_device
 from autopar.solver.plan import Plan
 from autopar.solver.plan_io import check_plan, plan_from_json, plan_to_json
 from autopar.tracer import TracedGraph
@@ -89,9 +89,9 @@ def pipeline_or_flat(model: nn.Module, sample_input: Any, device_mesh: Any, pp: 
     num_devices = math.prod(shape)
     chosen = [None]
     if dist.get_rank() == 0:
-        preset = hardware or ("h100" if torch.cuda.is_available() else "cpu")
-        mesh = preset.with_shape(shape) if isinstance(preset, Mesh) else make_mesh(num_devices, shape, preset)
         device = "meta" if torch.cuda.is_available() and dist.get_backend() == "nccl" else "cpu"
+        preset = hardware or (_local_gpu_preset() if device == "meta" else "cpu")
+        mesh = preset.with_shape(shape) if isinstance(preset, Mesh) else make_mesh(num_devices, shape, preset)
         whole = trace_copy(model, sample_input, device, batch_dim=batch_dim)
 
         def trace_at(m: int) -> TracedGraph:
@@ -110,6 +110,11 @@ def pipeline_or_flat(model: nn.Module, sample_input: Any, device_mesh: Any, pp: 
     if is_pipeline_dict(obj):
         return parallelize_pipeline(model, sample_input, pipeline_from_dict(obj), batch_dim)
     return flat(plan_from_json(chosen[0]))
+
+
+def _local_gpu_preset() -> str:
+    device = torch.cuda.current_device()
+    return preset_for_device(torch.cuda.get_device_name(device), torch.cuda.get_device_properties(device).total_memory)
 
 
 def global_batch(traced: TracedGraph) -> int:

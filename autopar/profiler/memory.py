@@ -224,7 +224,7 @@ def peak_memory(
     log.debug("memory: %.0f bytes left after backward (expected %.0f)", live, static + grads)
 
     step_temp = optimizer_step_temp_bytes(
-        profile.optimizer, [p.param_bytes for p in profile.params.values()], foreach=foreach
+        profile.optimizer, [p.param_bytes - p.copy_bytes for p in profile.params.values()], foreach=foreach
     )
     largest_temp = max(largest_temp, step_temp)
     if static + grads + step_temp > peak:

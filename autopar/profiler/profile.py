@@ -15,6 +15,7 @@ import logging
 import operator
 import time
 from dataclasses import dataclass
+from typing import Mapping
 
 import sympy
 import torch
@@ -47,13 +48,15 @@ class OptimizerCost:
     whole_params: bool = False
     factored: bool = False  # Adafactor: a parameter of 2+ dims keeps a row and a column vector, not a full state
 
-    def state_bytes(self, val: torch.Tensor) -> int:
-        """The optimizer state torch keeps for a parameter shaped like `val`."""
+    def state_bytes(self, val: torch.Tensor, itemsize: int | None = None) -> int:
+        """The optimizer state torch keeps for a parameter shaped like `val` (of `itemsize` bytes an element, default
+        val's: a mixed-precision master's is float32's)."""
         step = 4 if self.has_step else 0
+        itemsize = itemsize or val.element_size()
         if self.factored and val.ndim >= 2:
             rows, cols = val.numel() // val.shape[-1], val.numel() // val.shape[-2]
-            return (rows + cols) * val.element_size() + step
-        return self.state_mult * int(tensor_bytes(val)) + step
+            return (rows + cols) * itemsize + step
+        return self.state_mult * int(tensor_bytes(val)) * itemsize // val.element_size() + step
 
 
 _OPTIMIZERS: dict[str, OptimizerCost] = {
@@ -89,8 +92,13 @@ def optimizer_key(optimizer: str) -> str:
     return key
 
 
-def profile(traced: TracedGraph, optimizer: str = "adamw") -> GraphProfile:
-    """Symbolic FLOPs and bytes for every node and parameter of `traced`."""
+def profile(traced: TracedGraph, optimizer: str = "adamw", masters: Mapping[str, torch.dtype] | None = None,
+            reduce_dtype: torch.dtype | None = None) -> GraphProfile:
+    """Symbolic FLOPs and bytes for every node and parameter of `traced`.
+
+    Mixed precision (`autopar.MixedPrecision`): `masters` maps the FQN of each parameter the graph computes on a
+    copy of (traced in the compute dtype) to its master's dtype, whose bytes its gradient and optimizer state take
+    (`MixedPrecision.masters`); `reduce_dtype`, what gradients are summed over ranks in."""
     opt = optimizer_key(optimizer)
     start = time.perf_counter()
     facts = analyze(traced)
@@ -127,8 +135,9 @@ def profile(traced: TracedGraph, optimizer: str = "adamw") -> GraphProfile:
             value_bytes=tuple(_ZERO if v is None else to_expr(tensor_bytes(v)) for v in vals),
             grad_input_bytes=p.grad_input_bytes if p else (),
             self_saved_bytes=sum((out_bytes[j] for j in p.saved_own), p.extra_saved_bytes) if p else _ZERO,
+            dtype=_math_dtype(node, vals),
         )
-    params = _params(traced, opt)
+    params = _params(traced, opt, masters or {}, reduce_dtype)
     log.info("profiler: %d nodes (%d probed op signatures) in %.2f s", len(nodes), len(set(map(id, probes.values()))),
              time.perf_counter() - start)
     return GraphProfile(nodes=nodes, params=params, symbols=dict(traced.symbols), optimizer=opt)
@@ -210,8 +219,20 @@ def _saved_refs(name: str, p: OpProbe, arg_refs: tuple[Ref, ...], facts: GraphFa
     return tuple(dict.fromkeys(out))
 
 
-def _params(traced: TracedGraph, opt: str) -> dict[str, ParamProfile]:
-    """Per-parameter bytes; tied parameters (one storage under several FQNs) are counted once."""
+def _math_dtype(node, vals) -> str:
+    """The dtype `node`'s math runs in: its first floating-point tensor input's (a matmul of bf16 operands runs at
+    the bf16 rate, whatever it returns), else its first floating-point output's; "" when it has neither."""
+    inputs = [a.meta.get("val") for a in node.all_input_nodes] if node.op == "call_function" else []
+    for v in (*inputs, *vals):
+        if isinstance(v, torch.Tensor) and v.is_floating_point():
+            return str(v.dtype).removeprefix("torch.")
+    return ""
+
+
+def _params(traced: TracedGraph, opt: str, masters: Mapping[str, torch.dtype],
+            reduce_dtype: torch.dtype | None) -> dict[str, ParamProfile]:
+    """Per-parameter bytes; tied parameters (one storage under several FQNs) are counted once. A parameter computed
+    on a copy (`masters`) holds the master and the copy; its gradient and optimizer state are the master's."""
     from torch.multiprocessing.reductions import StorageWeakRef
 
     cost = _OPTIMIZERS[opt]
@@ -228,17 +249,23 @@ def _params(traced: TracedGraph, opt: str) -> dict[str, ParamProfile]:
         owners.add(sid)
         if tied:
             log.debug("profiler: %s is tied to another parameter; counted once", traced.param_fqns[n.name])
+        fqn = traced.param_fqns[n.name]
+        master = masters.get(fqn)
+        copy = 0 if tied or master is None else nbytes
+        held = nbytes if master is None else int(val.numel()) * master.itemsize  # the parameter the optimizer steps
         # a frozen parameter (requires_grad=False) has no gradient, and the optimizer keeps no state for it
-        grad = 0 if tied or not differentiable(val) or not val.requires_grad else nbytes
-        params[traced.param_fqns[n.name]] = ParamProfile(
-            fqn=traced.param_fqns[n.name],
+        grad = 0 if tied or not differentiable(val) or not val.requires_grad else held
+        params[fqn] = ParamProfile(
+            fqn=fqn,
             node=n.name,
             numel=int(val.numel()),
-            param_bytes=0 if tied else nbytes,
+            param_bytes=0 if tied else held + copy,
             grad_bytes=grad,
-            optimizer_bytes=0 if not grad else cost.state_bytes(val),
+            optimizer_bytes=0 if not grad else cost.state_bytes(val, held // max(int(val.numel()), 1)),
             update_launches=cost.launches if grad else 0,  # the optimizer steps what has a gradient, once per storage
             update_write_bytes=cost.writes * grad,
+            copy_bytes=copy,
+            reduce_bytes=None if reduce_dtype is None or not grad else int(val.numel()) * reduce_dtype.itemsize,
         )
     order = {n.name: i for i, n in enumerate(traced.graph.nodes)}
     return dict(sorted(params.items(), key=lambda kv: order[kv[1].node]))

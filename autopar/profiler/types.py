@@ -37,6 +37,9 @@ class NodeProfile:
     # what its own backward keeps of its outputs and beyond them (softmax's output, SDPA's logsumexp): alive
     # through its backward step, after its consumers' steps freed what they kept
     self_saved_bytes: sympy.Expr = sympy.Integer(0)
+    # the dtype its math runs in (its first floating-point input's, else its output's: "bfloat16", "float32"):
+    # what rate its FLOPs are priced at (`Mesh.flops_per_s_for`); "": the mesh's one rate
+    dtype: str = ""
 
 
 @dataclass(frozen=True)
@@ -49,6 +52,10 @@ class ParamProfile:
     optimizer_bytes: int  # for the optimizer the caller named (Adam/AdamW: 2 fp32 states per element)
     update_launches: int = 0  # ops the optimizer's step launches for this parameter (0: tied twin or no gradient)
     update_write_bytes: int = 0  # elementwise output bytes that step writes
+    # mixed precision (`autopar.MixedPrecision`): param_bytes holds the float32 master and its compute copy, whose
+    # bytes these are (0: the graph computes on the parameter itself); grad_bytes and optimizer_bytes are the master's
+    copy_bytes: int = 0
+    reduce_bytes: int | None = None  # its gradient as summed over ranks, in the reduce dtype (None: grad_bytes)
 
 
 @dataclass(frozen=True)
@@ -68,6 +75,7 @@ class NodeCost:
     value_bytes: tuple[float, ...] = ()
     grad_input_bytes: tuple[float, ...] = ()
     self_saved_bytes: float = 0.0
+    dtype: str = ""
 
 
 @dataclass(frozen=True)
@@ -79,6 +87,18 @@ class ParamCost:
     optimizer_bytes: float
     update_launches: int = 0
     update_write_bytes: float = 0.0
+    copy_bytes: float = 0.0
+    reduce_bytes: float | None = None
+
+    @property
+    def compute_bytes(self) -> float:
+        """The tensor forward and backward compute on (what a ZeRO gather moves): its compute copy, or itself."""
+        return self.copy_bytes or self.param_bytes
+
+    @property
+    def summed_bytes(self) -> float:
+        """Its gradient as the ranks sum it (the gradient sync, ZeRO's reduce-scatter)."""
+        return self.grad_bytes if self.reduce_bytes is None else self.reduce_bytes
 
 
 @dataclass(frozen=True)
@@ -110,12 +130,14 @@ class GraphProfile:
                 value_bytes=tuple(num(b) for b in p.value_bytes),
                 grad_input_bytes=tuple(num(b) for b in p.grad_input_bytes),
                 self_saved_bytes=num(p.self_saved_bytes),
+                dtype=p.dtype,
             )
             for name, p in self.nodes.items()
         }
         params = {
             fqn: ParamCost(fqn, p.node, float(p.param_bytes), float(p.grad_bytes), float(p.optimizer_bytes),
-                           p.update_launches, float(p.update_write_bytes))
+                           p.update_launches, float(p.update_write_bytes), float(p.copy_bytes),
+                           None if p.reduce_bytes is None else float(p.reduce_bytes))
             for fqn, p in self.params.items()
         }
         return ConcreteProfile(nodes=nodes, params=params, optimizer=self.optimizer)

@@ -38,7 +38,8 @@ def _source(args: Any) -> PlanSource:
         )
     if args.model and not Path(args.model).is_file():
         raise UsageError(f"model file {args.model!r} does not exist\n  fix: pass the path of a .py file, e.g. examples/gpt2.py")
-    return PlanSource(args.model or "", args.hf_config or "", args.batch_size, args.seq_len, args.size, getattr(args, "optimizer", "adamw"))
+    return PlanSource(args.model or "", args.hf_config or "", args.batch_size, args.seq_len, args.size, getattr(args, "optimizer", "adamw"),
+                      getattr(args, "precision", ""))
 
 
 def _build(source: PlanSource):
@@ -53,26 +54,32 @@ def _build(source: PlanSource):
 
 
 def _trace_and_profile(source: PlanSource, hardware: str = ""):
-    """`hardware`: the `Mesh.hardware` the plan runs on; traced as `parallelize` will trace it there."""
-    from autopar.api import capture_device_for, trace_copy
+    """`hardware`: the `Mesh.hardware` the plan runs on; traced as `parallelize` will trace it there (under the
+    mixed-precision policy `source.precision` names, if any)."""
+    from autopar.api import capture_device_for, profiled, traced_model
+    from autopar.mixed_precision import POLICIES
     from autopar.model_file import model_file_batch_dim
-    from autopar.profiler import profile
     from autopar.tracer import trace
     from autopar.tracer.lifted import link_lifted_state
 
+    policy = POLICIES[source.precision or "fp32"]
     with phase("loading model"):
         model, sample = _build(source)
     with phase("tracing"):
-        device = capture_device_for(hardware)
+        device = capture_device_for(hardware, policy)
         batch_dim = model_file_batch_dim(source.model_file) if source.model_file else 0
-        traced = trace_copy(model, sample, device, batch_dim=batch_dim) if device != "meta" else link_lifted_state(trace(model, sample, batch_dim=batch_dim), model)
+        if device == "meta":
+            traced = link_lifted_state(trace(model, sample, batch_dim=batch_dim), model)
+        else:
+            traced = traced_model(model, sample, device, batch_dim, policy)
     with phase("profiling"):
-        prof = profile(traced, optimizer=source.optimizer)
+        prof = profiled(traced, source.optimizer, model, policy)
     return traced, prof
 
 
-def _mesh(hardware: str, gpus: int, shape: tuple[int, ...] | None) -> Mesh:
-    """A preset name, or a mesh file from `autopar calibrate --save` laid out as `shape` (default: 1-D)."""
+def _mesh(hardware: str, gpus: int, shape: tuple[int, ...] | None, precision: str = "") -> Mesh:
+    """A preset name priced at `precision` (`autopar plan --precision`), or a mesh file from `autopar calibrate --save`
+    laid out as `shape` (default: 1-D)."""
     if hardware.endswith(".json") or Path(hardware).is_file():
         from autopar.solver.plan_io import load_mesh
 
@@ -83,7 +90,7 @@ def _mesh(hardware: str, gpus: int, shape: tuple[int, ...] | None) -> Mesh:
 
     if hardware not in PRESETS:
         raise UsageError(f"unknown hardware {hardware!r}\n  fix: use one of {', '.join(sorted(PRESETS))}, or a mesh JSON from `autopar calibrate --save`")
-    return make_mesh(gpus, shape=shape, hardware=hardware)
+    return make_mesh(gpus, shape=shape, hardware=hardware, precision=precision or None)
 
 
 # ---------------------------------------------------------------- plan
@@ -94,10 +101,10 @@ def _solve(args: Any, traced, prof, budget: float | None) -> tuple[Plan, list]:
 
     with phase("solving and pricing baselines"):
         if args.mesh or args.hardware.endswith(".json") or Path(args.hardware).is_file():
-            return solve(traced, prof, _mesh(args.hardware, args.gpus, args.mesh), memory_budget_bytes=budget,
+            return solve(traced, prof, _mesh(args.hardware, args.gpus, args.mesh, args.precision), memory_budget_bytes=budget,
                          time_limit_s=args.time_limit, baselines=True), []
         return solve_for_devices(traced, prof, args.gpus, hardware=args.hardware, memory_budget_bytes=budget,
-                                 time_limit_s=args.time_limit, baselines=True)
+                                 time_limit_s=args.time_limit, baselines=True, precision=args.precision)
 
 
 def _load_checked(args: Any, traced, budget: float | None) -> Plan:
@@ -105,7 +112,7 @@ def _load_checked(args: Any, traced, budget: float | None) -> Plan:
 
     plan = load_plan(args.load)
     shape = args.mesh or (plan.mesh.shape if math.prod(plan.mesh.shape) == args.gpus else (args.gpus,))
-    mesh = _mesh(args.hardware, args.gpus, shape)
+    mesh = _mesh(args.hardware, args.gpus, shape, args.precision)
     check_plan(plan, traced, mesh, mesh.memory_bytes if budget is None else budget)  # the solver's default budget
     return plan
 

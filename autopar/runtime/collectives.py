@@ -18,6 +18,11 @@ functional collectives is said there). All of them move flat buffers split along
 dim 0; for another tensor dim the data is laid out with the fused
 `kernels.chunk_to_leading` / `kernels.leading_to_dim` (one pass each, Triton on
 GPU, a strided torch copy on CPU).
+
+Mixed precision (`autopar.MixedPrecision`): a ZeRO parameter's float32 shard is gathered in the
+compute dtype, cast in the packing of the gather's send buffer (`kernels.pack`, one pass), and
+its gradient is reduce-scattered in the reduce dtype, cast in the layout of the send buffer
+(`kernels.chunk_to_leading`, one pass): `all_gather_rs(shard, dim, group, torch.bfloat16, torch.float32)`.
 """
 from __future__ import annotations
 
@@ -27,7 +32,7 @@ from autopar.runtime import comm
 from autopar.runtime.comm import Started
 from autopar.runtime.comm import group_size_rank as _group
 from autopar.runtime.deferred_loss import deferred_all_reduce, deferred_mean, start_count
-from kernels import chunk_to_leading, leading_to_dim
+from kernels import chunk_to_leading, leading_to_dim, pack
 
 
 def _check_even(x: torch.Tensor, dim: int, size: int, group: str) -> None:
@@ -43,20 +48,24 @@ def _local_chunk(x: torch.Tensor, dim: int, group: str) -> torch.Tensor:
     return x.chunk(size, dim)[rank].clone(memory_format=torch.contiguous_format)
 
 
-def _gather(x: torch.Tensor, dim: int, group: str) -> torch.Tensor:
+def _gather(x: torch.Tensor, dim: int, group: str, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """All-gather along `dim`, in `dtype` (default: x's own)."""
     size, _ = _group(group)
-    buf = comm.all_gather(x.contiguous().view(-1), group)
+    send = x.contiguous().view(-1) if dtype in (None, x.dtype) else pack([x], dtype=dtype)
+    buf = comm.all_gather(send, group)
     shape = list(x.shape)
     shape[dim] *= size
     return leading_to_dim(buf, dim, size, shape)
 
 
-def _reduce_scatter(x: torch.Tensor, dim: int, group: str) -> torch.Tensor:
+def _reduce_scatter(x: torch.Tensor, dim: int, group: str, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """Reduce-scatter along `dim`, summed in `dtype` (default: x's own)."""
     size, _ = _group(group)
     _check_even(x, dim, size, group)
-    send = chunk_to_leading(x, dim, size)  # (size, *chunk_shape)
-    out = comm.reduce_scatter(send.reshape(-1), group)
-    return out.view(send.shape[1:])
+    out = None if dtype in (None, x.dtype) else torch.empty(x.numel(), dtype=dtype, device=x.device)
+    send = chunk_to_leading(x, dim, size, out)  # (size, *chunk_shape)
+    summed = comm.reduce_scatter(send.reshape(-1), group)
+    return summed.view(x.shape[:dim] + (x.shape[dim] // size,) + x.shape[dim + 1:])
 
 
 def _all_reduce(x: torch.Tensor, group: str) -> torch.Tensor:
@@ -81,29 +90,32 @@ def _all_to_all(x: torch.Tensor, src_dim: int, dst_dim: int, group: str) -> torc
 
 
 class _AllGather(torch.autograd.Function):
-    """S(dim) -> R. Backward keeps this rank's chunk of the (complete) grad. Megatron: gather_from_tensor_model_parallel_region."""
+    """S(dim) -> R (in `dtype`). Backward keeps this rank's chunk of the (complete) grad. Megatron: gather_from_tensor_model_parallel_region."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, dim: int, group: str) -> torch.Tensor:
+    def forward(ctx, x: torch.Tensor, dim: int, group: str, dtype: torch.dtype | None) -> torch.Tensor:
         ctx.dim, ctx.group = dim, group
-        return _gather(x, dim, group)
+        return _gather(x, dim, group, dtype)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        return _local_chunk(grad, ctx.dim, ctx.group), None, None
+        return _local_chunk(grad, ctx.dim, ctx.group), None, None, None
 
 
 class _AllGatherReduceScatter(torch.autograd.Function):
-    """S(dim) -> R feeding a sharded consumer; backward reduce-scatters the partial grads. Megatron: gather_from_sequence_parallel_region."""
+    """S(dim) -> R (in `dtype`) feeding a sharded consumer; backward reduce-scatters the partial grads (in
+    `reduce_dtype`). Megatron: gather_from_sequence_parallel_region."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, dim: int, group: str) -> torch.Tensor:
-        ctx.dim, ctx.group = dim, group
-        return _gather(x, dim, group)
+    def forward(ctx, x: torch.Tensor, dim: int, group: str, dtype: torch.dtype | None,
+                reduce_dtype: torch.dtype | None) -> torch.Tensor:
+        ctx.dim, ctx.group, ctx.reduce_dtype = dim, group, reduce_dtype
+        return _gather(x, dim, group, dtype)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        return _reduce_scatter(grad, ctx.dim, ctx.group), None, None
+        # (autograd casts a gradient summed in another dtype than x's to x's)
+        return _reduce_scatter(grad, ctx.dim, ctx.group, ctx.reduce_dtype), None, None, None, None
 
 
 class _ReduceScatter(torch.autograd.Function):
@@ -183,14 +195,16 @@ class _ReplicateToPartial(torch.autograd.Function):
         return grad, None
 
 
-def all_gather(x: torch.Tensor, dim: int, group: str) -> torch.Tensor:
-    """S(dim) -> R over `group`; backward: this rank's chunk of the complete grad."""
-    return _AllGather.apply(x, dim % x.ndim, group)
+def all_gather(x: torch.Tensor, dim: int, group: str, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """S(dim) -> R over `group`, gathered in `dtype` (default: x's); backward: this rank's chunk of the complete grad."""
+    return _AllGather.apply(x, dim % x.ndim, group, dtype)
 
 
-def all_gather_rs(x: torch.Tensor, dim: int, group: str) -> torch.Tensor:
-    """S(dim) -> R for a consumer sharded over the same axis (ZeRO params, sequence parallelism); backward: reduce-scatter."""
-    return _AllGatherReduceScatter.apply(x, dim % x.ndim, group)
+def all_gather_rs(x: torch.Tensor, dim: int, group: str, dtype: torch.dtype | None = None,
+                  reduce_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """S(dim) -> R for a consumer sharded over the same axis (ZeRO params, sequence parallelism), gathered in `dtype`
+    (default: x's); backward: reduce-scatter, summed in `reduce_dtype` (default: the gradient's)."""
+    return _AllGatherReduceScatter.apply(x, dim % x.ndim, group, dtype, reduce_dtype)
 
 
 def reduce_scatter(x: torch.Tensor, dim: int, group: str) -> torch.Tensor:

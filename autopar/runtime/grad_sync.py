@@ -29,6 +29,11 @@ Packing into the flat bucket is one concatenation (torch's C++ flatten), or
 Once summed, the bucket becomes the grads: each `.grad` is set to a view of it and
 the local grads are freed (like DDP's `gradient_as_bucket_view`, but for the synced
 result only); a bucket cast for the wire is unpacked instead (`kernels.unpack`).
+
+Mixed precision (`autopar.MixedPrecision`): the registered tensors are the compute copies
+(`runtime.compute_copies`) and each has a float32 master, where its gradient lands
+(`runtime.master_grads` says how, accumulation included). Every copy is registered, those with
+no group too (their buckets make no collective).
 A bucket's flat buffer is allocated at its launch and, as the grads' storage, lives
 exactly as long as they do: `zero_grad(set_to_none=True)` frees it. Kept between steps
 it would hold the synced grads' bytes through forward too (the solver counts gradients
@@ -82,7 +87,7 @@ import functools
 import logging
 import weakref
 from dataclasses import dataclass, field
-from typing import Iterable, Iterator, Sequence
+from typing import Iterable, Iterator, Mapping, Sequence
 
 import torch
 import torch.distributed as dist
@@ -91,6 +96,7 @@ from torch.distributed.distributed_c10d import _resolve_process_group
 
 from autopar.runtime.comm import Started, start_all_reduce
 from autopar.solver.cost import GRAD_BUCKET_BYTES
+from autopar.runtime.master_grads import MasterGrads
 from kernels import pack, unpack
 
 logger = logging.getLogger(__name__)
@@ -101,10 +107,11 @@ DEFAULT_BUCKET_BYTES = GRAD_BUCKET_BYTES  # the size the solver prices (autopar.
 @dataclass
 class _Bucket:
     index: int
-    groups: tuple[str, ...]  # reduced over each in turn (a sum over all of those axes)
-    first_group: dist.ProcessGroup  # groups[0], resolved once (the launch is on every backward's path)
+    groups: tuple[str, ...]  # reduced over each in turn (a sum over all of those axes); () for none (no collective)
+    first_group: dist.ProcessGroup | None  # groups[0], resolved once (the launch is on every backward's path)
     names: list[str]
-    params: list[torch.nn.Parameter]
+    params: list[torch.nn.Parameter]  # whose grads autograd accumulates
+    masters: list[torch.nn.Parameter]  # where the summed grads land: `params` itself, or the copies' float32 masters
     numel: int
     dtype: torch.dtype  # the wire dtype
     device: torch.device
@@ -113,19 +120,25 @@ class _Bucket:
     ready: set[int] = field(default_factory=set)  # positions in `params` whose grad is accumulated
     work: dist.Work | None = None  # the in-flight all-reduce over groups[0]
 
+    @property
+    def copies(self) -> bool:
+        """Its tensors are compute copies whose grads land in their masters (mixed precision)."""
+        return self.masters is not self.params
+
     @functools.cached_property  # read twice per backward; the params' dtype and layout do not change
     def as_grads(self) -> bool:
         """The summed buffer can be the grads themselves: same dtype, and views of it are laid out like the params."""
-        return all(p.dtype == self.dtype and p.is_contiguous() for p in self.params)
+        return not self.copies and all(p.dtype == self.dtype and p.is_contiguous() for p in self.params)
 
 
 class GradSync:
     """All-reduces registered parameters' grads in buckets during backward.
 
     `params`: (name, parameter, group names to sum the grad over). A parameter with
-    no groups is skipped (nothing to reduce). `reduce_dtype` casts the bucket for the
-    wire (e.g. torch.bfloat16 halves the traffic), default: the grads' dtype.
+    no groups is skipped (nothing to reduce) unless it is a compute copy. `reduce_dtype` casts
+    the bucket for the wire (e.g. torch.bfloat16 halves the traffic), default: the grads' dtype.
     `scaled`: every parameter of the module (synced or not), for `defer_scale`.
+    `masters`: name -> the float32 master of a parameter that is a compute copy (mixed precision).
     """
 
     def __init__(
@@ -134,6 +147,7 @@ class GradSync:
         bucket_bytes: int = DEFAULT_BUCKET_BYTES,
         reduce_dtype: torch.dtype | None = None,
         scaled: Iterable[torch.nn.Parameter] = (),
+        masters: Mapping[str, torch.nn.Parameter] | None = None,
     ):
         if bucket_bytes <= 0:
             raise ValueError(f"bucket_bytes must be > 0, got {bucket_bytes}")
@@ -153,8 +167,11 @@ class GradSync:
         self._handles = []
         self._synced: list[tuple[torch.nn.Parameter, weakref.ref, bool]] = []  # (param, the grad the last sync wrote, keeper)
         self._kept_sums = False  # this backward accumulates onto sums a sync wrote (every rank alike)
-        self._build(list(params), reduce_dtype)
-        self._unsynced = [p for p in self._scaled if id(p) not in self._where]  # scaled, never in a bucket
+        self._master_grads = MasterGrads()  # the masters' grads the sync wrote (mixed precision)
+        self._build(list(params), reduce_dtype, masters or {})
+        landed = {id(m) for b in self._buckets for m in b.masters}
+        self._unsynced = [p for p in self._scaled if id(p) not in landed]  # scaled, never in a bucket
+        self._copies = any(b.copies for b in self._buckets)
         # the AccumulateGrad nodes of the synced parameters and of every one, held (as DDP does) so that each
         # backward can ask the engine whether it accumulates into their `.grad`
         self._sync_accumulators = [get_gradient_edge(q).node for b in self._buckets for q in b.params]
@@ -162,29 +179,36 @@ class GradSync:
         if dist.is_initialized() and dist.get_rank() == 0:
             logger.info("runtime: grad sync of %d params in %d buckets (%.1f MB max)", len(self._where), len(self._buckets), bucket_bytes / 2**20)
 
-    def _build(self, params: list[tuple[str, torch.nn.Parameter, Sequence[str]]], reduce_dtype: torch.dtype | None) -> None:
-        open_buckets: dict[tuple, _Bucket] = {}  # (groups, dtype, device) -> the bucket being filled
+    def _build(self, params: list[tuple[str, torch.nn.Parameter, Sequence[str]]], reduce_dtype: torch.dtype | None,
+               masters: Mapping[str, torch.nn.Parameter]) -> None:
+        open_buckets: dict[tuple, _Bucket] = {}  # (groups, dtype, device, copies) -> the bucket being filled
         for name, p, groups in reversed(params):
             groups = tuple(groups)
-            if not groups or not p.requires_grad:
+            master = masters.get(name)
+            if (not groups and master is None) or not p.requires_grad:
                 continue
             if id(p) in self._where:
                 raise ValueError(f"parameter {name!r} is registered twice with GradSync")
             for g in groups:
                 _resolve_process_group(g)  # fail here, naming the group, rather than mid-backward
             dtype = reduce_dtype or p.dtype
-            key = (groups, dtype, p.device)
+            key = (groups, dtype, p.device, master is not None)
             b = open_buckets.get(key)
             if b is not None and (b.numel + p.numel()) * dtype.itemsize > self.bucket_bytes:
                 b = None  # full: start a new one (a parameter larger than a bucket gets one of its own)
             if b is None:
                 keeper = all(dist.get_rank(_resolve_process_group(g)) == 0 for g in groups)
-                b = _Bucket(len(self._buckets), groups, _resolve_process_group(groups[0]), [], [], 0, dtype, p.device, keeper)
+                first = _resolve_process_group(groups[0]) if groups else None
+                tensors: list[torch.nn.Parameter] = []
+                b = _Bucket(len(self._buckets), groups, first, [], tensors, [] if master is not None else tensors, 0,
+                            dtype, p.device, keeper)
                 self._buckets.append(b)
                 open_buckets[key] = b
             self._where[id(p)] = (b, len(b.params))
             b.names.append(name)
             b.params.append(p)
+            if b.copies:
+                b.masters.append(master)
             b.numel += p.numel()
         for b in self._buckets[:-1]:  # the last one is launched when backward ends (module docstring)
             for p in b.params:
@@ -234,8 +258,8 @@ class GradSync:
         self._synced.clear()  # a grad that is not the sync's now never will be; the next sync writes new ones
         if self.enabled:
             self._start_sync()
-        elif self._kept_sums:
-            self._queue_finish()  # resets `_kept_sums` when this backward ends
+        elif self._kept_sums or self._copies:
+            self._queue_finish()  # resets `_kept_sums`, and moves the copies' grads to their masters, when this backward ends
 
     def _start_sync(self) -> None:
         self._queue_finish()
@@ -318,7 +342,13 @@ class GradSync:
             b.buffer = torch._utils._flatten_dense_tensors(grads)
         else:
             b.buffer = pack(grads, dtype=b.dtype)  # cast for the wire in the same pass
-        b.work = start_all_reduce(b.buffer, b.first_group)
+        if b.copies:
+            for p in b.params:
+                p.grad = None  # the bucket holds them now
+            if b.groups:
+                self._master_grads.add_unsummed(b.buffer, b.masters)
+        if b.groups:
+            b.work = start_all_reduce(b.buffer, b.first_group)
         self.launched += 1
 
     def finish(self) -> None:
@@ -333,6 +363,10 @@ class GradSync:
         scale = None if self._count is None else 1.0 / self._count.wait()
         if self._syncing:
             self._finish_sync(scale)
+        elif self._copies:  # a `no_sync()` backward
+            for b in self._buckets:
+                if b.copies:
+                    self._master_grads.move_from_copies(b.params, b.masters, bool(b.groups), b.keeper)
         if scale is not None:
             with torch.no_grad():  # the grads no bucket carried (all of them under `no_sync`)
                 for p in self._unsynced if self._syncing else self._scaled:
@@ -347,21 +381,27 @@ class GradSync:
             self._launch(b)
         self._synced.clear()  # this sync writes every synced grad anew
         for b in self._buckets:
-            b.work.wait()
+            if b.work is not None:
+                b.work.wait()
             # Further axes one after another: collectives on different groups may run on different
             # threads, so the next sum can only start once the previous one is complete.
             for g in b.groups[1:]:
                 dist.all_reduce(b.buffer, group=_resolve_process_group(g))
-            if scale is not None:
-                b.buffer.mul_(scale)
+            if b.copies:  # the scale, the cast and the add into the masters' gradients in one pass
+                self._master_grads.unpack_into(b.buffer, b.masters, 1.0 if scale is None else scale)
+                b.work, b.buffer = None, None
+                b.ready.clear()
+                continue
             if b.as_grads:
+                if scale is not None:
+                    b.buffer.mul_(scale)
                 # The summed bucket becomes the grads' storage (no copy back; the local grads are freed).
                 # torch's C++ unflatten makes the views: a Python split + view per parameter took
                 # 80 us of a 7.5 ms one-rank GPT-2 step, every step.
                 grads = torch._utils._unflatten_dense_tensors(b.buffer, b.params)
             else:
                 grads = [p.grad if p.grad is not None else torch.empty_like(p) for p in b.params]
-                unpack(b.buffer, grads)
+                unpack(b.buffer, grads, scale=1.0 if scale is None else scale)
             for p, grad in zip(b.params, grads):
                 p.grad = grad
                 self._synced.append((p, weakref.ref(grad), b.keeper))
@@ -372,10 +412,11 @@ class GradSync:
     def shadow(self) -> None:
         """Issue one synced backward's collectives with zeros for every gradient, in the same order: what a
         rank with nothing to add sends while the others still train (torch's `Join`, `runtime.join`)."""
-        for b in self._buckets:
+        synced = [b for b in self._buckets if b.groups]
+        for b in synced:
             b.buffer = torch.zeros(b.numel, dtype=b.dtype, device=b.device)
             b.work = start_all_reduce(b.buffer, b.first_group)
-        for b in self._buckets:
+        for b in synced:
             b.work.wait()
             for g in b.groups[1:]:
                 dist.all_reduce(b.buffer, group=_resolve_process_group(g))
@@ -385,6 +426,7 @@ class GradSync:
         """Take over `old`'s marks of the grads its last sync wrote, for the parameters both sync (a rebuilt
         sync: the next backward still adds each sum once)."""
         self._synced = [m for m in old._synced if id(m[0]) in self._where]
+        self._master_grads.kept_for(old._master_grads, [m for b in self._buckets if b.copies for m in b.masters])
 
     def remove(self) -> None:
         """Detach the hooks (the parameters stop being synced)."""

@@ -41,9 +41,12 @@ def sync_batch_norm(x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Te
     """`aten._native_batch_norm_legit_functional(x, weight, bias, running_mean, running_var, True, momentum, eps)`
     for an `x` whose non-channel dims are split over the mesh axes named by `groups`; `count` is the
     number of elements per channel in the global batch. Returns (out, mean, rstd, new running mean,
-    new running var), as the ATen op does."""
+    new running var), as the ATen op does: a bf16 or fp16 `x` (mixed precision) has its statistics computed in
+    float32 and its output in its own dtype, as the ATen op's mixed-type kernels do."""
     dims = [d for d in range(x.ndim) if d != 1]
     per_channel = [1, -1] + [1] * (x.ndim - 2)
+    given = x.dtype
+    x = x.to(torch.promote_types(given, torch.float32))  # (x itself when float32 or float64)
     mean = _global_sum(x.sum(dims), groups) / count
     centered = x - mean.view(per_channel)
     var = _global_sum((centered * centered).sum(dims), groups) / count
@@ -56,4 +59,4 @@ def sync_batch_norm(x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Te
     with torch.no_grad():
         new_mean = running_mean * (1 - momentum) + mean * momentum
         new_var = running_var * (1 - momentum) + var * (momentum * count / max(count - 1, 1))
-    return out, mean.detach(), rstd.detach(), new_mean, new_var
+    return out.to(given), mean.detach(), rstd.detach(), new_mean, new_var

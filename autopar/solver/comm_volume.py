@@ -22,6 +22,8 @@ input for reduce-scatter. Five sources, as the runtime runs them:
 from __future__ import annotations
 
 import math
+from typing import Mapping
+
 import torch
 
 from autopar.gc_pause import gc_paused
@@ -63,8 +65,12 @@ def _add_reshard(total: dict[str, float], src: Spec, dst: Spec, shape: tuple[int
 
 
 @gc_paused
-def comm_bytes_by_kind(traced: TracedGraph, plan: Plan) -> tuple[tuple[str, float], ...]:
-    """Per-device bytes per training step for each collective kind the plan uses (kinds with 0 bytes left out)."""
+def comm_bytes_by_kind(traced: TracedGraph, plan: Plan, summed_per_computed: Mapping[str, float] | None = None
+                       ) -> tuple[tuple[str, float], ...]:
+    """Per-device bytes per training step for each collective kind the plan uses (kinds with 0 bytes left out).
+    summed_per_computed: param node -> its gradient's bytes as summed over ranks per byte as computed (mixed
+    precision sums a bf16 copy's gradient in float32: 2); 1 where absent."""
+    summed_per_computed = summed_per_computed or {}
     mesh = plan.mesh
     facts = analyze(traced)
     needs_grad = facts.requires_grad
@@ -98,7 +104,7 @@ def comm_bytes_by_kind(traced: TracedGraph, plan: Plan) -> tuple[tuple[str, floa
             if owner is None:
                 total["all_reduce"] += local * len(partial)
             else:
-                total["reduce_scatter" if owner in zero_params else "all_reduce"] += local
+                total["reduce_scatter" if owner in zero_params else "all_reduce"] += local * summed_per_computed.get(owner, 1.0)
     for p in plan.params:
         if p.zero:  # gathered before forward use and again before backward (FSDP's re-gather)
             val = traced.node(p.node).meta["val"]

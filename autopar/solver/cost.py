@@ -4,8 +4,11 @@ Compute (per training step, forward + backward) of a node under a strategy:
   local FLOPs = global FLOPs / prod(size of every mesh axis on which the
                 strategy is not all-Replicate)  (the work is split there;
                 on an all-Replicate axis every rank redoes it)
-  time = max(FLOPs / mesh.flops_per_s, bytes / mesh.mem_bandwidth_bytes_per_s)
+  time = max(FLOPs / rate, bytes / mesh.mem_bandwidth_bytes_per_s)
          + launches * mesh.op_overhead_s
+  with rate the device's matmul rate for the dtype the node's math runs in
+  (`Mesh.flops_per_s_for`: bf16 operands at the bf16 rate, float32 ones at
+  fp32's, or TF32's where the mesh's precision says so),
   with bytes = the node's local output bytes (forward) and twice that in
   backward (it reads the output gradient and writes the input gradient),
   charged for every node that has a backward (requires_grad), not only for
@@ -112,8 +115,9 @@ def split_factor(strategy: Strategy, mesh: Mesh) -> int:
     return math.prod(mesh.shape[a] for a in split_axes(strategy, len(mesh.shape)))
 
 
-def compute_time_s(flops: float, nbytes: float, mesh: Mesh) -> float:
-    return max(flops / mesh.flops_per_s, nbytes / mesh.mem_bandwidth_bytes_per_s)
+def compute_time_s(flops: float, nbytes: float, mesh: Mesh, dtype: str = "") -> float:
+    """Roofline time of `flops` at the rate of `dtype`'s math (`Mesh.flops_per_s_for`) moving `nbytes`."""
+    return max(flops / mesh.flops_per_s_for(dtype), nbytes / mesh.mem_bandwidth_bytes_per_s)
 
 
 def optimizer_step_s(param: ParamCost, shard: float, mesh: Mesh) -> float:
@@ -146,7 +150,8 @@ def forward_time_s(node_cost: NodeCost, strategy: Strategy, mesh: Mesh) -> float
     """Forward compute of the node under `strategy`: what recomputing it in backward costs again."""
     fwd_launches, _ = launches(node_cost)
     out_bytes = _local_out_bytes(node_cost, strategy, mesh)
-    return compute_time_s(node_cost.fwd_flops / split_factor(strategy, mesh), out_bytes, mesh) + fwd_launches * mesh.op_overhead_s
+    return (compute_time_s(node_cost.fwd_flops / split_factor(strategy, mesh), out_bytes, mesh, node_cost.dtype)
+            + fwd_launches * mesh.op_overhead_s)
 
 
 def recompute_time_s(node_cost: NodeCost, strategy: Strategy, mesh: Mesh) -> float:
@@ -197,7 +202,8 @@ def strategy_cost(
     _, bwd_launches = launches(node_cost)
     compute = forward_time_s(node_cost, strategy, mesh)
     if _has_backward(node_cost):
-        compute += compute_time_s(node_cost.bwd_flops / factor, 2 * out_local_bytes, mesh) + bwd_launches * mesh.op_overhead_s
+        compute += (compute_time_s(node_cost.bwd_flops / factor, 2 * out_local_bytes, mesh, node_cost.dtype)
+                    + bwd_launches * mesh.op_overhead_s)
     comm = 0.0
     for _, spec, nbytes, in_bucket, partial in _partial_grads(node_cost, strategy, mesh, in_bytes, bucketed):
         local = nbytes / spec.shard_factor(mesh.shape)

@@ -165,6 +165,17 @@ class Mesh:
                              f"running the training dtype, or use a preset ({', '.join(sorted(PRESETS))})")
         return replace(self, flops_per_s=self.rates.at(precision), precision=precision)
 
+    def flops_per_s_for(self, dtype: str) -> float:
+        """The matmul rate of an op whose math runs in `dtype` (a torch dtype's name, "bfloat16"; "" unknown): the
+        bf16 rate for bf16 and fp16 operands, TF32's for float32 ones only when `precision` is "tf32"
+        (`torch.backends.cuda.matmul.allow_tf32`, `--precision tf32`), else fp32's; a mesh with one rate
+        (calibrated, hand-made) and an op of unknown dtype get `flops_per_s`."""
+        if self.rates is None or not dtype:
+            return self.flops_per_s
+        if dtype in ("bfloat16", "float16"):
+            return self.rates.bf16_flops_per_s
+        return self.rates.tf32_flops_per_s if self.precision == "tf32" else self.rates.fp32_flops_per_s
+
     def overhead_bytes(self) -> float:
         """`overheads` for this layout: one NCCL communicator per axis of more than one device, and one for the
         whole world where several axes are (the bucketed gradient sync over several axes)."""

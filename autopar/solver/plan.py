@@ -106,6 +106,7 @@ class PlanSource:
     seq_len: int | None = None
     size: str | None = None  # build(size=...) passthrough (zoo files: "tiny", "small", ...)
     optimizer: str = "adamw"
+    precision: str = ""  # `autopar plan --precision`: "fp32", "tf32", "bf16" (mixed precision); "" as fp32
 
 
 @dataclass(frozen=True)

@@ -89,7 +89,7 @@ def plan_to_dict(plan: Plan) -> dict:
         "time": _time_dict(plan.time),
         "solver": {k: getattr(plan.solver, k) for k in ("backend", "status", "solve_s", "num_variables", "num_constraints", "gap")},
         "notes": list(plan.notes),
-        "source": None if src is None else {k: getattr(src, k) for k in ("model_file", "hf_config", "batch_size", "seq_len", "size", "optimizer")},
+        "source": None if src is None else {k: getattr(src, k) for k in ("model_file", "hf_config", "batch_size", "seq_len", "size", "optimizer", "precision")},
         "comm_bytes_by_kind": {kind: b for kind, b in plan.comm_bytes_by_kind},
         "baselines": [
             {
@@ -213,6 +213,7 @@ def _source_from(f: _Field) -> PlanSource:
         seq_len=f.get("seq_len", None).of(int, type(None)),
         size=f.get("size", None).of(str, type(None)),
         optimizer=f.get("optimizer", "adamw").of(str),
+        precision=f.get("precision", "").of(str),
     )
 
 

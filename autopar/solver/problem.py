@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import math
 import operator
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any, Mapping, NamedTuple
 
 import torch
@@ -238,6 +238,9 @@ class BuiltProblem:
     strategies: Mapping[str, tuple[Strategy, ...]]
     storage: Mapping[tuple[str, int], Spec]  # (param node, strategy index) -> ZeRO storage spec, where one exists
     num_graph_nodes: int
+    # param node -> bytes of its gradient as the ranks sum it per byte as computed (2 for a bf16 copy's summed in
+    # float32: mixed precision); 1 where absent
+    summed_per_computed: Mapping[str, float] = field(default_factory=dict)
 
     def member_strategy(self, node: str, option: int) -> int:
         """Strategy index of graph node `node` when its problem node (class) takes `option`."""
@@ -248,7 +251,8 @@ def _ints(shape) -> tuple[int, ...]:
     return tuple(int(s.node.hint) if isinstance(s, torch.SymInt) else int(s) for s in shape)
 
 
-def _zero(spec: Spec, shape: tuple[int, ...], local_bytes: float, mesh: Mesh) -> tuple[Spec, ZeroOption] | None:
+def _zero(spec: Spec, shape: tuple[int, ...], local_bytes: float, mesh: Mesh,
+          summed_bytes: float | None = None) -> tuple[Spec, ZeroOption] | None:
     """ZeRO storage for a param used as `spec`: sharded over every replicated axis (one tensor dim).
 
     Its price, per step and axis: a gather before forward use and again before backward
@@ -256,7 +260,9 @@ def _zero(spec: Spec, shape: tuple[int, ...], local_bytes: float, mesh: Mesh) ->
     its own collective. What it saves, the bucketed all-reduce of the gradient, is on the edges
     to the consumers that pay it (`Edge.zero_saving_s`): only a consumer split over those axes
     gets a partial gradient there (otherwise codegen slices the gradient in backward, and the
-    reduce-scatter priced here is not run: an overestimate).
+    reduce-scatter priced here is not run: an overestimate). `local_bytes`: the parameter as its uses read it
+    (gathered in the compute dtype under mixed precision); `summed_bytes`: its gradient as reduce-scattered
+    (default: local_bytes).
     """
     axes = zero_axes(spec, mesh)
     factor = math.prod(mesh.shape[a] for a in axes)
@@ -267,11 +273,12 @@ def _zero(spec: Spec, shape: tuple[int, ...], local_bytes: float, mesh: Mesh) ->
     if dim is None:
         return None
     storage = Spec(tuple(Shard(dim) if a in axes else p for a, p in enumerate(spec.placements)))
-    comm_s, gathered = 0.0, local_bytes
+    comm_s, gathered, summed = 0.0, local_bytes, local_bytes if summed_bytes is None else summed_bytes
     for a in reversed(axes):  # innermost gather first: each step gathers a bigger piece
         ax = mesh.axes[a]
-        comm_s += 2 * collective_time_s("all_gather", gathered, ax) + collective_time_s("reduce_scatter", gathered, ax)
+        comm_s += 2 * collective_time_s("all_gather", gathered, ax) + collective_time_s("reduce_scatter", summed, ax)
         gathered /= mesh.shape[a]
+        summed /= mesh.shape[a]
     return storage, ZeroOption(factor, comm_s, local_bytes)
 
 
@@ -362,9 +369,11 @@ class _Pricer:
             if node.op == "call_function":
                 producers = strategy_inputs(node)
                 # an input with no gradient (token ids, masks, buffers) needs no backward all-reduce
-                in_bytes = tuple(_tensor_bytes(output_vals(p)[i]) if self.costs[p.name].requires_grad else 0.0
-                                 for p, i in producers)
-                bucketed = tuple(_param_root(p, self.params, self.costs) is not None for p, _ in producers)
+                roots = [_param_root(p, self.params, self.costs) for p, _ in producers]
+                # a parameter's gradient is summed in the reduce dtype (mixed precision), the others as computed
+                in_bytes = tuple(_tensor_bytes(output_vals(p)[i]) * (_summed_per_computed(self.params[r]) if r else 1.0)
+                                 if self.costs[p.name].requires_grad else 0.0 for (p, i), r in zip(producers, roots))
+                bucketed = tuple(r is not None for r in roots)
                 held = tuple(_tensor_bytes(output_vals(p)[i]) if self._region_input(p, i, node) else 0.0 for p, i in producers)
                 ins = (in_bytes, bucketed, held)
             param = self.params.get(name)
@@ -373,7 +382,7 @@ class _Pricer:
                 ins = self._fed(node)
             base = (role, cost.op, cost.fwd_flops, cost.bwd_flops, cost.output_bytes, cost.saved_outputs,
                     cost.extra_saved_bytes, cost.temp_bytes, cost.requires_grad, cost.value_bytes, cost.grad_input_bytes,
-                    cost.self_saved_bytes, outs, ins,
+                    cost.self_saved_bytes, cost.dtype, outs, ins,
                     param and (param.param_bytes, param.grad_bytes, param.optimizer_bytes))
             info = self._nodes[name] = (role, cost, outs, ins, param, base)
         return info
@@ -433,7 +442,7 @@ class _Pricer:
             spec = strat.output_specs[0]
             shard = spec.shard_factor(mesh.shape)
             if role == "param":
-                found = _zero(spec, outs[0], param.param_bytes / shard, mesh)
+                found = _zero(spec, outs[0], param.compute_bytes / shard, mesh, param.summed_bytes / shard)
                 update_s = optimizer_step_s(param, shard, mesh)
                 zero = None
                 if found:
@@ -470,6 +479,19 @@ class _Pricer:
         return Option(str(strat), compute_s=compute_s, comm_s=comm_s, recompute_s=recompute_time_s(cost, strat, mesh),
                       sync_groups=grad_sync_groups(cost, strat, mesh, in_bytes, bucketed),
                       saved_bytes=saved, temp_bytes=temp, grad_flow_bytes=flow, held_input_bytes=held_bytes)
+
+
+def _summed_per_computed(param) -> float:
+    """Bytes of a parameter's gradient as summed over ranks per byte of it as computed (2 for a bf16 copy's gradient
+    summed in float32; 1 without mixed precision)."""
+    return param.summed_bytes / param.compute_bytes if param.compute_bytes and param.grad_bytes else 1.0
+
+
+def _master_share(profile: ConcreteProfile) -> float:
+    """Of the bytes held for the stepped parameters, the masters' (what the optimizer's step reads): 1 unless
+    mixed precision keeps compute copies beside them."""
+    held = sum(p.param_bytes for p in profile.params.values() if p.optimizer_bytes)
+    return sum(p.param_bytes - p.copy_bytes for p in profile.params.values() if p.optimizer_bytes) / held if held else 1.0
 
 
 def _tensor_bytes(val) -> float:
@@ -675,11 +697,13 @@ def build_problem(
     crossing = {(cls[p.name], cls[n.name]) for n, p in sources
                 if p.op == "call_function" and p.name in cls and n.name in cls and cls[p.name] != cls[n.name]
                 and layer_key(module_path(p)) != layer_key(module_path(n))}
-    step_scratch = optimizer_step_temp_bytes(profile.optimizer, [1.0], foreach=mesh.optimizer_foreach)
+    # the step reads the masters only, not the compute copies a stepped parameter's bytes include (mixed precision)
+    step_scratch = optimizer_step_temp_bytes(profile.optimizer, [1.0], foreach=mesh.optimizer_foreach) * _master_share(profile)
     problem = Problem(tuple(nodes), tuple(edges), budget_bytes, tuple((g, sync_latency_s(mesh, g)) for g in groups),
                       tuple(sorted(together)), tuple(sorted(crossing)), _cuts(traced, nodes, cls, together), mesh.recompute_region_s,
                       shared, step_scratch, mesh.optimizer_foreach)
-    return BuiltProblem(problem, grouping, strategies, dict(pricer.storage), len(grouping.cluster_of))
+    wire = {p.node: _summed_per_computed(p) for p in profile.params.values() if _summed_per_computed(p) != 1.0}
+    return BuiltProblem(problem, grouping, strategies, dict(pricer.storage), len(grouping.cluster_of), wire)
 
 
 def _lift_correction(arc: _Arc, i: int, j: int, mesh: Mesh) -> float:

@@ -20,7 +20,7 @@ from autopar.profiler.profile import optimizer_cost
 from autopar.profiler.types import ConcreteProfile, GraphProfile
 from autopar.solver.comm_volume import comm_bytes_by_kind
 from autopar.solver.ilp import Restrictions, Solution, evaluate, solve_problem
-from autopar.solver.mesh import Mesh, candidate_shapes, make_mesh
+from autopar.solver.mesh import Mesh, Precision, candidate_shapes, make_mesh
 from autopar.solver.notes import plan_notes
 from autopar.solver.plan import BaselineResult, NodeDecision, ParamDecision, Plan, SolverReport
 from autopar.solver.problem import Assignment, BuiltProblem, build_problem
@@ -86,7 +86,7 @@ def to_plan(traced: TracedGraph, mesh: Mesh, built: BuiltProblem, sol: Solution)
     plan = Plan(fingerprint(traced, mesh, built.problem.budget_bytes), mesh, tuple(nodes), tuple(params),
                 sol.memory, sol.time, sol.report, notes=plan_notes(traced, mesh),
                 memory_timeline=memory_timeline(traced, built, a, sol.memory))
-    return dataclasses.replace(plan, comm_bytes_by_kind=comm_bytes_by_kind(traced, plan))
+    return dataclasses.replace(plan, comm_bytes_by_kind=comm_bytes_by_kind(traced, plan, built.summed_per_computed))
 
 
 
@@ -135,14 +135,16 @@ def solve_for_devices(
     backend: Literal["highs", "cbc"] = "highs",
     sizes: Mapping[str, int] | None = None,
     baselines: bool = False,
+    precision: Precision | None = None,
 ) -> tuple[Plan, list[ShapeResult]]:
-    """Try every logical shape of `num_devices` devices; keep the fastest plan (`baselines`: priced on its shape)."""
+    """Try every logical shape of `num_devices` devices; keep the fastest plan (`baselines`: priced on its shape;
+    `precision`: the math mode of its float32 matmuls, `make_mesh`'s)."""
     best: Plan | None = None
     best_built: BuiltProblem | None = None
     results: list[ShapeResult] = []
     smallest: InfeasibleError | None = None
     for shape in candidate_shapes(num_devices):
-        mesh = make_mesh(num_devices, shape, hardware)
+        mesh = make_mesh(num_devices, shape, hardware, precision=precision)
         try:
             plan, built = _solve_built(traced, profile, mesh, memory_budget_bytes, time_limit_s, backend, sizes)
         except InfeasibleError as err:

@@ -120,3 +120,22 @@ def test_profile_command(capsys):
     assert sum(r["param_bytes"] for r in rows) == 3 * (32 * 64 + 64 + 64 * 32 + 32) * 4
     code, out, _ = run(capsys, "profile", GPT2, *TINY)
     assert code == 0 and "transformer.h.0" in out and "total" in out
+
+
+def test_precision_bf16_plans_the_mixed_precision_step(tmp_path):
+    """`--precision bf16` traces under the policy: the plan holds float32 masters and their bf16 copies (1.5x fp32's
+    parameter bytes on a data-parallel mesh), bf16 activations, and its matmuls priced at the bf16 rate; it records the
+    precision, so `explain` traces the same graph."""
+    plans = {}
+    for precision in ("fp32", "bf16"):
+        path = tmp_path / f"{precision}.json"
+        assert main(["plan", GPT2, *TINY, "--gpus", "2", "--mesh", "2", "--hardware", "h100", "--precision", precision,
+                     "--save", str(path), "--json"]) == 0
+        plans[precision] = load_plan(path)
+    fp32, bf16 = plans["fp32"], plans["bf16"]
+    assert (fp32.source.precision, bf16.source.precision) == ("fp32", "bf16")
+    assert not any(p.zero for p in fp32.params + bf16.params)
+    assert bf16.memory.params_bytes == pytest.approx(1.5 * fp32.memory.params_bytes)
+    assert bf16.memory.grads_bytes == pytest.approx(fp32.memory.grads_bytes)
+    assert bf16.memory.activations_bytes < fp32.memory.activations_bytes
+    assert bf16.time.compute_s < fp32.time.compute_s

@@ -22,6 +22,7 @@ from autopar.api import make_retracer, trace_copy
 from autopar.codegen import ParallelModule, lower
 from autopar.codegen.module import Retracer
 from autopar.codegen.shapes import local_block
+from autopar.mixed_precision import MixedPrecision
 from autopar.runtime.batch import batch_slice
 from autopar.runtime.launch import run_ranks
 from autopar.runtime.mesh import ProcessMesh
@@ -117,9 +118,9 @@ def train(pm: ParallelModule, sample: Any, steps: int) -> list[float]:
     return losses
 
 
-def retracer(model: torch.nn.Module, sample: Any) -> Retracer:
+def retracer(model: torch.nn.Module, sample: Any, mixed_precision: MixedPrecision | None = None) -> Retracer:
     """What `parallelize` gives a `ParallelModule` to trace `model` again for inputs of other shapes."""
-    return make_retracer(model, sample, "cpu")
+    return make_retracer(model, sample, "cpu", mixed_precision=mixed_precision)
 
 
 def check_plan(model: torch.nn.Module, sample: Any, traced: TracedGraph, plan: Plan, ref: Reference, steps: int,
@@ -136,11 +137,13 @@ def check_plan(model: torch.nn.Module, sample: Any, traced: TracedGraph, plan: P
 
 
 def parallel_module(model: torch.nn.Module, sample: Any, traced: TracedGraph, plan: Plan, mesh: ProcessMesh,
-                    retrace: bool = False) -> ParallelModule:
-    """`model` under `plan` on this rank (its parameters' values; retrace: able to take other inputs)."""
+                    retrace: bool = False, mixed_precision: MixedPrecision | None = None) -> ParallelModule:
+    """`model` under `plan` on this rank (its parameters' values; retrace: able to take other inputs), `traced` under
+    `mixed_precision` if given (`tests.codegen.mixed.trace_mixed`)."""
     gm = lower(traced, plan, mesh, params=dict(model.named_parameters(remove_duplicate=False)),
-               buffers=dict(model.named_buffers()))
-    return ParallelModule(gm, traced, mesh, plan, retracer(model, sample) if retrace else None)
+               buffers=dict(model.named_buffers()), reduce_dtype=mixed_precision and mixed_precision.reduce_dtype)
+    return ParallelModule(gm, traced, mesh, plan, retracer(model, sample, mixed_precision) if retrace else None,
+                          mixed_precision)
 
 
 def check_steps(pm: ParallelModule, opt: torch.optim.Optimizer, ref: Reference, steps: Sequence[int], label: str,

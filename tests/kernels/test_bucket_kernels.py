@@ -163,3 +163,19 @@ def test_pack_triton_bf16_rounds_to_nearest_even(interpret):
     # Triton 3.9's interpreter truncates `x.to(tl.bfloat16)`; the kernels round explicitly.
     x = bf16_edge_values()
     exact(pack([x], dtype=torch.bfloat16, impl="triton"), x.to(torch.bfloat16))
+
+
+@pytest.mark.parametrize("dtype", BUCKET_DTYPES)
+def test_unpack_reads_a_tensor_scale_as_its_value(impl, rand, dtype):
+    """A 0-d float64 scale (a mean's 1 / global count, as the gradient sync holds it) gives the bits its value as a
+    number gives: torch's ops and the kernel read it in float32, on the device, with the host never reading it."""
+    tensors, by_tensor = gradients(), gradients()
+    bucket = rand(bucket_offsets(tensors)[-1], dtype=dtype)
+    scale = 1.0 / torch.tensor(3.0, dtype=torch.float64)
+    unpack(bucket, tensors, scale=scale.item(), accumulate=True, impl=impl)
+    unpack(bucket, by_tensor, scale=scale, accumulate=True, impl=impl)
+    assert not by_tensor[3].is_contiguous()  # the kernel's strided members take the tensor too
+    for a, b in zip(by_tensor, tensors):
+        exact(a, b)
+    with pytest.raises(ValueError, match=r"0-d tensor, got shape \(2,\)"):
+        unpack(bucket, tensors, scale=torch.ones(2))

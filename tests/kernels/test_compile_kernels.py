@@ -40,11 +40,12 @@ def test_kernels_compile_to_cubin(compiled_kernels, arch):
                 {"SRC_DTYPE": tl.bfloat16, "CHUNK": 8192, "BLOCK": 1024}, arch)
     compile_for(k.multi_tensor_pack_kernel, {**tables, "out_ptr": "*bf16"},
                 {"SRC_DTYPE": tl.float32, "CHUNK": 8192, "BLOCK": 1024}, arch)
-    compile_for(k.multi_tensor_unpack_kernel, {**tables, "bucket_ptr": "*fp32"},
-                {"DST_DTYPE": tl.float16, "ACCUMULATE": True, "CHUNK": 8192, "BLOCK": 1024}, arch)
-    strided = {"out_ptr": "*bf16", "x_ptr": "*fp32", "b_ptr": "*fp16", "r_ptr": "*bf16", "scale": "fp32",
+    for in_memory in (False, True):  # a number's scale, and a 0-d tensor's the kernel loads
+        compile_for(k.multi_tensor_unpack_kernel, {**tables, "bucket_ptr": "*fp32", "scale_ptr": "*fp32"},
+                    {"DST_DTYPE": tl.float16, "ACCUMULATE": True, "SCALE_IN_MEMORY": in_memory, "CHUNK": 8192,
+                     "BLOCK": 1024}, arch)
+    strided = {"out_ptr": "*bf16", "x_ptr": "*fp32", "r_ptr": "*bf16", "scale": "fp32",
                "ROWS": "i32", "S1": "i32", "S2": "i32", "S3": "i64"}
-    strided.update({f"{op}{i}": "i64" for op in ("so", "sx", "sb", "sr") for i in range(4)})
-    kernel = compile_for(k.strided_ew_kernel, strided,
-                         {"HAS_B": True, "HAS_R": True, "BLOCK_R": 16, "BLOCK_C": 256}, arch)
+    strided.update({f"{op}{i}": "i64" for op in ("so", "sx", "sr") for i in range(4)})
+    kernel = compile_for(k.strided_ew_kernel, strided, {"HAS_R": True, "BLOCK_R": 16, "BLOCK_C": 256}, arch)
     assert "fma.rn.f32" not in kernel.asm["ptx"]  # enable_fp_fusion=False: same roundings as torch

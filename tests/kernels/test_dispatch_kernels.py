@@ -88,6 +88,3 @@ def test_compiled_kernels_match_torch_on_cuda(monkeypatch):
         send = kernels.chunk_to_leading(x, dim, 2, impl="triton")
         torch.testing.assert_close(send, torch.stack(x.chunk(2, dim)), rtol=0, atol=0)
         torch.testing.assert_close(kernels.leading_to_dim(send, dim, 2, x.shape, impl="triton"), x, rtol=0, atol=0)
-    bias, res = torch.randn(4, device="cuda", generator=gen), torch.randn(10, 12, 4, device="cuda", generator=gen)
-    torch.testing.assert_close(kernels.add_epilogue(x, bias, res, impl="triton"),
-                               kernels.add_epilogue(x, bias, res, impl="torch"), rtol=0, atol=0)

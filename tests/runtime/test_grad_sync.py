@@ -1,6 +1,7 @@
 """GradSync: bucketed, overlapped all-reduce gives the single-process gradients of the global loss."""
 from __future__ import annotations
 
+import copy
 import math
 
 import pytest
@@ -30,13 +31,18 @@ def _watched(sync: GradSync, loss: torch.Tensor) -> torch.Tensor:
     return loss
 
 
-def _sync_matches_reference(rank: int, world_size: int, mesh_shape: tuple[int, ...], bucket_bytes: int, flat: bool = False) -> tuple[int, int, list[int]]:
+def _sync_matches_reference(rank: int, world_size: int, mesh_shape: tuple[int, ...], bucket_bytes: int, flat: bool = False,
+                            copies: bool = False) -> tuple[int, int, list[int]]:
+    """copies: the sync's tensors are copies of `model`'s parameters, in which forward and backward run, their
+    grads landing in `model`'s (mixed precision's masters; float32 copies here, so the sums are exact)."""
     mesh = ProcessMesh(mesh_shape)
-    model, ref = _model(), _model()
-    named = list(model.named_parameters())
+    masters, ref = _model(), _model()
+    model = copy.deepcopy(masters) if copies else masters  # what forward runs in
+    named = list(masters.named_parameters())
     # Summed over every axis: one group per axis in turn, or one flattened group over all of them.
     groups = (mesh.flat_group_name(range(len(mesh_shape))),) if flat else mesh.group_names
-    sync = GradSync([(n, p, groups) for n, p in named], bucket_bytes=bucket_bytes)
+    sync = GradSync([(n, p, groups) for n, p in model.named_parameters()], bucket_bytes=bucket_bytes,
+                    masters=dict(named) if copies else None)
     gen = torch.Generator().manual_seed(1)
     xs = [torch.randn(GLOBAL_BATCH, 8, generator=gen) for _ in range(3)]
     ys = [torch.randn(GLOBAL_BATCH, 4, generator=gen) for _ in range(3)]
@@ -53,7 +59,7 @@ def _sync_matches_reference(rank: int, world_size: int, mesh_shape: tuple[int, .
         assert_close(p.grad, q.grad, msg=lambda m: f"step 1 grad of {n}: {m}")
 
     # Step 2: gradient accumulation, one local micro-step then a synced one.
-    model.zero_grad()
+    masters.zero_grad()
     ref.zero_grad()
     with sync.no_sync():
         _watched(sync, _loss(model, shard(xs[1]), shard(ys[1]))).backward()
@@ -64,7 +70,7 @@ def _sync_matches_reference(rank: int, world_size: int, mesh_shape: tuple[int, .
 
     # Step 3: accumulation over two SYNCED backwards: each must reduce only its own term (a sum,
     # unlike DDP's mean, would otherwise count the first micro-step once per rank).
-    model.zero_grad()
+    masters.zero_grad()
     ref.zero_grad()
     _watched(sync, _loss(model, shard(xs[1]), shard(ys[1]))).backward()
     _watched(sync, _loss(model, shard(xs[2]), shard(ys[2]))).backward()
@@ -82,6 +88,16 @@ def test_bucket_per_param_overlaps_backward(spmd, mesh_shape, flat):
         assert num_buckets == 6 and launched == 6
         # Both weights and biases of the last two layers were launched before the input's grad existed.
         assert before_end[0] >= 4
+
+
+@pytest.mark.parametrize("mesh_shape", [(2,), (2, 2)])
+def test_copies_grads_land_in_their_masters(spmd, mesh_shape):
+    """Mixed precision's layout: forward and backward on copies of the parameters, the sync writing into the
+    masters. The same steps (a synced backward; a `no_sync()` one then a synced one; two synced ones) give the
+    masters one process's gradients, and the buckets still launch during backward."""
+    results = spmd(_sync_matches_reference, math.prod(mesh_shape), mesh_shape, 1, False, True)
+    for num_buckets, launched, before_end in results:
+        assert num_buckets == 6 and launched == 6 and before_end[0] >= 4
 
 
 def test_default_buckets(spmd):
