@@ -162,7 +162,7 @@ def parallelize(
       comes back cut along the first batched input's dim (or dim 0) where it has the batch's size there.
     pp: "auto" lets the solver cut the model into pipeline stages where that predicts a faster step than any plan
       without them; a number asks for that many pp ranks. A pipeline comes back as an
-      `autopar.pipeline.PipelineModule` (train with `loss = pm.step(**pm.local_batch(batch))`, then the optimizer's
+      `autopar.pipeline.module.PipelineModule` (train with `loss = pm.step(**pm.local_batch(batch))`, then the optimizer's
       step), and so does a pipeline plan given as `plan` (`PipelinePlan` or its JSON file).
     mixed_precision: `autopar.MixedPrecision(param_dtype, reduce_dtype)`: forward and backward compute in `param_dtype`
       on copies of the float32 parameters (which the optimizer steps), the losses in float32 as autocast computes
