@@ -6,6 +6,6 @@
 
 Modules, in the order data flows: `loss` (how a loss adds up over micro-batches), `cut` (stages as graphs
 of their own), `plan` (the plan and its JSON), `cost` (bubble, sends, memory in flight), `search` (the
-solver's outer loop), `runtime` and `module` (stages on torch's schedules), `state` (tied weights, state
+solver's outer loop), `choose` (stages or the single-mesh plan, whichever predicts the faster step), `runtime` and `module` (stages on torch's schedules), `state` (tied weights, state
 dicts, checkpoints), `api`.
 """
