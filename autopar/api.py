@@ -29,10 +29,12 @@ from torch.utils import _pytree as pytree
 from autopar.codegen.module_tree import dress_like
 from autopar.codegen import ParallelModule, lower
 from autopar.codegen.module import Retracer
-from autopar.errors import TraceError
+from autopar.errors import InvalidValueError, TraceError
 from autopar.mixed_precision import MixedPrecision
 from autopar.profiler import profile
 from autopar.profiler.types import GraphProfile
+from autopar.runtime import arrival
+from autopar.runtime.lockstep import from_rank0, on_every_rank
 from autopar.runtime.mesh import ProcessMesh
 from autopar.runtime.optimizers import alike_by_design, replaced
 from autopar.solver import solve, solve_keeping_params
@@ -43,6 +45,7 @@ from autopar.tracer import TracedGraph, trace
 from autopar.tracer.batch_dims import BatchDim, BatchDimError
 from autopar.tracer.closures import rebind_closures
 from autopar.tracer.lifted import link_lifted_state
+from autopar.values import mesh_shape, positive
 
 log = logging.getLogger(__name__)
 
@@ -140,6 +143,8 @@ def parallelize(
     time_limit_s: float = 30.0,
     batch_dim: BatchDim = 0,
     mixed_precision: MixedPrecision | None = None,
+    call_timeout_s: float = arrival.TIMEOUT_S,
+    drift_check_every: int = 100,
     pp: Literal["auto"] | int | None = None,
 ) -> ParallelModule:
     """Return `model` parallelized over `device_mesh` as a `ParallelModule` (local shards, same FQNs).
@@ -163,10 +168,20 @@ def parallelize(
     pp: "auto" lets the solver cut the model into pipeline stages where that predicts a faster step than any plan
       without them; a number asks for that many pp ranks. A pipeline comes back as an
       `autopar.pipeline.module.PipelineModule` (train with `loss = pm.step(**pm.local_batch(batch))`, then the optimizer's
-      step), and so does a pipeline plan given as `plan` (`PipelinePlan` or its JSON file).
+      step), and so does a pipeline plan given as `plan` (`PipelinePlan` or its JSON file). Its ranks agree on
+      the plan by rank 0's broadcast; call_timeout_s and drift_check_every apply to plans without stages.
+    call_timeout_s: how long a call every rank must make (a state dict, a checkpoint, the first forward and each
+      change of mode) waits for the other ranks before raising `CallMismatchError`, naming those that did not
+      come and the call each was last in (`runtime.arrival`); `pm.call_timeout_s` changes it later.
+    drift_check_every: compare the copies of every replicated parameter across ranks every this many training
+      forwards (`runtime.drift`: a checksum each), raising `DriftError` naming the parameter when they differ;
+      0: only before each save, where it always runs. `pm.drift_check_every` changes it later.
     mixed_precision: `autopar.MixedPrecision(param_dtype, reduce_dtype)`: forward and backward compute in `param_dtype`
       on copies of the float32 parameters (which the optimizer steps), the losses in float32 as autocast computes
       them, gradients summed over ranks in `reduce_dtype` (`autopar.mixed_precision`); None: the model's own dtypes.
+
+    Errors are raised on every rank alike: one raised while tracing or checking a plan on any rank, or while
+    solving on rank 0, so that a loop catching it and calling `parallelize` again does so on every rank.
     """
     from autopar.pipeline.api import is_pipeline_plan, pipeline_or_flat  # (it builds on this module)
 
@@ -176,23 +191,40 @@ def parallelize(
                              "the model with model.to(dtype) for a low-precision pipeline)")
         return pipeline_or_flat(model, sample_input, device_mesh, pp, plan, memory_budget, hardware, optimizer, time_limit_s,
                                 batch_dim, lambda flat: parallelize(model, sample_input, device_mesh, memory_budget, hardware,
-                                                                    flat, optimizer, input_layout, time_limit_s, batch_dim))
+                                                                    flat, optimizer, input_layout, time_limit_s, batch_dim,
+                                                                    call_timeout_s=call_timeout_s,
+                                                                    drift_check_every=drift_check_every))
     if input_layout == "replicate" and batch_dim != 0:
         raise BatchDimError(f"batch_dim={batch_dim!r} says along which dims the ranks split the batch, but with "
                             "input_layout='replicate' every rank feeds the whole batch: leave batch_dim out, or use 'shard'")
+    if memory_budget is not None:
+        memory_budget = positive("memory_budget", memory_budget, "bytes per device, e.g. 80e9, or None for the hardware's memory")
+    time_limit_s = positive("time_limit_s", time_limit_s, "seconds per ILP search, e.g. 30.0")
+    call_timeout_s = positive("call_timeout_s", call_timeout_s, "seconds, e.g. 60.0")
+    if isinstance(drift_check_every, bool) or not isinstance(drift_check_every, int) or drift_check_every < 0:
+        raise InvalidValueError(f"drift_check_every={drift_check_every!r}: a whole number of training steps, e.g. "
+                                "100, or 0 to compare replicated parameters only before each save")
+    if not isinstance(device_mesh, DeviceMesh):
+        device_mesh = mesh_shape("device_mesh", device_mesh)
     start = time.perf_counter()
     pmesh = ProcessMesh(device_mesh)
     device = _capture_device(pmesh)
-    traced = traced_model(model, sample_input, device, batch_dim, mixed_precision)
-    if plan is None:
-        plan = _solve_on_rank0(traced, pmesh, memory_budget, hardware, optimizer, time_limit_s, model, mixed_precision)
-    else:
-        if not isinstance(plan, Plan):
-            plan = load_plan(plan)
+
+    def traced_and_checked() -> tuple[TracedGraph, Plan | None]:
+        traced = traced_model(model, sample_input, device, batch_dim, mixed_precision)
+        if plan is None:
+            return traced, None
+        given = plan if isinstance(plan, Plan) else load_plan(plan)
         # Checked against the mesh we run on (the plan's hardware numbers, this world's shape), so a plan
         # made for another device count fails here, naming the mesh, rather than somewhere in lowering.
-        running = plan.mesh.with_shape(pmesh.shape, pmesh.axis_names)
-        check_plan(plan, traced, running, plan.fingerprint.budget_bytes)
+        running = given.mesh.with_shape(pmesh.shape, pmesh.axis_names)
+        check_plan(given, traced, running, given.fingerprint.budget_bytes)
+        return traced, given
+
+    # an error on any rank (a trace that fails, a plan that does not match) is raised on every rank, as is the
+    # solver's on rank 0: a loop that catches it and tries again starts again on every rank at once
+    traced, given = on_every_rank(traced_and_checked)
+    plan = given or _solve_on_rank0(traced, pmesh, memory_budget, hardware, optimizer, time_limit_s, model, mixed_precision)
     gm = lower(
         traced, plan, pmesh,
         params=dict(model.named_parameters(remove_duplicate=False)),
@@ -214,6 +246,8 @@ def parallelize(
                         "read activations from the module's outputs instead", hooked[:5])
     retracer = make_retracer(model, sample_input, device, optimizer, time_limit_s, batch_dim, mixed_precision)
     pm = ParallelModule(gm, traced, pmesh, plan, retracer, mixed_precision)
+    pm.call_timeout_s = call_timeout_s
+    pm.drift_check_every = drift_check_every
     dress_like(pm, model)  # submodules of the model's classes: code that sorts parameters by module type
     replaced(model, pm)  # an optimizer made from the model's parameters is refused at its first step
     pm.expect_equal_blocks(*alike_by_design(dict(model.named_parameters()), pm.param_storage(), pmesh))
@@ -327,7 +361,6 @@ def training_precision(traced: TracedGraph) -> Precision:
 
 
 def _on_rank0(make_plan: Callable[[], Plan]) -> Plan:
-    """The plan rank 0 makes, on every rank (as JSON): a time-limited ILP need not agree across ranks."""
-    text = [plan_to_json(make_plan()) if dist.get_rank() == 0 else None]
-    dist.broadcast_object_list(text, src=0)
-    return plan_from_json(text[0])
+    """The plan rank 0 makes, on every rank (as JSON): a time-limited ILP need not agree across ranks. What it
+    raises (no plan fits the budget) is raised on every rank."""
+    return from_rank0(make_plan, plan_to_json, plan_from_json)

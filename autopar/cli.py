@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import logging
+import math
 import sys
 import traceback
 from typing import Iterator, Sequence
@@ -27,14 +28,25 @@ from rich.logging import RichHandler
 from autopar.errors import AutoparError, InfeasibleError, UsageError
 from autopar.report.console import err_console
 from autopar.report.units import fmt_bytes, parse_bytes
+from autopar.values import positive
 
 
 # ---------------------------------------------------------------- argument values
 def _memory(text: str) -> float:
     try:
-        return parse_bytes(text)
+        value = parse_bytes(text)
     except ValueError as err:
         raise argparse.ArgumentTypeError(str(err)) from None
+    if not math.isfinite(value):  # 1e400 reads as inf
+        raise argparse.ArgumentTypeError(f"memory size {text!r} is not a finite number; write e.g. 80GB")
+    return value
+
+
+def _seconds(text: str) -> float:
+    try:
+        return positive("--time-limit", float(text), "seconds, e.g. 30")
+    except ValueError as err:  # float()'s own or positive's
+        raise argparse.ArgumentTypeError(f"cannot take {text!r} as a time limit: {err}") from None
 
 
 def mesh_shape(text: str) -> tuple[int, ...]:
@@ -100,7 +112,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="fp32: float32 parameters and matmuls (parallelize's default); tf32: the same with TF32 matmuls "
                         "(torch.backends.cuda.matmul.allow_tf32); bf16: mixed precision, bf16 compute on float32 masters "
                         "(parallelize(..., mixed_precision=autopar.MixedPrecision(torch.bfloat16)))")
-    p.add_argument("--time-limit", type=float, default=30.0,
+    p.add_argument("--time-limit", type=_seconds, default=30.0,
                    help="seconds per ILP search (a budget the first search finds no plan for gets two more: the leanest plan, then the fastest from it)")
     p.add_argument("--pp", type=_pp, help="pipeline stages: 'auto' keeps them where they predict a faster step than "
                    "any plan without them; a number asks for that many pp ranks")
@@ -117,7 +129,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("explain", parents=[common], help="why a node or module got its strategy, with each alternative's cost")
     p.add_argument("plan", help="plan.json")
     p.add_argument("target", help="node name, parameter FQN or module path")
-    p.add_argument("--model", help="MODEL.py to price alternatives with (default: the one recorded in the plan)")
+    p.add_argument("--model", help="MODEL.py to price alternatives with (the file a plan records is never imported: "
+                   "pass it here; a plan of a --hf-config preset is priced without)")
 
     p = sub.add_parser("diff", parents=[common], help="what changed between two plans and the predicted effect")
     p.add_argument("a", help="first plan.json")

@@ -59,5 +59,23 @@ class AlreadyParallelError(AutoparError):
     (`DistributedDataParallel`, which trainers wrap models in)."""
 
 
+class CollectiveError(AutoparError):
+    """A collective failed under a parallel module: a peer rank died, stopped or raised (`runtime.peers`); says
+    what each rank was last doing, above the backend's own words."""
+
+
+class InvalidValueError(AutoparError, ValueError):
+    """An argument is out of its range (a NaN, infinite, zero or negative budget, time limit or mesh size)."""
+
+
+class CheckpointError(AutoparError):
+    """A checkpoint cannot be written or read as asked, or is corrupt (`runtime.checkpoints`): names the file and
+    the tensor."""
+
+
+class DriftError(AutoparError):
+    """Copies of a replicated parameter differ across ranks (`runtime.drift`): names the parameter."""
+
+
 class MissingDependencyError(AutoparError):
     """An optional package a feature needs is not installed; the message names the pip command."""

@@ -9,9 +9,11 @@ slice of every global batch (the DDP convention; `--input-layout replicate` feed
 the whole batch). Rank 0 prints the loss of each step: the global mean loss.
 The batches are random tokens drawn from one seeded generator on every rank; with
 `--fixed-batch` the model sees one batch over and over, and the loss falls fast.
-With `--checkpoint DIR` the run resumes from DIR when it holds a checkpoint (model,
-optimizer, step, data and dropout generators; saved under any plan or world size) and
-saves there after its last step.
+With `--checkpoint DIR` the run resumes from the newest checkpoint in DIR when there is one
+(model, optimizer, step, data and dropout generators; saved under any plan or world size)
+and saves there after its last step, and every `--checkpoint-every` steps. Each save is a
+new directory in DIR, published only once complete, and the newest `--keep-last` are kept:
+a run killed in the middle of a save resumes from the checkpoint before it.
 
     torchrun --nproc_per_node 4 examples/train.py --steps 5 --checkpoint ckpt
     torchrun --nproc_per_node 2 examples/train.py --steps 10 --checkpoint ckpt   # steps 5-9
@@ -33,6 +35,7 @@ from torch.utils import _pytree as pytree
 import autopar
 from autopar.cli import mesh_shape
 from autopar.model_file import import_model_file
+from autopar.runtime.checkpoints import latest_checkpoint
 from autopar.runtime.launch import init_from_env
 from autopar.tracer import split_sample_input
 from autopar.runtime.batch import batch_slice
@@ -97,7 +100,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--print-code", action="store_true", help="rank 0 prints the generated forward")
     ap.add_argument("--checkpoint", default=None,
-                    help="a directory: resume from it if it holds a checkpoint; save to it after the last step")
+                    help="a directory: resume from its newest checkpoint if it holds one; save to it after the last step")
+    ap.add_argument("--checkpoint-every", type=int, default=0, help="also save every N steps (0: after the last only)")
+    ap.add_argument("--keep-last", type=int, default=2, help="checkpoints kept in --checkpoint, the newest")
     return ap.parse_args(argv)
 
 
@@ -122,14 +127,14 @@ def train(args: argparse.Namespace) -> list[float]:
 
     gen = torch.Generator().manual_seed(args.seed + 1)  # identical batches on every rank; each keeps its slice
     first_step = 0
-    if args.checkpoint and (Path(args.checkpoint) / ".metadata").exists():
+    if args.checkpoint and latest_checkpoint(args.checkpoint):
         loop = loop_state(0, gen)  # what the loop needs beyond the model and optimizer
-        pm.load_checkpoint(args.checkpoint, optimizer, extra=loop)
+        loaded = pm.load_checkpoint(args.checkpoint, optimizer, extra=loop)
         first_step = loop["step"]
         gen.set_state(loop["data"])
         torch.set_rng_state(loop["rng"])
         if rank == 0:
-            print(f"resumed from {args.checkpoint} at step {first_step}", flush=True)
+            print(f"resumed from {loaded} at step {first_step}", flush=True)
     losses = []
     for step in range(first_step, args.steps):
         batch = sample if args.fixed_batch else random_like(sample, gen)
@@ -147,8 +152,9 @@ def train(args: argparse.Namespace) -> list[float]:
         losses.append(loss.item())  # the global loss, identical on every rank
         if rank == 0:
             print(f"step {step:4d}  loss {losses[-1]:.4f}  {step_ms:7.1f} ms", flush=True)
-    if args.checkpoint:
-        pm.save_checkpoint(args.checkpoint, optimizer, extra=loop_state(max(first_step, args.steps), gen))
+        every = args.checkpoint_every and (step + 1) % args.checkpoint_every == 0
+        if args.checkpoint and (every or step + 1 == args.steps):
+            pm.save_checkpoint(args.checkpoint, optimizer, extra=loop_state(step + 1, gen), keep_last=args.keep_last)
     return losses
 
 

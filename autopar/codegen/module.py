@@ -53,9 +53,11 @@ from autopar.codegen.lower import LoweringInfo, lower, share_tree
 from autopar.codegen.shapes import LoweringError
 from autopar.errors import AlreadyParallelError, TraceError
 from autopar.mixed_precision import MixedPrecision
+from autopar.runtime import arrival
 from autopar.runtime.arrival import all_ranks_make
 from autopar.runtime.batch import batch_slice, global_like, slice_leaves
 from autopar.runtime.deferred_loss import grads_scaled_by, other_output
+from autopar.runtime.drift import check_replicas
 from autopar.runtime.grad_norm import track
 from autopar.runtime.optimizers import watch_optimizers
 from autopar.runtime import join, rng
@@ -64,6 +66,7 @@ from autopar.runtime.grad_sync import GradSync
 from autopar.runtime.mesh import ProcessMesh
 from autopar.runtime.same_inputs import agree
 from autopar.runtime.state_dict import (
+    checkpoint_to_load,
     full_state_dict,
     gather_full,
     gather_optimizer_state,
@@ -152,6 +155,15 @@ class ParallelModule(nn.Module, Joinable):
         # and each change of mode (training, gradients) wait for every rank to make the same one (`runtime.arrival`).
         self._modes_must_agree = math.prod(mesh.shape) > 1 and not self._inputs_must_agree and traced.loss_index is not None
         self._mode: tuple[bool, bool] | None = None  # (training, gradients on) of the last forward checked
+        # how long a checked call (`runtime.arrival`: state dicts, checkpoints, each change of mode) waits for the
+        # other ranks before raising, naming those that did not come
+        self.call_timeout_s = arrival.TIMEOUT_S
+        # how many training forwards apart the copies of replicated parameters are compared across ranks
+        # (`runtime.drift`; 0: only before each save). A check costs one all-gather of a few integers per rank and
+        # one pass over the parameters: 7% of a step on gpt2-tiny, 2 gloo ranks (`benchmarks/drift_check.py`),
+        # so 0.07% of training every 100 steps
+        self.drift_check_every = 100
+        self._forwards_since_check = 0
         # each parameter's requires_grad is part of a graph's signature: freezing or unfreezing one after
         # `parallelize` lowers a graph whose backward follows the new flags (and rebuilds the sync)
         self._param_slots = [first.state_slots[i] for i in first.param_positions]
@@ -352,8 +364,12 @@ class ParallelModule(nn.Module, Joinable):
         if self._inputs_must_agree:
             agree(_described(key), self.mesh.cpu_group, _mode_text(mode))
         elif self._modes_must_agree and mode != self._mode and not in_join:  # a training step, checked above
-            all_ranks_make(f"pm(...) in {_mode_text(mode)}")
+            all_ranks_make(f"pm(...) in {_mode_text(mode)}", self.call_timeout_s)
             self._mode = mode
+        if mode == (True, True) and not in_join and self.drift_check_every:  # (a joined rank takes no forwards)
+            if self._forwards_since_check >= self.drift_check_every:
+                self._check_replicas(f"after {self._forwards_since_check} training steps")
+            self._forwards_since_check += 1
         if key != self._key:
             self._use_graph_for(key, flat, spec)
         graph = self._graph
@@ -557,7 +573,7 @@ class ParallelModule(nn.Module, Joinable):
         if self._on_meta:  # (every rank alike: raised before meeting the others)
             raise LoweringError("pm.apply(fn) gathers each module's tensors whole, and the parameters are on the meta "
                                 "device (the model was built on meta): call pm.to_empty(device=...) first, then pm.apply(fn)")
-        all_ranks_make("pm.apply(fn)")
+        all_ranks_make("pm.apply(fn)", self.call_timeout_s)
         self._apply_whole(self, "", fn, self._specs())
         return self
 
@@ -646,7 +662,7 @@ class ParallelModule(nn.Module, Joinable):
         """Before `what` gathers split tensors, every rank must be making it (a plan that splits none gathers
         nothing: rank 0 alone may call it, as under DDP)."""
         if any(not spec.is_replicate() for spec in specs.values()):
-            all_ranks_make(what)
+            all_ranks_make(what, self.call_timeout_s)
 
     def optimizer_state_dict(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
         """`optimizer`'s state as one device's, full tensors by parameter name, on every rank (a collective):
@@ -662,38 +678,54 @@ class ParallelModule(nn.Module, Joinable):
         set_optimizer_state_dict(self, optimizer, shard_optimizer_state(state_dict, local, specs, self.mesh))
 
     def save_checkpoint(self, path: str | os.PathLike, optimizer: torch.optim.Optimizer | None = None,
-                        extra: dict[str, Any] | None = None, background: bool = False) -> Future | None:
-        """Write this module's parameters and buffers and `optimizer`'s state with torch.distributed.checkpoint,
-        each rank its shards (a collective). It loads under any plan or mesh (`load_checkpoint`) and into one
-        device's model and optimizer with torch alone (keys "model" and "optim", as torch's `get_state_dict`).
+                        extra: dict[str, Any] | None = None, background: bool = False,
+                        keep_last: int = 2) -> Future | None:
+        """Write this module's parameters and buffers and `optimizer`'s state as the next checkpoint under the
+        directory `path`, each rank its shards with torch.distributed.checkpoint (a collective). The checkpoint
+        is published whole or not at all (`runtime.checkpoints`: a crash at any moment leaves the checkpoints
+        before it as they were), and the newest `keep_last` are kept. It loads under any plan or mesh
+        (`load_checkpoint(path)`: the newest) and into one device's model and optimizer with torch alone
+        (`dcp.load` of `runtime.checkpoints.latest_checkpoint(path)`, keys "model" and "optim", as torch's
+        `get_state_dict`).
         extra: other state every rank holds alike, saved under "extra" (the loop's step, a scheduler's
-        `state_dict()`, a data generator's state).
+        `state_dict()`, a data generator's state): tensors, numbers, strings, and lists and dicts of them.
         background: return once the state is copied aside and write it while training goes on; the returned
-        future completes when the files are written (the next save or load waits for it first)."""
+        future completes when the checkpoint is published (the next save or load waits for it first)."""
         local, specs = self._shard_specs()
-        all_ranks_make(f"pm.save_checkpoint({os.fspath(path)!r})")
+        all_ranks_make(f"pm.save_checkpoint({os.fspath(path)!r})", self.call_timeout_s)
+        self._check_replicas("before saving a checkpoint")  # a drifted copy would be saved as the only one
         osd = None if optimizer is None else get_optimizer_state_dict(self, optimizer)
         extra = {**(extra or {}), _MASKS_RNG: rng.masks_state()}  # so a resumed run draws the masks it would have
-        return save_sharded(local, specs, self.mesh, path, osd, extra, background)
+        return save_sharded(local, specs, self.mesh, path, osd, extra, background, keep_last)
+
+    def _check_replicas(self, when: str) -> None:
+        """Raise `DriftError` on every rank if the copies of a replicated parameter differ (a collective)."""
+        check_replicas(self.named_parameters(), self.info.param_storage, self.mesh, when, self.drift_check_every)
+        self._forwards_since_check = 0
 
     def load_checkpoint(self, path: str | os.PathLike, optimizer: torch.optim.Optimizer | None = None,
-                        extra: dict[str, Any] | None = None) -> None:
-        """Fill the parameters, buffers and `optimizer`'s state from a checkpoint written by `save_checkpoint`
-        under any plan or mesh, or by torch's `dcp.save` of one device's `get_state_dict` (a collective).
-        extra: a dict with the keys of the saved `extra` to read; each value is replaced in place."""
+                        extra: dict[str, Any] | None = None) -> str:
+        """Fill the parameters, buffers and `optimizer`'s state from the newest checkpoint `save_checkpoint` wrote
+        under `path` under any plan or mesh, or from `path` itself when it is one checkpoint (torch's `dcp.save` of
+        one device's `get_state_dict`, a Hugging Face model directory) (a collective). Every file is checked against
+        the checksums saved with it first: a corrupt checkpoint raises, naming the file and tensor, and loads nothing.
+        extra: a dict with the keys of the saved `extra` to read; each value is replaced in place.
+        Returns the directory read."""
         local, specs = self._shard_specs()
-        all_ranks_make(f"pm.load_checkpoint({os.fspath(path)!r})")
+        all_ranks_make(f"pm.load_checkpoint({os.fspath(path)!r})", self.call_timeout_s)
+        directory = checkpoint_to_load(path)
         osd = None if optimizer is None else get_optimizer_state_dict(self, optimizer)
         wanted = dict(extra or {})
-        if _MASKS_RNG in saved_extra(path):  # (a checkpoint of torch's `dcp.save` or an older one has none)
+        if _MASKS_RNG in saved_extra(directory):  # (a checkpoint of torch's `dcp.save` or an older one has none)
             wanted[_MASKS_RNG] = rng.masks_state()
-        loaded = load_sharded(local, specs, self.mesh, path, osd, wanted or extra)
+        loaded = load_sharded(local, specs, self.mesh, directory, osd, wanted or extra)
         if _MASKS_RNG in wanted:
             rng.set_masks_state(wanted.pop(_MASKS_RNG))
         if extra:
             extra.update(wanted)
         if optimizer is not None:
             set_optimizer_state_dict(self, optimizer, loaded)
+        return directory
 
 
 def _signature(flat: list[Any], spec: pytree.TreeSpec, training: bool, trainable: tuple[bool, ...],

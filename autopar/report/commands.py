@@ -262,16 +262,20 @@ def cmd_show(args: Any) -> int:
 
 
 def _explain_context(plan: Plan, model_file: str | None) -> ExplainContext | None:
-    """Re-trace the planned model so alternatives can be priced; None when the plan says nothing of its model."""
+    """Re-trace the planned model so alternatives can be priced: the MODEL.py given on the command line, or the
+    Hugging Face preset the plan names; None without either. The model file a plan records is never imported (a
+    plan is data: whoever wrote it must not choose the code that runs), only named when --model is missing."""
     from autopar.solver.plan_io import plan_differences
 
     source = plan.source or PlanSource()
     if model_file:
+        if not Path(model_file).is_file():
+            raise UsageError(f"model file {model_file!r} does not exist\n  fix: pass the path of a .py file, e.g. examples/gpt2.py")
         source = replace(source, model_file=model_file, hf_config="")
+    elif source.model_file:
+        return None  # `cmd_explain` says to pass --model
     if not (source.model_file or source.hf_config):
         return None
-    if source.model_file and not Path(source.model_file).is_file():
-        raise UsageError(f"the plan's model file {source.model_file!r} does not exist here\n  fix: pass --model MODEL.py")
     traced, prof = _trace_and_profile(source, plan.mesh.hardware)
     diffs = [d for d in plan_differences(plan, traced, plan.mesh, plan.fingerprint.budget_bytes) if "mesh" not in d and "hardware" not in d]
     if diffs:

@@ -227,7 +227,7 @@ def explain(plan: Plan, query: str, ctx: ExplainContext | None = None) -> dict[s
     s = summarize(plan)
     return {"query": query, "mesh": mesh_line(s), "headline": headline(s), "legend": LEGEND.format(axes=", ".join(axis_names)),
             "step_s": plan.time.total_s, "peak_bytes": plan.memory.total_bytes, "nodes": out, "priced": ctx is not None,
-            "unrecorded": s["unrecorded"]}
+            "model_file": plan.source.model_file if plan.source else "", "unrecorded": s["unrecorded"]}
 
 
 # ---------------------------------------------------------------- diff

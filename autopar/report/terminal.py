@@ -44,7 +44,10 @@ def explain_report(result: dict[str, Any]) -> list:
         parts.append(Text("at this node: compute, collectives and input reshards of the option; plan's step and peak: the whole plan "
                           "with only this decision changed (priced for options cheaper at this node)", style="dim"))
     if not result["priced"]:
-        parts.append(Text("alternatives not priced: the plan records no model; pass --model MODEL.py", style="dim"))
+        # a plan's recorded model file is named, never imported: whoever wrote the plan must not choose the code that runs
+        why = (f"the plan was made from {result['model_file']}, which explain never imports from a plan file"
+               if result["model_file"] else "the plan records no model")
+        parts.append(Text(f"alternatives not priced: {why}; pass --model MODEL.py", style="dim"))
     parts += [Text(f"note: {n}", style="dim") for n in result["unrecorded"]]
     return parts
 

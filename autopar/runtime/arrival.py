@@ -14,17 +14,20 @@ read the wrong bytes. (Measured: gpt2-tiny on 2 ranks, rank 0 evaluating after i
 step: its loss summed its eval term with rank 1's second training step's, then gloo
 aborted; a `state_dict()` on rank 0 alone hung both ranks.)
 
-`all_ranks_make(what)` meets the other ranks through the process group's key-value store
-(torch's `TCPStore`, which `init_process_group` made: no collective, so nothing is
+`all_ranks_make(what, timeout_s)` meets the other ranks through the process group's key-value
+store (torch's `TCPStore`, which `init_process_group` made: no collective, so nothing is
 mismatched while waiting), before the call runs any collective:
+- each rank notes the call it is in (`runtime.peers`: what a failing rank's error names);
 - the first rank to arrive leaves what it calls (a compare-and-set), and each rank after it
   compares its call with that one as it arrives: a rank making another call (rank 0 a state
-  dict, rank 1 an evaluation) raises `CallMismatchError`, naming both;
+  dict, rank 1 an evaluation) sets the call's outcome to the mismatch and raises
+  `CallMismatchError`, naming both, and so does every rank waiting there;
 - every rank whose call matches counts itself in, and the last to arrive marks the call complete
   (rank 0 then waits for the others to leave: its process may serve the store);
-- a rank still waiting after `WARN_AFTER_S` logs the ranks that have not arrived, what the
-  call is and how to make it on every rank; after `TIMEOUT_S` (NCCL's default collective
-  timeout) it raises that.
+- a rank still waiting after half its timeout logs the ranks that have not arrived and the call
+  each was last in; after `timeout_s` (`TIMEOUT_S` unless the module says otherwise) it raises
+  that. The wait polls the store between short sleeps, so a signal's Python handler (SIGTERM's
+  in a job that saves on preemption) runs at once rather than after the wait.
 
 Calls are numbered in the order a process makes them, so every rank must make its
 checked calls in one order, as it must its collectives. Each check costs a few store
@@ -37,51 +40,63 @@ from __future__ import annotations
 import itertools
 import logging
 import time
-from datetime import timedelta
+from typing import Callable
 
 import torch.distributed as dist
 
 from autopar.errors import CallMismatchError
+from autopar.runtime import peers
 
 log = logging.getLogger(__name__)
 
-WARN_AFTER_S = 30.0
-TIMEOUT_S = 600.0
+# Far below NCCL's default collective timeout (600 s): a rank that died or took another path is named within a
+# minute. A job whose ranks legitimately drift further apart at a checked call (one rank loading data for
+# minutes first) raises it: `parallelize(..., call_timeout_s=...)` or `pm.call_timeout_s`.
+TIMEOUT_S = 60.0
 _PREFIX = "autopar/calls"
+_POLL_S = (0.0005, 0.05)  # the store is asked first after the shorter, then ever less often up to the longer
 _numbers = itertools.count()  # this process's checked calls, in order
 
 
-def all_ranks_make(what: str) -> None:
+def all_ranks_make(what: str, timeout_s: float | None = None) -> None:
     """Return once every rank has made call `what` (its number in this process's checked calls the same);
-    raise `CallMismatchError` if another rank made another call, or none within `TIMEOUT_S`.
+    raise `CallMismatchError` on every rank if one made another call, or when some made none within
+    `timeout_s` (default `TIMEOUT_S`).
 
     When the call then ends without a collective (an error every rank raises), rank 0 may be done, and its
-    process ends, before the others have heard that every rank came: rank 0 serves the store (unless torchrun's
-    agent does), so it leaves last, once the others have left, and they read nothing after the wait."""
-    store = _store()
+    process ends, before the others have heard how the call went: rank 0 serves the store (unless torchrun's
+    agent does), so it leaves last, once the others have read the outcome."""
+    store = peers.store()
     if store is None:
         return
+    timeout_s = TIMEOUT_S if timeout_s is None else timeout_s
     rank, world = dist.get_rank(), dist.get_world_size()
     number = next(_numbers)
     key = f"{_PREFIX}/{number}"
+    peers.note_call(store, number, what)
     entry = f"{rank}\t{what}"
     first_rank, first = store.compare_set(f"{key}/first", "", entry).decode().split("\t", 1)  # the first arrival's
     store.append(f"{key}/who", entry + "\n")
     if first != what:
-        raise CallMismatchError(f"the ranks made different collective calls of the parallel module at once:\n"
-                                f"  rank {first_rank}: {first}\n  rank {rank}: {what}\neach is a collective, which "
-                                f"every rank makes in the same order. {ADVICE}")
-    if store.add(f"{key}/arrived", 1) == world:
-        store.set(f"{key}/all", "")
+        message = (f"the ranks made different collective calls of the parallel module at once:\n"
+                   f"  rank {first_rank}: {first}\n  rank {rank}: {what}\neach is a collective, which "
+                   f"every rank makes in the same order. {ADVICE}")
+        store.compare_set(f"{key}/outcome", "", "mismatch\t" + message)
+    elif store.add(f"{key}/arrived", 1) == world:
+        store.compare_set(f"{key}/outcome", "", "all")
         # every rank is done with the previous call: it arrived at this one after
-        for old in ("first", "who", "arrived", "all", "left", "gone"):
+        for old in ("first", "who", "arrived", "outcome", "left"):
             store.delete_key(f"{_PREFIX}/{number - 1}/{old}")
-    _wait(store, key, what, rank, world)
-    if rank != 0:
-        if store.add(f"{key}/left", 1) == world - 1:
-            store.set(f"{key}/gone", "")
-    else:
-        store.wait([f"{key}/gone"], timedelta(seconds=TIMEOUT_S))
+    try:
+        outcome = _wait(store, key, what, rank, world, timeout_s)
+    except CallMismatchError as err:
+        peers.note_failure(f"CallMismatchError: {err}")
+        raise
+    left = store.add(f"{key}/left", 1)
+    if rank == 0:  # the others read the outcome before this process, which may serve the store, goes on or ends
+        _poll(lambda: left >= world or int(store.get(f"{key}/left")) >= world, timeout_s)
+    if outcome.startswith("mismatch\t"):
+        raise CallMismatchError(outcome.split("\t", 1)[1])
 
 
 ADVICE = ("Make it on every rank and keep the result on one: `sd = pm.state_dict()` on every rank, then "
@@ -90,31 +105,38 @@ ADVICE = ("Make it on every rank and keep the result on one: `sd = pm.state_dict
           "these calls on rank 0 alone")
 
 
-def _store() -> dist.Store | None:
-    """The default process group's store, when there are other ranks to wait for."""
-    if not dist.is_initialized() or dist.get_world_size() == 1 or dist.get_backend() == "fake":
-        return None
-    # torch keeps the store `init_process_group` made (or was given) here; there is no public accessor
-    return dist.distributed_c10d._get_default_store()
+def _poll(done: Callable[[], bool], timeout_s: float) -> bool:
+    """Ask `done()` (store reads) between sleeps until it holds (True) or `timeout_s` passes (False). Python runs
+    signal handlers during the sleeps; a store wait would hold them off until it returned."""
+    deadline = time.monotonic() + timeout_s
+    pause = _POLL_S[0]
+    while not done():
+        left = deadline - time.monotonic()
+        if left <= 0:
+            return False
+        time.sleep(min(pause, left))
+        pause = min(pause * 2, _POLL_S[1])
+    return True
 
 
-def _wait(store: dist.Store, key: str, what: str, rank: int, world: int) -> None:
+def _wait(store: dist.Store, key: str, what: str, rank: int, world: int, timeout_s: float) -> str:
+    """The call's outcome ("all", or "mismatch\t" and the message) once some rank has set it; raises after `timeout_s`."""
     start = time.monotonic()
-    warned = False
-    while True:
-        waited = time.monotonic() - start
-        limit = (WARN_AFTER_S if not warned else TIMEOUT_S) - waited
-        try:
-            store.wait([f"{key}/all"], timedelta(seconds=max(limit, 0.001)))
-            return
-        except dist.DistStoreError:
-            missing = sorted(set(range(world)) - set(_calls(store, key)))
-            message = (f"rank {rank} has waited {time.monotonic() - start:.0f} s in {what} for ranks {missing}, which "
-                       f"have not made it: it is a collective, which every rank makes. {ADVICE}")
-            if warned:
-                raise CallMismatchError(message) from None
-            log.warning("%s (raising after %.0f s)", message, TIMEOUT_S)
-            warned = True
+    has_outcome = lambda: store.check([f"{key}/outcome"])  # noqa: E731
+    if not _poll(has_outcome, timeout_s / 2):
+        log.warning("%s (raising after %.0f s)", _missing(store, key, what, rank, world, timeout_s / 2), timeout_s)
+        if not _poll(has_outcome, timeout_s - (time.monotonic() - start)):
+            raise CallMismatchError(_missing(store, key, what, rank, world, time.monotonic() - start))
+    return store.get(f"{key}/outcome").decode()
+
+
+def _missing(store: dist.Store, key: str, what: str, rank: int, world: int, waited_s: float) -> str:
+    missing = sorted(set(range(world)) - set(_calls(store, key)))
+    number = key.rsplit("/", 1)[1]
+    return (f"rank {rank} has waited {waited_s:.0f} s in {what} (checked call {number}) for ranks {missing}, which have "
+            f"not made it: it is a collective, which every rank makes. Where each rank was last:\n"
+            f"{peers.describe_ranks(store, world, missing)}\n"
+            f"A rank that died or raised makes no more calls: look for its error first. {ADVICE}")
 
 
 def _calls(store: dist.Store, key: str) -> dict[int, str]:

@@ -26,6 +26,7 @@ import torch.distributed as dist
 from torch.distributed.distributed_c10d import _resolve_process_group
 
 from autopar.compat import all_gather_single, reduce_scatter_single
+from autopar.runtime import peers
 
 _OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}
 
@@ -43,17 +44,27 @@ _ALLREDUCE_OPTIONS = {name: _allreduce_options(op) for name, op in _OPS.items()}
 class Started:
     """A collective in flight: its result buffer and the c10d work writing into it."""
 
-    __slots__ = ("_tensor", "_work")
+    __slots__ = ("_tensor", "_work", "_op", "_pg")
 
-    def __init__(self, tensor: torch.Tensor, work: dist.Work | None):
-        self._tensor, self._work = tensor, work
+    def __init__(self, tensor: torch.Tensor, work: dist.Work | None, op: str = "a collective",
+                 pg: dist.ProcessGroup | None = None):
+        self._tensor, self._work, self._op, self._pg = tensor, work, op, pg
 
     def wait(self) -> torch.Tensor:
         """The result, blocking until the collective is complete (once; later calls return at once)."""
         if self._work is not None:
-            self._work.wait()
+            wait_for(self._work, self._op, self._pg)
             self._work = None
         return self._tensor
+
+
+def wait_for(work: dist.Work, op: str, pg: dist.ProcessGroup | None) -> None:
+    """`work.wait()`; a backend's failure (a peer died, stopped or raised) becomes a `CollectiveError` that says
+    so and what the other ranks were doing (`runtime.peers`), the backend's words kept as its cause."""
+    try:
+        work.wait()
+    except RuntimeError as err:  # gloo's and NCCL's errors (torch's DistBackendError is one)
+        raise peers.collective_failed(err, op, pg) from err
 
 
 def group_size_rank(group: str) -> tuple[int, int]:
@@ -65,17 +76,16 @@ def group_size_rank(group: str) -> tuple[int, int]:
 def all_reduce(x: torch.Tensor, group: str, op: str = "sum", async_op: bool = False) -> torch.Tensor | Started:
     """Elementwise `op` ("sum" or "max") of `x` over `group`, into a new tensor."""
     out = x.detach().clone(memory_format=torch.contiguous_format)  # one copy, dense whatever x's layout
-    work = start_all_reduce(out, _resolve_process_group(group), op)
-    if async_op:
-        return Started(out, work)
-    work.wait()
-    return out
+    pg = _resolve_process_group(group)
+    started = Started(out, start_all_reduce(out, pg, op), f"all-reduce ({op})", pg)
+    return started if async_op else started.wait()
 
 
 def start_sum(buffer: torch.Tensor, group: str) -> Started:
     """Sum the dense `buffer` over `group` in place, started now: for a buffer made for the purpose
     (`all_reduce` copies its input first)."""
-    return Started(buffer, start_all_reduce(buffer, _resolve_process_group(group)))
+    pg = _resolve_process_group(group)
+    return Started(buffer, start_all_reduce(buffer, pg), "all-reduce (sum)", pg)
 
 
 def start_all_reduce(buffer: torch.Tensor, pg: dist.ProcessGroup, op: str = "sum") -> dist.Work:
@@ -91,8 +101,8 @@ def all_gather(flat: torch.Tensor, group: str, async_op: bool = False) -> torch.
     pg = _resolve_process_group(group)
     flat = flat.detach().contiguous()
     out = flat.new_empty(pg.size() * flat.numel())
-    work = all_gather_single(out, flat, group=pg, async_op=async_op)
-    return Started(out, work) if async_op else out
+    started = Started(out, all_gather_single(out, flat, group=pg, async_op=True), "all-gather", pg)
+    return started if async_op else started.wait()
 
 
 def reduce_scatter(flat: torch.Tensor, group: str) -> torch.Tensor:
@@ -100,13 +110,13 @@ def reduce_scatter(flat: torch.Tensor, group: str) -> torch.Tensor:
     pg = _resolve_process_group(group)
     flat = flat.detach().contiguous()
     out = flat.new_empty(flat.numel() // pg.size())
-    reduce_scatter_single(out, flat, op=dist.ReduceOp.SUM, group=pg)
-    return out
+    return Started(out, reduce_scatter_single(out, flat, op=dist.ReduceOp.SUM, group=pg, async_op=True),
+                   "reduce-scatter", pg).wait()
 
 
 def all_to_all(flat: torch.Tensor, group: str) -> torch.Tensor:
     """Equal chunks of a 1-D buffer exchanged: chunk j goes to rank j, chunk i received comes from rank i."""
     flat = flat.detach().contiguous()
     out = torch.empty_like(flat)
-    dist.all_to_all_single(out, flat, group=_resolve_process_group(group))
-    return out
+    pg = _resolve_process_group(group)
+    return Started(out, dist.all_to_all_single(out, flat, group=pg, async_op=True), "all-to-all", pg).wait()

@@ -94,7 +94,7 @@ import torch.distributed as dist
 from torch.autograd.graph import get_gradient_edge
 from torch.distributed.distributed_c10d import _resolve_process_group
 
-from autopar.runtime.comm import Started, start_all_reduce
+from autopar.runtime.comm import Started, start_all_reduce, wait_for
 from autopar.solver.cost import GRAD_BUCKET_BYTES
 from autopar.runtime.master_grads import MasterGrads
 from kernels import pack, unpack
@@ -381,12 +381,7 @@ class GradSync:
             self._launch(b)
         self._synced.clear()  # this sync writes every synced grad anew
         for b in self._buckets:
-            if b.work is not None:
-                b.work.wait()
-            # Further axes one after another: collectives on different groups may run on different
-            # threads, so the next sum can only start once the previous one is complete.
-            for g in b.groups[1:]:
-                dist.all_reduce(b.buffer, group=_resolve_process_group(g))
+            self._wait_bucket(b)
             if b.copies:  # the scale, the cast and the add into the masters' gradients in one pass
                 self._master_grads.unpack_into(b.buffer, b.masters, 1.0 if scale is None else scale)
                 b.work, b.buffer = None, None
@@ -417,10 +412,19 @@ class GradSync:
             b.buffer = torch.zeros(b.numel, dtype=b.dtype, device=b.device)
             b.work = start_all_reduce(b.buffer, b.first_group)
         for b in synced:
-            b.work.wait()
-            for g in b.groups[1:]:
-                dist.all_reduce(b.buffer, group=_resolve_process_group(g))
+            self._wait_bucket(b)
             b.work, b.buffer = None, None
+
+    @staticmethod
+    def _wait_bucket(b: _Bucket) -> None:
+        """Wait for bucket `b`'s sum over its first group (if it has one), then sum it over the others."""
+        if b.work is not None:
+            wait_for(b.work, "the gradient sync's all-reduce", b.first_group)
+        # Further axes one after another: collectives on different groups may run on different
+        # threads, so the next sum can only start once the previous one is complete.
+        for g in b.groups[1:]:
+            pg = _resolve_process_group(g)
+            wait_for(start_all_reduce(b.buffer, pg), "the gradient sync's all-reduce", pg)
 
     def keep_marks(self, old: GradSync) -> None:
         """Take over `old`'s marks of the grads its last sync wrote, for the parameters both sync (a rebuilt

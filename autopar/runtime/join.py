@@ -136,6 +136,7 @@ class ShadowSteps(JoinHook):
         # torch's context leaves its joinables' config enabled once it has exited (DDP then notifies at every later
         # forward): this module's forwards after the context are plain ones again, evaluation included
         self.pm._join_config = _JoinConfig.construct_disabled_join_config()
+        self.pm._forwards_since_check = 0  # the ranks took different numbers of forwards: they count afresh alike
         group = self.pm.join_process_group
         last = torch.tensor([dist.get_rank(group) if is_last_joiner else -1], device=self.pm.join_device)
         dist.all_reduce(last, op=dist.ReduceOp.MAX, group=group)

@@ -8,6 +8,17 @@ no race with other worlds started concurrently) and rank 0 serves the rendezvous
 TCPStore on that socket. The parent starts no store itself, so it forks with no
 store thread running (a thread holding a lock at fork time can deadlock a child).
 
+The rendezvous (the store, gloo connecting every pair of ranks) can fail on a loaded
+host: gloo's `connectFullMesh` has been seen to end in "Connection closed by peer"
+once in hundreds of worlds. A world whose rendezvous fails on any rank, before any
+rank runs `fn`, is started again, up to `RENDEZVOUS_ATTEMPTS` times; a failure after
+that is `fn`'s and is raised.
+
+Each rank's stderr (Python's, C++'s, the fault handler's dump of a deliberate crash)
+goes to a file of its own that the parent copies to its own `sys.stderr` as it comes
+(under pytest: the test's captured output), and a rank that dies without a word has
+its last lines quoted in the `RankError`.
+
 On a CUDA host: a forked child cannot use CUDA once its parent has initialised
 it, so a parent that has starts its ranks by spawn (which pickles `fn`: it must be
 a module's top-level function). Rank r's CUDA work goes to device r mod the
@@ -16,6 +27,7 @@ a CPU rank on a GPU host makes no CUDA context.
 """
 from __future__ import annotations
 
+import faulthandler
 import functools
 import logging
 import multiprocessing as mp
@@ -23,10 +35,13 @@ import multiprocessing.connection
 import os
 import pickle
 import socket
+import sys
+import tempfile
 import time
 import traceback
+from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any, Callable, Literal
+from typing import Any, Callable, Collection, Literal
 
 import torch
 import torch.distributed as dist
@@ -36,6 +51,11 @@ from autopar.errors import AutoparError
 logger = logging.getLogger(__name__)
 
 _HOST = "127.0.0.1"
+RENDEZVOUS_ATTEMPTS = 3
+_READY_KEY = "autopar/launch/ready"  # each rank adds one once its process group is up
+_GO_KEY = "autopar/launch/go"  # set by the last rank to come up: every rank then runs fn
+_POLL_S = 0.2  # how often the parent relays the ranks' stderr while it waits
+_TAIL_LINES = 15  # of a rank's stderr, quoted when it dies without a word
 
 
 class RankError(AutoparError):
@@ -51,6 +71,34 @@ def _send(conn: mp.connection.Connection, msg: tuple) -> None:
     # Plain pickle, not Connection.send: torch registers multiprocessing reducers that pass tensors
     # as shared-memory handles, which the parent could no longer open once this rank has exited.
     conn.send_bytes(pickle.dumps(msg))
+
+
+def _own_stderr(path: str) -> None:
+    """This process's stderr, at the file descriptor and in Python, goes to `path`; so does the fault
+    handler's dump, which pytest points at the terminal it started on, past its capture."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND)
+    os.dup2(fd, 2)
+    os.close(fd)
+    sys.stderr = open(2, "w", buffering=1, closefd=False)  # noqa: SIM115 -- the process's stderr until it exits
+    if faulthandler.is_enabled():
+        faulthandler.enable(file=sys.stderr, all_threads=True)
+
+
+def _rendezvous(listener: socket.socket, rank: int, world_size: int, backend: str, timeout_s: float,
+                group_timeout_s: float) -> None:
+    """Join the world's process group; return once every rank has (no rank runs fn before)."""
+    port = listener.getsockname()[1]
+    if rank == 0:
+        store = dist.TCPStore(_HOST, port, world_size, is_master=True, timeout=timedelta(seconds=timeout_s),
+                              master_listen_fd=listener.fileno())
+    else:
+        listener.close()
+        store = dist.TCPStore(_HOST, port, world_size, is_master=False, timeout=timedelta(seconds=timeout_s))
+    dist.init_process_group(backend, store=store, rank=rank, world_size=world_size,
+                            timeout=timedelta(seconds=group_timeout_s))
+    if store.add(_READY_KEY, 1) == world_size:
+        store.set(_GO_KEY, "")
+    store.wait([_GO_KEY])
 
 
 def _own_device(rank: int, backend: str) -> None:
@@ -85,33 +133,80 @@ def _check_picklable(fn: Callable[..., Any], args: tuple) -> None:
 def _child(
     conn: mp.connection.Connection,
     listener: socket.socket,
+    stderr_path: str,
     rank: int,
     world_size: int,
     backend: str,
     timeout_s: float,
+    group_timeout_s: float,
     fn: Callable[..., Any],
     args: tuple,
 ) -> None:
+    _own_stderr(stderr_path)
     # One intra-op thread per rank: ranks share few cores, oversubscription makes collectives crawl.
     torch.set_num_threads(1)
+    phase = "error"
     try:
         _own_device(rank, backend)
-        port = listener.getsockname()[1]
-        if rank == 0:
-            store = dist.TCPStore(_HOST, port, world_size, is_master=True, timeout=timedelta(seconds=timeout_s), master_listen_fd=listener.fileno())
-        else:
-            listener.close()
-            store = dist.TCPStore(_HOST, port, world_size, is_master=False, timeout=timedelta(seconds=timeout_s))
-        dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timedelta(seconds=timeout_s))
+        phase = "rendezvous"
+        _rendezvous(listener, rank, world_size, backend, timeout_s, group_timeout_s)
+        phase = "error"
         result = fn(rank, world_size, *args)
         dist.destroy_process_group()
         _send(conn, ("ok", result))
     except BaseException as exc:  # noqa: BLE001 -- forwarded to the parent, which re-raises it
         # Timestamped so the parent can tell the first failure from its echoes on the peers
         # ("Connection closed by peer" once this rank exits).
-        _send(conn, ("error", f"{type(exc).__name__}: {exc}", traceback.format_exc(), time.time()))
+        _send(conn, (phase, f"{type(exc).__name__}: {exc}", traceback.format_exc(), time.time()))
     finally:
         conn.close()
+
+
+class _Relay:
+    """The ranks' stderr files, copied to this process's `sys.stderr` as they grow."""
+
+    def __init__(self, world_size: int):
+        self._dir = tempfile.TemporaryDirectory(prefix="autopar-ranks-")
+        self.paths = [os.path.join(self._dir.name, f"rank{r}.stderr") for r in range(world_size)]
+        self._done = [0] * world_size
+
+    def pump(self) -> None:
+        for rank, path in enumerate(self.paths):
+            try:
+                with open(path, "rb") as f:
+                    f.seek(self._done[rank])
+                    data = f.read()
+            except FileNotFoundError:
+                continue
+            if data:
+                self._done[rank] += len(data)
+                sys.stderr.write(data.decode(errors="replace"))
+        sys.stderr.flush()
+
+    def tail(self, rank: int) -> str:
+        try:
+            with open(self.paths[rank], "rb") as f:
+                lines = f.read().decode(errors="replace").splitlines()
+        except FileNotFoundError:
+            return ""
+        # without the frames and the module list of a fault handler's dump, which bury its first line
+        said = [line for line in lines if line.strip() and not line.startswith(("  File ", "Extension modules:"))]
+        return "\n".join(said[-_TAIL_LINES:])
+
+    def close(self) -> None:
+        self.pump()
+        self._dir.cleanup()
+
+
+@dataclass(frozen=True)
+class RankDied:
+    """The result of a rank `run_ranks` was told may die (`may_die`) and did, without a word."""
+
+    exit_code: int | None
+
+
+class _RendezvousFailed(Exception):
+    """A rank's process group did not come up: the world is started again."""
 
 
 def _reports(conns: dict, timeout_s: float) -> list[tuple[float, int, str, str]]:
@@ -123,7 +218,7 @@ def _reports(conns: dict, timeout_s: float) -> list[tuple[float, int, str, str]]
             msg = pickle.loads(conn.recv_bytes())
         except EOFError:  # died without a word: the other reports say more
             continue
-        if msg[0] == "error":
+        if msg[0] != "ok":
             found.append((msg[3], rank, msg[1], msg[2]))
     return found
 
@@ -134,6 +229,8 @@ def run_ranks(
     *args: Any,
     timeout_s: float = 60.0,
     backend: str = "gloo",
+    group_timeout_s: float | None = None,
+    may_die: Collection[int] = (),
     start_method: Literal["fork", "spawn"] | None = None,
 ) -> list[Any]:
     """Run `fn(rank, world_size, *args)` on `world_size` forked ranks and return their results by rank.
@@ -142,18 +239,39 @@ def run_ranks(
     result must be picklable (tensors come back by value). The first rank to fail
     aborts the world: the others are killed and a `RankError` carrying that rank's
     traceback is raised. After `timeout_s` every rank still running is killed and a
-    `RankError` names them. `start_method`: default fork, or spawn where this process
+    `RankError` names them. A world whose process group fails to come up is started
+    again (module docstring). `start_method`: default fork, or spawn where this process
     has initialised CUDA (module docstring); spawn pickles `fn` and `args`.
+
+    group_timeout_s: the process group's timeout (default `timeout_s`): how long a collective waits for a
+    peer that neither sends nor closes. may_die: ranks a fault-injection test kills on purpose; one that
+    dies without a word gets a `RankDied` as its result, and the others run on to their own ends.
     """
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
     start_method = start_method or _start_method()
     if start_method == "spawn":
         _check_picklable(fn, args)
+    for attempt in range(1, RENDEZVOUS_ATTEMPTS + 1):
+        try:
+            return _run_world(fn, world_size, args, timeout_s, backend, group_timeout_s or timeout_s, frozenset(may_die),
+                              start_method)
+        except _RendezvousFailed as failed:
+            if attempt == RENDEZVOUS_ATTEMPTS:
+                raise RankError(f"the process group of {world_size} ranks did not come up in {attempt} attempts: "
+                                f"{failed}") from None
+            logger.warning("run_ranks: the process group of %d ranks did not come up (%s); starting it again",
+                           world_size, failed)
+    raise AssertionError("unreachable")
+
+
+def _run_world(fn: Callable[..., Any], world_size: int, args: tuple, timeout_s: float, backend: str,
+               group_timeout_s: float, may_die: frozenset[int], start_method: str) -> list[Any]:
     ctx = mp.get_context(start_method)
     listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     listener.bind((_HOST, 0))
-    listener.listen(world_size)  # clients that connect before rank 0 serves wait in the backlog
+    listener.listen(128)  # clients that connect before rank 0 serves wait in the backlog
+    relay = _Relay(world_size)
     procs: list[mp.Process] = []
     conns: dict[mp.connection.Connection, int] = {}
     finished = False
@@ -162,7 +280,7 @@ def run_ranks(
             parent_end, child_end = ctx.Pipe(duplex=False)
             p = ctx.Process(
                 target=_child,
-                args=(child_end, listener, rank, world_size, backend, timeout_s, fn, args),
+                args=(child_end, listener, relay.paths[rank], rank, world_size, backend, timeout_s, group_timeout_s, fn, args),
                 name=f"autopar-rank{rank}",
                 daemon=True,
             )
@@ -177,17 +295,24 @@ def run_ranks(
         deadline = time.monotonic() + timeout_s
         while conns and not errors and not dead:
             left_s = deadline - time.monotonic()
-            ready = mp.connection.wait(list(conns), timeout=max(left_s, 0.0))
-            if not ready:
+            if left_s <= 0:
                 missing = sorted(conns.values())
                 raise RankError(f"ranks {missing} of {world_size} did not finish within timeout_s={timeout_s}; raise timeout_s or look for a collective only some ranks call", rank=missing[0])
+            ready = mp.connection.wait(list(conns), timeout=min(left_s, _POLL_S))
+            relay.pump()
             for conn in ready:
                 rank = conns.pop(conn)
                 try:
                     msg = pickle.loads(conn.recv_bytes())
                 except EOFError:
-                    dead.append(rank)
+                    if rank in may_die:
+                        procs[rank].join(1.0)
+                        results[rank] = RankDied(procs[rank].exitcode)
+                    else:
+                        dead.append(rank)
                     continue
+                if msg[0] == "rendezvous":
+                    raise _RendezvousFailed(f"rank {rank}: {msg[1]}")
                 if msg[0] == "error":
                     errors.append((msg[3], rank, msg[1], msg[2]))
                 else:
@@ -201,7 +326,9 @@ def run_ranks(
                 if not errors:
                     rank = dead[0]
                     code = procs[rank].join(1.0) or procs[rank].exitcode
-                    raise RankError(f"rank {rank} died without a result (exit code {code})", rank=rank)
+                    tail = relay.tail(rank)
+                    said = f"; its last words on stderr:\n{tail}" if tail else ""
+                    raise RankError(f"rank {rank} died without a result (exit code {code}){said}", rank=rank)
         if errors:
             errors += _reports(conns, timeout_s=1.0)  # give the peers a moment to report too; blame the earliest
             _, rank, text, tb = min(errors)
@@ -220,6 +347,7 @@ def run_ranks(
         for conn in conns:
             conn.close()
         listener.close()
+        relay.close()
 
 
 def init_from_env(timeout_s: float = 600.0) -> tuple[int, int, torch.device]:

@@ -23,6 +23,7 @@ import torch.distributed as dist
 
 from autopar.errors import CallMismatchError, InputsDifferError
 from autopar.runtime.arrival import ADVICE
+from autopar.runtime.comm import wait_for
 
 
 def agree(signature: str, group: dist.ProcessGroup | None, mode: str = "") -> None:
@@ -33,7 +34,7 @@ def agree(signature: str, group: dist.ProcessGroup | None, mode: str = "") -> No
         return  # torch's fake process group simulates one rank (`benchmarks/simulate_memory.py`): no other to differ
     checksum = zlib.crc32(f"{mode}; {signature}".encode())
     extremes = torch.tensor([checksum, -checksum], dtype=torch.int64)
-    dist.all_reduce(extremes, op=dist.ReduceOp.MAX, group=group)
+    wait_for(dist.all_reduce(extremes, op=dist.ReduceOp.MAX, group=group, async_op=True), "the inputs' agreement check", group)
     if extremes[0].item() == checksum and -extremes[1].item() == checksum:
         return
     calls: list[tuple[str, str] | None] = [None] * dist.get_world_size(group)

@@ -4,8 +4,8 @@
     local = shard_state_dict(full, specs, mesh)            # slice: this rank's shards
     batch = shard_pytree(global_batch, input_specs, mesh)  # this rank's slice of every input
     load_full_state_dict(local, full, specs, mesh)         # slice and copy into existing shards
-    save_sharded(local, specs, mesh, path, osd, extra)     # torch.distributed.checkpoint, one file per rank
-    osd = load_sharded(local, specs, mesh, path, osd, extra)  # reshards when the specs/mesh differ from the save
+    save_sharded(local, specs, mesh, path, osd, extra)     # the next checkpoint under path (`runtime.checkpoints`)
+    osd = load_sharded(local, specs, mesh, path, osd, extra)  # the newest; reshards when the specs/mesh differ
     full_osd = gather_optimizer_state(osd, local, specs, mesh)   # an optimizer's state, full tensors
     osd = shard_optimizer_state(full_osd, local, specs, mesh)    # this rank's blocks of it
 
@@ -34,7 +34,6 @@ from concurrent.futures import Future
 from typing import Any, Mapping, Sequence
 
 import torch
-import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import HuggingFaceStorageReader
 from torch.distributed.checkpoint.api import CheckpointException
@@ -45,6 +44,8 @@ from torch.utils import _pytree as pytree
 
 from autopar.errors import AutoparError
 from autopar.optional import require
+from autopar.runtime import checkpoints
+from autopar.runtime.checkpoint_files import SafeLoadPlanner, SafeReader, read_metadata
 from autopar.runtime.collectives import all_gather, local_slice
 from autopar.runtime.mesh import ProcessMesh
 from autopar.runtime.optimizers import BLOCK_KEY
@@ -236,55 +237,38 @@ def _checkpoint(local: Mapping[str, torch.Tensor], specs: Mapping[str, Spec], me
 
 def save_sharded(local: Mapping[str, torch.Tensor], specs: Mapping[str, Spec], mesh: ProcessMesh, path: str | os.PathLike,
                  osd: Mapping[str, Any] | None = None, extra: dict[str, Any] | None = None,
-                 background: bool = False) -> Future | None:
-    """Write a sharded checkpoint of the shards and, if given, this rank's optimizer state `osd` and other
-    state `extra` that every rank holds alike (a step count, a scheduler's state dict). Each rank writes
-    its shards; replicated tensors are deduplicated by DCP.
+                 background: bool = False, keep_last: int = 2) -> Future | None:
+    """Write the shards and, if given, this rank's optimizer state `osd` and other state `extra` that every rank
+    holds alike (a step count, a scheduler's state dict) as the next checkpoint under the directory `path`,
+    published whole or not at all, the newest `keep_last` kept (`runtime.checkpoints`). Each rank writes its
+    shards; replicated tensors are deduplicated by DCP.
     background: return once the state is copied aside (DCP's `async_save`), writing it in a thread: the
-    returned future completes when the files are written. Its collectives run on a group of their own,
+    returned future completes when the checkpoint is published. Its collectives run on a group of their own,
     so training's collectives meanwhile cannot interleave with them. A save or load first waits for the
     background save before it, so two writes never overlap."""
-    global _writing
-    _wait_for_background_save()
-    state = _checkpoint(local, specs, mesh, osd, extra)
-    if background:
-        _writing = dcp.async_save(state, checkpoint_id=os.fspath(path), process_group=_checkpoint_group())
-        return _writing
-    dcp.save(state, checkpoint_id=os.fspath(path))
-    if mesh.coordinate == (0,) * mesh.ndim:
-        logger.info("runtime: saved %d tensors%s to %s", len(local), " and the optimizer state" if osd else "", path)
-    return None
+    future = checkpoints.save(path, _checkpoint(local, specs, mesh, osd, extra), background, keep_last)
+    if future is None and mesh.coordinate == (0,) * mesh.ndim:
+        logger.info("runtime: saved %d tensors%s under %s", len(local), " and the optimizer state" if osd else "", path)
+    return future
 
 
-_CHECKPOINT_GROUPS: dict[int, dist.ProcessGroup] = {}
-_writing: Future | None = None  # the last background save, until it is waited for
-
-
-def _wait_for_background_save() -> None:
-    global _writing
-    if _writing is not None:
-        _writing.result()
-        _writing = None
-
-
-def _checkpoint_group() -> dist.ProcessGroup:
-    """A gloo group over the world for background saves (made once: making a group is a collective)."""
-    world = dist.get_world_size()
-    if world not in _CHECKPOINT_GROUPS:
-        _CHECKPOINT_GROUPS[world] = dist.new_group(backend="gloo")
-    return _CHECKPOINT_GROUPS[world]
+def checkpoint_to_load(path: str | os.PathLike) -> str:
+    """The checkpoint directory a load of `path` reads (the newest under it, `checkpoints.resolve`), once any
+    background save, which may be publishing a newer one, is done."""
+    checkpoints.wait_for_background_save()
+    return checkpoints.resolve(path)
 
 
 @torch.no_grad()
 def load_sharded(local: Mapping[str, torch.Tensor], specs: Mapping[str, Spec], mesh: ProcessMesh, path: str | os.PathLike,
                  osd: Mapping[str, Any] | None = None, extra: dict[str, Any] | None = None) -> dict[str, Any] | None:
-    """Fill the local shards in place from a checkpoint written by `save_sharded` under any specs or mesh,
-    or from a Hugging Face model directory (safetensors, as `save_pretrained` writes them: weights only).
+    """Fill the local shards in place from the checkpoint `checkpoint_to_load(path)` finds, written by
+    `save_sharded` under any specs or mesh (its files checked against their checksums first), or from a Hugging
+    Face model directory (safetensors, as `save_pretrained` writes them: weights only).
     osd: this rank's optimizer state, whose names and shapes say what to read (made by the optimizer
     over these shards); returns it filled from the checkpoint, to load into the optimizer.
     extra: the keys of the saved `extra` to read, each value replaced in place by the saved one."""
-    path = os.fspath(path)
-    _wait_for_background_save()  # it may be writing the very files this reads
+    path = checkpoint_to_load(path)
     if _is_hf_directory(path):
         require("safetensors", f"loading the Hugging Face model directory {path!r}")  # what DCP's reader reads it with
         if osd is not None or extra is not None:
@@ -293,8 +277,9 @@ def load_sharded(local: Mapping[str, torch.Tensor], specs: Mapping[str, Spec], m
         state = {"model": _hf_targets(local, specs, mesh, path)}
         _load(state["model"], path, HuggingFaceStorageReader(path), osd)
     else:
+        checkpoints.verify(path)
         state = _checkpoint(local, specs, mesh, osd, extra)
-        _load(state, path, None, osd)
+        _load(state, path, SafeReader(path), osd)
     for name, t in local.items():
         if name not in state["model"]:
             continue  # a tied name the file does not hold: the same tensor as a name it does
@@ -306,9 +291,10 @@ def load_sharded(local: Mapping[str, torch.Tensor], specs: Mapping[str, Spec], m
     return _map_state(state["optim"], lambda fqn, name, v: v.to_local() if isinstance(v, DTensor) else v)
 
 
-def _load(state: dict[str, Any], path: str, reader: dcp.StorageReader | None, osd: Mapping[str, Any] | None) -> None:
+def _load(state: dict[str, Any], path: str, reader: dcp.StorageReader, osd: Mapping[str, Any] | None) -> None:
     try:
-        dcp.load(state, checkpoint_id=path, storage_reader=reader)
+        # the safe planner: DCP's reads non-tensor values with torch.load(weights_only=False) (`checkpoint_files`)
+        dcp.load(state, checkpoint_id=path, storage_reader=reader, planner=SafeLoadPlanner())
     except CheckpointException as e:
         missing = "" if osd is None or _has_optimizer_state(path) else " (it holds no optimizer state: it was saved without one)"
         raise StateDictError(f"checkpoint {path!r} does not match this module{missing}: {_cause(e)}") from e
@@ -334,19 +320,17 @@ def _hf_targets(local: Mapping[str, torch.Tensor], specs: Mapping[str, Spec], me
     return _as_dtensors({n: t for n, t in local.items() if n in saved}, specs, mesh)
 
 
-def saved_extra(path: str | os.PathLike) -> frozenset[str]:
-    """The names of the `extra` state a checkpoint written by `save_sharded` holds (none in a Hugging Face
-    directory)."""
-    path = os.fspath(path)
-    if _is_hf_directory(path) or not os.path.exists(os.path.join(path, ".metadata")):
+def saved_extra(directory: str) -> frozenset[str]:
+    """The names of the `extra` state the checkpoint `directory` (`checkpoint_to_load`'s) holds (none in a
+    Hugging Face directory)."""
+    if _is_hf_directory(directory) or not os.path.exists(os.path.join(directory, ".metadata")):
         return frozenset()
-    keys = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
+    keys = read_metadata(directory).state_dict_metadata
     return frozenset(k.split(".", 1)[1] for k in keys if k.startswith("extra."))
 
 
-def _has_optimizer_state(path: str | os.PathLike) -> bool:
-    keys = dcp.FileSystemReader(os.fspath(path)).read_metadata().state_dict_metadata
-    return any(k.startswith("optim.") for k in keys)
+def _has_optimizer_state(directory: str) -> bool:
+    return any(k.startswith("optim.") for k in read_metadata(directory).state_dict_metadata)
 
 
 def _cause(e: BaseException) -> str:

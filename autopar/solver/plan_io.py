@@ -21,7 +21,7 @@ from typing import Any, Callable, get_args
 import torch
 
 from autopar.errors import PlanFormatError, PlanMismatchError
-from autopar.solver.mesh import AxisGroup, LinkCost, Mesh, MeshAxis, device_fields_from_json
+from autopar.solver.mesh import PRECISIONS, AxisGroup, LinkCost, Mesh, MeshAxis, device_fields_from_json
 from autopar.solver.plan import (
     SCHEMA_VERSION,
     BaselineResult,
@@ -34,7 +34,7 @@ from autopar.solver.plan import (
     SolverReport,
     TimeBreakdown,
 )
-from autopar.solver.spec import Spec, Strategy
+from autopar.solver.spec import Shard, Spec, Strategy
 from autopar.tracer import TracedGraph, output_vals
 from autopar.tracer.param_layouts import Layout
 
@@ -121,6 +121,8 @@ class _Field:
     def __getitem__(self, key: str | int) -> "_Field":
         path = f"{self.path}[{key}]" if isinstance(key, int) else (f"{self.path}.{key}" if self.path else key)
         if isinstance(key, int):
+            if len(self.of(list)) <= key:
+                raise self.fail(f"field '{self.path}' should have at least {key + 1} items, got {len(self.value)}")
             return _Field(self.value[key], path, self.source)
         if not isinstance(self.value, dict):
             raise self.fail(f"field '{self.path}' should be an object, got {type(self.value).__name__}")
@@ -139,14 +141,31 @@ class _Field:
             raise self.fail(f"field '{self.path}' should be {names}, got {json.dumps(self.value)[:40]}")
         return self.value
 
-    def num(self) -> float:
-        return float(self.of(int, float))
+    def num(self, positive: bool = False, infinite: bool = False) -> float:
+        """A number of bytes, seconds or a rate: never NaN nor below zero (nor zero, when `positive`); infinite only
+        where that means something (`infinite`: a solver's gap with no bound)."""
+        value = float(self.of(int, float))
+        if math.isnan(value) or (math.isinf(value) and not infinite) or value < 0 or (positive and value == 0):
+            wanted = "a number above zero" if positive else "a number of at least zero"
+            raise self.fail(f"field '{self.path}' should be {wanted}{'' if infinite else ', finite'}, got {json.dumps(self.value)}")
+        return value
 
-    def opt_num(self) -> float | None:
-        return None if self.value is None else self.num()
+    def opt_num(self, positive: bool = False, infinite: bool = False) -> float | None:
+        return None if self.value is None else self.num(positive, infinite)
+
+    def count(self, least: int = 0) -> int:
+        """A whole number of at least `least` (a size, a count)."""
+        value = self.of(int)
+        if value < least:
+            raise self.fail(f"field '{self.path}' should be a whole number of at least {least}, got {value}")
+        return value
 
     def items(self) -> list["_Field"]:
         return [self[i] for i in range(len(self.of(list)))]
+
+    def entries(self) -> list[tuple[str, "_Field"]]:
+        """An object's keys and values."""
+        return [(key, self[key]) for key in self.of(dict)]
 
     def spec(self) -> Spec:
         try:
@@ -159,8 +178,8 @@ class _Field:
 
 
 def _axis_from(a: _Field) -> MeshAxis:
-    return MeshAxis(a["name"].of(str), int(a["size"].of(int)), a["alpha_s"].num(), a["beta_bytes_per_s"].num(),
-                    tuple(LinkCost(c["kind"].of(str), c["alpha_s"].num(), c["beta_bytes_per_s"].num())
+    return MeshAxis(a["name"].of(str), a["size"].count(1), a["alpha_s"].num(), a["beta_bytes_per_s"].num(positive=True),
+                    tuple(LinkCost(c["kind"].of(str), c["alpha_s"].num(), c["beta_bytes_per_s"].num(positive=True))
                           for c in a.get("per_kind", []).items()),
                     a.get("scalar_alpha_s", None).opt_num())
 
@@ -168,18 +187,38 @@ def _axis_from(a: _Field) -> MeshAxis:
 def _mesh_from(f: _Field) -> Mesh:
     try:
         axes = tuple(_axis_from(a) for a in f["axes"].items())
-        groups = tuple(AxisGroup(tuple(int(i.of(int)) for i in g["axes"].items()), _axis_from(g))
+        groups = tuple(AxisGroup(tuple(i.count() for i in g["axes"].items()), _axis_from(g))
                        for g in f.get("groups", []).items())
         # the overheads and groups are optional: plan files written before they existed price without them
-        return Mesh(axes, f["flops_per_s"].num(), f["mem_bandwidth_bytes_per_s"].num(), f["memory_bytes"].num(),
-                    f["hardware"].of(str), f.get("op_overhead_s", 0.0).num(), f.get("recompute_op_overhead_s", 0.0).num(),
-                    groups, f.get("recompute_region_s", 0.0).num(), **device_fields_from_json(f.value))
+        return Mesh(axes, f["flops_per_s"].num(positive=True), f["mem_bandwidth_bytes_per_s"].num(positive=True),
+                    f["memory_bytes"].num(positive=True), f["hardware"].of(str), f.get("op_overhead_s", 0.0).num(),
+                    f.get("recompute_op_overhead_s", 0.0).num(), groups, f.get("recompute_region_s", 0.0).num(),
+                    **_device_fields_from(f))
     except (ValueError, KeyError, TypeError) as err:
         raise f.fail(f"field '{f.path}': {err}") from None
 
 
+def _device_fields_from(f: _Field) -> dict:
+    """A mesh's GPU preset fields (`device_fields_from_json`), each checked first: rates above zero, overheads
+    at least zero."""
+    rates = f.get("rates", None)
+    if rates.value is not None:
+        for precision in PRECISIONS:
+            rates[precision].num(positive=True)
+    precision = f.get("precision", "")
+    if precision.of(str) not in ("", *PRECISIONS):
+        raise precision.fail(f"field '{precision.path}' should be one of {', '.join(map(repr, PRECISIONS))}, got {precision.value!r}")
+    overheads = f.get("overheads", None)
+    if overheads.value is not None:
+        for _, nbytes in overheads.entries():
+            nbytes.num()
+    f.get("optimizer_foreach", False).of(bool)
+    return device_fields_from_json(f.value)
+
+
 def _memory_from(f: _Field) -> MemoryBreakdown:
-    return MemoryBreakdown(*(f[k].num() for k in ("params_bytes", "grads_bytes", "optimizer_bytes", "activations_bytes", "temp_bytes")), f["budget_bytes"].opt_num())
+    return MemoryBreakdown(*(f[k].num() for k in ("params_bytes", "grads_bytes", "optimizer_bytes", "activations_bytes", "temp_bytes")),
+                           f["budget_bytes"].opt_num(positive=True))
 
 
 def _time_from(f: _Field) -> TimeBreakdown:
@@ -209,8 +248,8 @@ def _source_from(f: _Field) -> PlanSource:
     return PlanSource(
         model_file=f.get("model_file", "").of(str),
         hf_config=f.get("hf_config", "").of(str),
-        batch_size=f.get("batch_size", None).of(int, type(None)),
-        seq_len=f.get("seq_len", None).of(int, type(None)),
+        batch_size=None if f.get("batch_size", None).value is None else f["batch_size"].count(1),
+        seq_len=None if f.get("seq_len", None).value is None else f["seq_len"].count(1),
         size=f.get("size", None).of(str, type(None)),
         optimizer=f.get("optimizer", "adamw").of(str),
         precision=f.get("precision", "").of(str),
@@ -228,14 +267,15 @@ def plan_from_dict(obj: Any, source: str = "plan") -> Plan:
         ops_sha=fp["ops_sha"].of(str),
         shapes_sha=fp["shapes_sha"].of(str),
         params_sha=fp["params_sha"].of(str),
-        mesh_shape=tuple(int(x.of(int)) for x in fp["mesh_shape"].items()),
+        mesh_shape=tuple(x.count(1) for x in fp["mesh_shape"].items()),
         hardware=fp["hardware"].of(str),
-        budget_bytes=fp["budget_bytes"].opt_num(),
-        param_shapes=tuple((k, tuple(int(d) for d in v)) for k, v in fp.get("param_shapes", {}).of(dict).items()),
+        budget_bytes=fp["budget_bytes"].opt_num(positive=True),
+        param_shapes=tuple((k, tuple(d.count() for d in v.items())) for k, v in fp.get("param_shapes", {}).entries()),
         model=fp.get("model", "").of(str),  # "" in files written before it was recorded
     )
     sv = root["solver"]
-    solver = SolverReport(sv["backend"].of(str), sv["status"].of(str), sv["solve_s"].num(), sv["num_variables"].of(int), sv["num_constraints"].of(int), sv.get("gap", None).opt_num())
+    solver = SolverReport(sv["backend"].of(str), sv["status"].of(str), sv["solve_s"].num(), sv["num_variables"].count(),
+                          sv["num_constraints"].count(), sv.get("gap", None).opt_num(infinite=True))
     params = tuple(ParamDecision(p["fqn"].of(str), p["node"].of(str), p["use"].spec(), p["storage"].spec(), _layout_from(p.get("layout", "")))
                    for p in root["params"].items())
     baselines = tuple(
@@ -253,7 +293,7 @@ def plan_from_dict(obj: Any, source: str = "plan") -> Plan:
         schema_version=version,
         notes=tuple(n.of(str) for n in root.get("notes", []).items()),
         source=_optional(root.get("source", None), _source_from),
-        comm_bytes_by_kind=tuple((k, float(v)) for k, v in root.get("comm_bytes_by_kind", {}).of(dict).items()),
+        comm_bytes_by_kind=tuple((k, v.num()) for k, v in root.get("comm_bytes_by_kind", {}).entries()),
         baselines=baselines,
         memory_timeline=tuple((pt[0].of(str), pt[1].num()) for pt in root.get("memory_timeline", []).items()),
     )
@@ -276,7 +316,13 @@ def load_plan(path: str | Path) -> Plan:
     if not p.is_file():
         raise PlanFormatError(f"plan file {str(p)!r} does not exist\n  fix: write one with `autopar plan MODEL.py --gpus N "
                               f"--save {p}` or `autopar.save_plan(pm.plan, {str(p)!r})` after a parallelize that solved it")
-    return plan_from_json(p.read_text(), source=p.name)
+    try:
+        text = p.read_bytes().decode("utf-8")
+    except UnicodeDecodeError:
+        raise PlanFormatError(f"{p.name}: not a plan file: it is not text (a pickle or another binary file?), and "
+                              "plans are JSON, never unpickled\n  fix: write the plan with `autopar plan MODEL.py --gpus N "
+                              f"--save {p}` or `autopar.save_plan(plan, {str(p)!r})`") from None
+    return plan_from_json(text, source=p.name)
 
 
 # ---------------------------------------------------------------- fingerprint
@@ -335,7 +381,12 @@ def _op_differences(plan: Plan, traced: TracedGraph) -> list[str]:
     planned = {d.node for d in plan.nodes}
     if planned:  # a plan may omit placeholders/outputs: only compare the computing nodes
         out += [f"node '{n}' ({op}) is in the model but not in the plan" for n, op in model_ops.items() if n not in planned and op not in ("placeholder", "output")]
-    return _some(out) or ["the graph's ops differ (same node names, different order)"]
+    if out:
+        return _some(out)
+    model_order, plan_order = [n.name for n in traced.graph.nodes], [d.node for d in plan.nodes]
+    if sorted(model_order) == sorted(plan_order):
+        return ["the graph's ops differ (same node names, different order)"]
+    return ["the graph's ops differ (the plan's fingerprint records other ops than its nodes name; it was edited)"]
 
 
 def _param_differences(plan: Plan, fp: Fingerprint) -> list[str]:
@@ -371,20 +422,77 @@ def plan_differences(plan: Plan, traced: TracedGraph, mesh: Mesh, budget_bytes: 
     return tuple(out)
 
 
+def _spec_problem(spec: Spec | None, val: Any, ndim_mesh: int, storage: bool = False) -> str | None:
+    """What is wrong with `spec` as the layout of tensor `val` on a mesh of `ndim_mesh` axes, if anything."""
+    if spec is None:
+        return None if not isinstance(val, torch.Tensor) else "no spec for a tensor"
+    if not isinstance(val, torch.Tensor):
+        return f"{spec} for a value that is not a tensor"
+    if len(spec.placements) != ndim_mesh:
+        return f"{spec} has {len(spec.placements)} placements for a {ndim_mesh}-axis mesh"
+    if storage and spec.has_partial():
+        return f"{spec} stores a partial sum: parameters are stored Replicate or Shard"
+    bad = [p.dim for p in spec.placements if isinstance(p, Shard) and not -val.dim() <= p.dim < val.dim()]
+    if bad:
+        return f"{spec} shards dim {bad[0]} of a tensor of {val.dim()} dims {tuple(val.shape)}"
+    return None
+
+
+def edit_differences(plan: Plan, traced: TracedGraph, ndim_mesh: int) -> list[str]:
+    """What in `plan` cannot be a plan of the model its fingerprint matches (a plan edited by hand), each named by
+    field and node: a node the model lacks or of another op, a node without a decision, a spec of the wrong
+    length or sharding a dim the tensor lacks."""
+    from autopar.solver.strategies import strategy_inputs  # (strategies import this module's package)
+
+    nodes = {n.name: n for n in traced.graph.nodes}
+    out = []
+    decided = {d.node for d in plan.nodes}
+    out += [f"node '{n.name}' ({op_name(n)}) of the model has no decision in the plan's nodes" for n in nodes.values()
+            if plan.nodes and n.name not in decided and n.op not in ("placeholder", "output")]
+    for i, d in enumerate(plan.nodes):
+        node = nodes.get(d.node)
+        if node is None:
+            out.append(f"nodes[{i}].node: '{d.node}' is not a node of the model")
+            continue
+        if op_name(node) != d.op:
+            out.append(f"nodes[{i}].op: '{d.op}' for node '{d.node}', which is {op_name(node)} in the model")
+            continue
+        if node.op == "output":
+            continue
+        inputs = [output_vals(src)[idx] if idx < len(output_vals(src)) else None for src, idx in strategy_inputs(node)]
+        outputs = list(output_vals(node))
+        for side, specs, vals in (("inputs", d.strategy.input_specs, inputs), ("outputs", d.strategy.output_specs, outputs)):
+            if len(specs) != len(vals):
+                out.append(f"nodes[{i}].strategy.{side}: {len(specs)} specs for node '{d.node}', which has {len(vals)} {side}")
+                continue
+            out += [f"nodes[{i}].strategy.{side}[{k}] of node '{d.node}': {problem}" for k, (spec, val) in enumerate(zip(specs, vals))
+                    if (problem := _spec_problem(spec, val, ndim_mesh)) is not None]
+    for i, p in enumerate(plan.params):
+        node = nodes.get(p.node)
+        val = node.meta.get("val") if node is not None else None
+        if node is None or node.op != "placeholder":
+            out.append(f"params[{i}].node: '{p.node}' ({p.fqn}) is not a placeholder of the model")
+            continue
+        out += [f"params[{i}].{field} of {p.fqn}: {problem}" for field, spec in (("use", p.use), ("storage", p.storage))
+                if (problem := _spec_problem(spec, val, ndim_mesh, storage=field == "storage")) is not None]
+    return out
+
+
 def check_plan(plan: Plan, traced: TracedGraph, mesh: Mesh, budget_bytes: float | None) -> None:
-    """Raise PlanMismatchError (with `.differences`) unless `plan` was made for exactly this model, mesh and budget.
-    A plan made for a model of another class says which it was made for, with the first difference only."""
+    """Raise PlanMismatchError (with `.differences`) unless `plan` was made for exactly this model, mesh and budget,
+    and its specs are layouts of the model's tensors. A plan made for a model of another class says which it was
+    made for, with the first difference only."""
     diffs = plan_differences(plan, traced, mesh, budget_bytes)
-    if not diffs:
-        return
-    if plan.fingerprint.model and traced.model_name and plan.fingerprint.model != traced.model_name:
+    if diffs and plan.fingerprint.model and traced.model_name and plan.fingerprint.model != traced.model_name:
         what = f"the plan was made for {plan.made_for()}, not this {traced.model_name} (first difference: {diffs[0]})"
     else:
+        diffs = diffs or tuple(_some(edit_differences(plan, traced, len(mesh.shape))))
         what = f"the plan does not match this model and mesh: {'; '.join(diffs)}"
-    raise PlanMismatchError(
-        f"{what}\n  fix: plan again for this model (drop --load / plan=...), or load it with the mesh, hardware and budget it was made for",
-        differences=diffs,
-    )
+    if diffs:
+        raise PlanMismatchError(
+            f"{what}\n  fix: plan again for this model (drop --load / plan=...), or load it with the mesh, hardware and budget it was made for",
+            differences=diffs,
+        )
 
 
 def with_fingerprint(plan: Plan, traced: TracedGraph, mesh: Mesh, budget_bytes: float | None) -> Plan:

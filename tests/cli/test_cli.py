@@ -110,7 +110,7 @@ def test_explain_prices_alternatives(capsys, plans, tmp_path):
     rep = Spec.parse("RR")
     chosen = replace(node, strategy=Strategy((rep, rep, rep), (rep,)))  # a real strategy of addmm (hand_plan's is not)
     save_plan(replace(a, nodes=tuple(chosen if n.node == node.node else n for n in a.nodes)), tmp_path / "a.json")
-    code, out, _ = run(capsys, "explain", str(tmp_path / "a.json"), node.node, "--json")
+    code, out, _ = run(capsys, "explain", str(tmp_path / "a.json"), node.node, "--json", "--model", GPT2)
     assert code == 0
     r = json.loads(out)
     [entry] = r["nodes"]
@@ -121,7 +121,7 @@ def test_explain_prices_alternatives(capsys, plans, tmp_path):
     fwd = 2 * 32 * 64 * 256
     rep = next(x for x in alts if x["strategy"] == "(RR, RR, RR) -> RR")
     assert rep["compute_s"] == pytest.approx(max(fwd / 100e12, 32 * 256 * 4 / 2e12) + max(2 * fwd / 100e12, 2 * 32 * 256 * 4 / 2e12))
-    code, out, _ = run(capsys, "explain", str(tmp_path / "a.json"), "transformer.h.0.mlp.c_fc")
+    code, out, _ = run(capsys, "explain", str(tmp_path / "a.json"), "transformer.h.0.mlp.c_fc", "--model", GPT2)
     assert code == 0 and "chosen" in out and "c_fc" in out and "parameter transformer.h.0.mlp.c_fc.weight (stored out x in, as nn.Linear): replicated" in out
 
 
@@ -130,7 +130,7 @@ def test_explain_prices_a_parameter_by_its_optimizer_step(capsys, plans):
     (10 launches, 8 writes of the block: hand count against the mesh's numbers)."""
     d, a, _ = plans
     weight = next(p for p in a.params if p.fqn == "transformer.h.0.mlp.c_fc.weight")
-    code, out, _ = run(capsys, "explain", str(d / "a.json"), weight.fqn, "--json")
+    code, out, _ = run(capsys, "explain", str(d / "a.json"), weight.fqn, "--json", "--model", GPT2)
     assert code == 0
     alts = {x["strategy"]: x for x in json.loads(out)["nodes"][0]["alternatives"]}
     mesh, nbytes = a.mesh, 64 * 256 * 4  # c_fc: Conv1D (64 -> 256), fp32
@@ -139,6 +139,19 @@ def test_explain_prices_a_parameter_by_its_optimizer_step(capsys, plans):
         assert x["compute_s"] == pytest.approx(10 * mesh.op_overhead_s + 8 * nbytes / block / mesh.mem_bandwidth_bytes_per_s)
         assert x["comm_s"] == 0.0
     assert len({x["compute_s"] for x in alts.values()}) > 1  # a sharded block updates faster
+
+
+def test_explain_never_imports_the_model_file_a_plan_names(capsys, plans, tmp_path):
+    """A plan naming a model file that runs code: explain without --model prices nothing and imports nothing,
+    and says to pass --model."""
+    d, a, _ = plans
+    marker = tmp_path / "ran"
+    hostile = tmp_path / "hostile.py"
+    hostile.write_text(f"import pathlib\npathlib.Path({str(marker)!r}).touch()\n")
+    save_plan(replace(a, source=replace(a.source, model_file=str(hostile))), tmp_path / "a.json")
+    code, out, _ = run(capsys, "explain", str(tmp_path / "a.json"), "transformer.h.0.mlp.c_fc")
+    assert code == 0 and not marker.exists()
+    assert f"alternatives not priced: the plan was made from {hostile}, which explain never imports" in " ".join(out.split())
 
 
 def test_explain_unknown_target(capsys, plans):

@@ -89,11 +89,16 @@ def test_ranks_feeding_their_own_lengths():
     shapes in one step. A data-parallel plan moves only gradients and the loss's scalars: it trains like one
     device on all the ranks' rows (the mean over every rank's tokens). A plan that moves activations refuses on
     every rank, naming each rank's shapes, instead of collectives of mismatched sizes (gloo aborted the process),
-    and the module still runs the shapes every rank shares."""
+    and the module still runs the shapes every rank shares. So does a plan that gathers the rows of a split
+    position table the lengths read."""
     model, sample = _gpt2(4, 16)
     traced = trace_model(model, sample)
     mesh = cpu_mesh((2,))
-    plans = [greedy_plan(traced, mesh, {n: "S(0)" for n in traced.input_names}), random_plan(traced, mesh, random.Random(3))]
+    rows = {n: "S(0)" for n in traced.input_names}
+    # data parallel but for the position table, stored split along its width: the rows of it a length reads are
+    # gathered, a collective sized by each rank's length (the CPU preset's plan; gloo aborted the process)
+    plans = [greedy_plan(traced, mesh, rows), random_plan(traced, mesh, random.Random(3)),
+             greedy_plan(traced, mesh, {**rows, "p_transformer_wpe_weight": "S(1)"})]
     batches = [_same_weights_batch(2, 12, 1), _same_weights_batch(2, 16, 2)]
     single = copy.deepcopy(model)
     # the model's loss is a mean over its tokens: over both ranks' rows, the sum of each batch's token losses
@@ -104,17 +109,17 @@ def test_ranks_feeding_their_own_lengths():
     torch.optim.SGD(single.parameters(), lr=1.0).step()
     with torch.no_grad():
         want_sample, want_sample_after = model(**sample).item(), single(**sample).item()
-    for data_parallel, exchanging in run_ranks(_own_lengths, 2, model, sample, traced, plans, batches, timeout_s=220):
+    for data_parallel, *exchanging in run_ranks(_own_lengths, 2, model, sample, traced, plans, batches, timeout_s=220):
         (outcome, sample_loss) = data_parallel
         assert outcome[0] == "trained" and outcome[1] == pytest.approx(want.item(), rel=1e-6)
         for fqn, value in single.state_dict().items():
             torch.testing.assert_close(outcome[2][fqn], value, rtol=0, atol=2e-6)
         assert sample_loss == pytest.approx(want_sample_after, rel=1e-5)
-        (outcome, sample_loss) = exchanging
-        assert outcome[0] == "refused", outcome
-        assert "rank 0: training, (0 positional; input_ids, labels): (2, 12) int64" in outcome[1]
-        assert "rank 1: training, (0 positional; input_ids, labels): (2, 16) int64" in outcome[1]
-        assert sample_loss == pytest.approx(want_sample, rel=1e-5)  # nothing moved: the refusal came before
+        for outcome, sample_loss in exchanging:
+            assert outcome[0] == "refused", outcome
+            assert "rank 0: training, (0 positional; input_ids, labels): (2, 12) int64" in outcome[1]
+            assert "rank 1: training, (0 positional; input_ids, labels): (2, 16) int64" in outcome[1]
+            assert sample_loss == pytest.approx(want_sample, rel=1e-5)  # nothing moved: the refusal came before
 
 
 def _freeze_schedule(module: nn.Module, step: int) -> None:

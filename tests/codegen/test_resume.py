@@ -20,6 +20,7 @@ from tests.codegen.plans import cpu_mesh, greedy_plan, load_zoo, random_plan
 
 import autopar
 from autopar.codegen.shapes import LoweringError
+from autopar.runtime.checkpoints import latest_checkpoint
 from autopar.runtime.launch import run_ranks
 from autopar.runtime.mesh import ProcessMesh
 from autopar.runtime.state_dict import StateDictError
@@ -105,7 +106,7 @@ def test_resume_under_another_plan_and_mesh_trains_like_one_device(tmp_path):
     fresh = copy.deepcopy(model)
     opt = torch.optim.AdamW(fresh.parameters(), lr=LR, eps=EPS)
     state = {"model": fresh.state_dict(), "optim": get_optimizer_state_dict(fresh, opt)}
-    dcp.load(state, checkpoint_id=path, no_dist=True)
+    dcp.load(state, checkpoint_id=latest_checkpoint(path), no_dist=True)
     fresh.load_state_dict(state["model"])
     set_optimizer_state_dict(fresh, opt, state["optim"])
     _assert_same_optimizer_state(get_optimizer_state_dict(fresh, opt), one_osd)

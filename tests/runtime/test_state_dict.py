@@ -85,4 +85,4 @@ def _dcp(rank: int, world_size: int, path: str) -> None:
 
 def test_dcp_save_load_reshards(spmd, tmp_path):
     spmd(_dcp, 2, str(tmp_path / "ckpt"))
-    assert (tmp_path / "ckpt" / ".metadata").exists()
+    assert (tmp_path / "ckpt" / "ckpt-000001" / ".metadata").exists()

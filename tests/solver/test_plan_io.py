@@ -113,7 +113,14 @@ def test_fingerprint_parts(traced):
 
 
 def test_check_plan_accepts_its_own_model(plan, traced):
-    check_plan(plan, traced, two_axis_mesh(), 40e9)
+    check_plan(replace(plan, nodes=_plan_nodes(traced)), traced, two_axis_mesh(), 40e9)
+    with pytest.raises(PlanMismatchError, match=r"nodes\[\d+\]\.strategy\.inputs: 2 specs for node 'mean', which has 1 inputs"):
+        check_plan(plan, traced, two_axis_mesh(), 40e9)  # the fixture's odd node: no strategy of mean has two inputs
+
+
+def _plan_nodes(traced):
+    return hand_plan(traced, two_axis_mesh(), column=("fc1.weight", "fc1.bias"), zero=("fc2.weight",),
+                     recompute_module="fc1", budget_bytes=40e9).nodes
 
 
 def test_check_plan_lists_every_difference(plan):
