@@ -29,6 +29,7 @@ from autopar.pipeline.plan import PipelinePlan, is_pipeline_dict, load_pipeline_
 from autopar.pipeline.runtime import PipelineError, PipelineMesh, StageModule
 from autopar.profiler import profile
 from autopar.runtime.batch import batch_slice
+from autopar.runtime.lockstep import from_rank0
 from autopar.solver import solve
 from autopar.solver.mesh import Mesh, make_mesh, preset_for_device
 from autopar.solver.plan import Plan
@@ -87,8 +88,8 @@ def pipeline_or_flat(model: nn.Module, sample_input: Any, device_mesh: Any, pp: 
         return parallelize_pipeline(model, sample_input, plan, batch_dim)
     shape = tuple(device_mesh.shape) if hasattr(device_mesh, "shape") else tuple(device_mesh)
     num_devices = math.prod(shape)
-    chosen = [None]
-    if dist.get_rank() == 0:
+
+    def chosen() -> Plan | PipelinePlan:  # on rank 0
         device = "meta" if torch.cuda.is_available() and dist.get_backend() == "nccl" else "cpu"
         preset = hardware or (_local_gpu_preset() if device == "meta" else "cpu")
         mesh = preset.with_shape(shape) if isinstance(preset, Mesh) else make_mesh(num_devices, shape, preset)
@@ -102,14 +103,23 @@ def pipeline_or_flat(model: nn.Module, sample_input: Any, device_mesh: Any, pp: 
                               time_limit_s=time_limit_s)
         except InfeasibleError:
             flat_plan = None
-        found = choose(flat_plan, trace_at, global_batch(whole), num_devices, pp or "auto", preset, memory_budget, optimizer,
-                       time_limit_s)
-        chosen = [json.dumps(pipeline_to_dict(found)) if isinstance(found, PipelinePlan) else plan_to_json(found)]
-    dist.broadcast_object_list(chosen, src=0)
-    obj = json.loads(chosen[0])
-    if is_pipeline_dict(obj):
-        return parallelize_pipeline(model, sample_input, pipeline_from_dict(obj), batch_dim)
-    return flat(plan_from_json(chosen[0]))
+        return choose(flat_plan, trace_at, global_batch(whole), num_devices, pp or "auto", preset, memory_budget,
+                      optimizer, time_limit_s)
+
+    # (what rank 0 raises, no plan fitting the budget, is raised on every rank)
+    found = from_rank0(chosen, _plan_text, _plan_of_text)
+    if isinstance(found, PipelinePlan):
+        return parallelize_pipeline(model, sample_input, found, batch_dim)
+    return flat(found)
+
+
+def _plan_text(plan: Plan | PipelinePlan) -> str:
+    return json.dumps(pipeline_to_dict(plan)) if isinstance(plan, PipelinePlan) else plan_to_json(plan)
+
+
+def _plan_of_text(text: str) -> Plan | PipelinePlan:
+    obj = json.loads(text)
+    return pipeline_from_dict(obj) if is_pipeline_dict(obj) else plan_from_json(text)
 
 
 def _local_gpu_preset() -> str:
