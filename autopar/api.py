@@ -145,6 +145,7 @@ def parallelize(
     mixed_precision: MixedPrecision | None = None,
     call_timeout_s: float = arrival.TIMEOUT_S,
     drift_check_every: int = 100,
+    pp: Literal["auto"] | int | None = None,
 ) -> ParallelModule:
     """Return `model` parallelized over `device_mesh` as a `ParallelModule` (local shards, same FQNs).
 
@@ -166,6 +167,11 @@ def parallelize(
       one per input shaped as `sample_input` (`(1, 0)` for `(x, labels)` with labels `(batch,)`; None for an
       input fed whole). Each rank then feeds its slice along those dims, as a DDP loop does; a non-loss output
       comes back cut along the first batched input's dim (or dim 0) where it has the batch's size there.
+    pp: "auto" lets the solver cut the model into pipeline stages where that predicts a faster step than any plan
+      without them; a number asks for that many pp ranks. A pipeline comes back as an
+      `autopar.pipeline.module.PipelineModule` (train with `loss = pm.step(**pm.local_batch(batch))`, then the optimizer's
+      step), and so does a pipeline plan given as `plan` (`PipelinePlan` or its JSON file). Its ranks agree on
+      the plan by rank 0's broadcast; call_timeout_s and drift_check_every apply to plans without stages.
     call_timeout_s: how long a call every rank must make (a state dict, a checkpoint, the first forward and each
       change of mode) waits for the other ranks before raising `CallMismatchError`, naming those that did not
       come and the call each was last in (`runtime.arrival`); `pm.call_timeout_s` changes it later.
@@ -179,6 +185,17 @@ def parallelize(
     Errors are raised on every rank alike: one raised while tracing or checking a plan on any rank, or while
     solving on rank 0, so that a loop catching it and calling `parallelize` again does so on every rank.
     """
+    from autopar.pipeline.api import is_pipeline_plan, pipeline_or_flat  # (it builds on this module)
+
+    if pp is not None or is_pipeline_plan(plan):
+        if mixed_precision is not None:
+            raise ValueError("pipeline stages run in the model's own dtypes: pass mixed_precision or pp, not both (cast "
+                             "the model with model.to(dtype) for a low-precision pipeline)")
+        return pipeline_or_flat(model, sample_input, device_mesh, pp, plan, memory_budget, hardware, optimizer, time_limit_s,
+                                batch_dim, lambda flat: parallelize(model, sample_input, device_mesh, memory_budget, hardware,
+                                                                    flat, optimizer, input_layout, time_limit_s, batch_dim,
+                                                                    call_timeout_s=call_timeout_s,
+                                                                    drift_check_every=drift_check_every))
     if input_layout == "replicate" and batch_dim != 0:
         raise BatchDimError(f"batch_dim={batch_dim!r} says along which dims the ranks split the batch, but with "
                             "input_layout='replicate' every rank feeds the whole batch: leave batch_dim out, or use 'shard'")

@@ -1,6 +1,7 @@
 """The `autopar` command: plan, show, explain, diff, profile, calibrate.
 
     autopar plan examples/gpt2.py --gpus 8 --memory 80GB --save plan.json --html plan.html
+    autopar plan examples/gpt2.py --size gpt3-175b --gpus 64 --hardware h100-ib --pp auto
     autopar show plan.json
     autopar explain plan.json transformer.h.0.mlp.c_fc
     autopar diff a.json b.json
@@ -68,6 +69,19 @@ def _positive(text: str) -> int:
     return n
 
 
+def _pp(text: str) -> str | int:
+    """An argparse type: 'auto' or a number of pp ranks (at least 2)."""
+    if text == "auto":
+        return text
+    try:
+        n = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is neither 'auto' nor a whole number") from None
+    if n < 2:
+        raise argparse.ArgumentTypeError(f"{n} pp ranks is no pipeline: give at least 2, or 'auto'")
+    return n
+
+
 def _add_model_args(p: argparse.ArgumentParser) -> None:
     # MODEL.py is optional on the parser because --hf-config replaces it; the command checks that one is given.
     p.add_argument("model", nargs="?", help="MODEL.py defining `model` and `sample_input`, or build(batch_size, seq_len)")
@@ -101,6 +115,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--time-limit", type=_seconds, default=30.0,
                    help="seconds the search may take in all, over every mesh shape it tries (stopped there, it answers with "
                         "the best plan found, never slower than the fastest textbook plan that fits)")
+    p.add_argument("--pp", type=_pp, help="pipeline stages: 'auto' keeps them where they predict a faster step than "
+                   "any plan without them; a number asks for that many pp ranks")
+    p.add_argument("--gpus-per-node", type=_positive, default=8, help="with --pp: devices a node holds (the fast link "
+                   "inside a node, the slower between nodes with --hardware h100-ib)")
     p.add_argument("--save", help="write the plan to this JSON file")
     p.add_argument("--load", help="reuse this plan file (checked against the model) instead of solving")
     p.add_argument("--html", help="write a self-contained HTML report here")
