@@ -16,6 +16,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
 
 from autopar.pipeline.api import build_pipeline
+from autopar.runtime.checkpoints import latest_checkpoint
 from autopar.runtime.launch import run_ranks
 from autopar.runtime.mesh import ProcessMesh
 from tests.codegen.harness import EPS, LR, call, loss_of, parallel_module, trace_model
@@ -79,7 +80,7 @@ def test_checkpoint_of_pp2_dp2_resumes_under_dp4_another_pipeline_and_one_device
     fresh = copy.deepcopy(model)  # one device, torch alone: torch's get_state_dict layout
     opt = torch.optim.AdamW(fresh.parameters(), lr=LR, eps=EPS)
     state = {"model": fresh.state_dict(), "optim": get_optimizer_state_dict(fresh, opt)}
-    dcp.load(state, checkpoint_id=path, no_dist=True)
+    dcp.load(state, checkpoint_id=latest_checkpoint(path), no_dist=True)  # the newest published save
     fresh.load_state_dict(state["model"])
     set_optimizer_state_dict(fresh, opt, state["optim"])
     for step in range(STOP, STEPS):
