@@ -1,4 +1,4 @@
-"""Faults injected into a training job, and what each does: the table of docs/reliability.md.
+"""Faults injected into a training job, and what each does: the table of docs/guide/reliability.md.
 
     python -m benchmarks.faults                          # every fault (about 6 minutes on 2 idle cores)
     python -m benchmarks.faults --only kill-during-save,drift

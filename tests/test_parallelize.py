@@ -138,7 +138,10 @@ def test_forward_hooks_on_submodules_are_named_as_not_running():
 def _attributes(rank, world, model, sample):
     pm = parallelize(model, sample, (world,))
     batch = {k: v.to(pm.device) for k, v in pm.local_batch(sample).items()}  # an HF loop's idiom
-    return pm.config.vocab_size, pm.name_or_path, str(pm.device), pm(**batch).loss.item()
+    loss = pm(**batch).loss.item()
+    stepped = pm.step(**batch)  # forward and backward, as a pipeline module's loop calls it: the output's .loss
+    norm = pm.clip_grad_norm_(float("inf")).item()
+    return pm.config.vocab_size, pm.name_or_path, str(pm.device), loss, stepped.item(), stepped.requires_grad, norm
 
 
 @pytest.mark.timeout(100)
@@ -147,11 +150,14 @@ def test_the_models_plain_attributes_and_device_are_the_parallel_modules():
     parallel module answers them as the model does (the config's values; the device of this rank's shards)."""
     model, sample = load_zoo("hf_gpt2").build(batch_size=4, seq_len=16, size="tiny", device="cpu")
     model.name_or_path = "tiny-gpt2"
-    with torch.no_grad():
-        want = copy.deepcopy(model)(**sample).loss.item()
-    for vocab, name, device, loss in run_ranks(_attributes, 2, model, sample, timeout_s=90):
+    one = copy.deepcopy(model)
+    want = one(**sample).loss
+    want.backward()
+    want_norm = torch.nn.utils.clip_grad_norm_(one.parameters(), float("inf")).item()
+    for vocab, name, device, loss, stepped, attached, norm in run_ranks(_attributes, 2, model, sample, timeout_s=90):
         assert (vocab, name, device) == (model.config.vocab_size, "tiny-gpt2", "cpu")
-        assert loss == pytest.approx(want, rel=1e-5)
+        assert loss == pytest.approx(want.item(), rel=1e-5) and stepped == pytest.approx(want.item(), rel=1e-5)
+        assert not attached and norm == pytest.approx(want_norm, rel=1e-4)  # pm.step's backward: one device's gradients
 
 
 def _by_module_type(module: torch.nn.Module) -> tuple[set[str], set[str]]:

@@ -51,7 +51,7 @@ from autopar.codegen.eval_mode import eval_difference, without_dropout
 from autopar.codegen.exchanges import exchanges_activations
 from autopar.codegen.lower import LoweringInfo, lower, share_tree
 from autopar.codegen.shapes import LoweringError
-from autopar.errors import AlreadyParallelError, TraceError
+from autopar.errors import AlreadyParallelError, TraceError, UsageError
 from autopar.mixed_precision import MixedPrecision
 from autopar.runtime import arrival
 from autopar.runtime.arrival import all_ranks_make
@@ -283,6 +283,21 @@ class ParallelModule(nn.Module, Joinable):
 
     def _params_read(self) -> list[torch.Tensor]:
         return [owner[name] for owner, name in (self._graph.state_slots[i] for i in self._graph.param_positions)]
+
+    def step(self, *args: Any, **kwargs: Any) -> torch.Tensor:
+        """Forward and backward of this rank's inputs (`local_batch`): the loss, detached. The loop a pipeline
+        module needs (`PipelineModule.step`, which runs its micro-batches inside), so that one loop trains
+        whichever module `parallelize(..., pp="auto")` returns; `loss = pm(...); loss.backward()` is the same."""
+        out = self(*args, **kwargs)
+        loss = out if isinstance(out, torch.Tensor) else getattr(out, "loss", None)
+        if loss is None and isinstance(out, Mapping):
+            loss = out.get("loss")
+        if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+            raise UsageError(f"pm.step() trains a model that returns its loss (a one-element tensor, or an output "
+                             f"with .loss / ['loss']); this one returned {type(out).__name__}: call pm(...) and "
+                             f"backward your own loss instead")
+        loss.backward()
+        return loss.detach()
 
     def local_batch(self, batch: Any) -> Any:
         """This rank's part of a GLOBAL batch, as the module's input layout wants it fed.
