@@ -62,6 +62,7 @@ from autopar.runtime.grad_norm import track
 from autopar.runtime.optimizers import watch_optimizers
 from autopar.runtime import join, rng
 from autopar.runtime.compute_copies import ComputeCopies
+from autopar.runtime.offload import HostOffload
 from autopar.runtime.grad_sync import GradSync
 from autopar.runtime.mesh import ProcessMesh
 from autopar.runtime.same_inputs import agree
@@ -140,6 +141,8 @@ class ParallelModule(nn.Module, Joinable):
         info: LoweringInfo = gm.meta["autopar"]
         share_tree(self, gm)  # the graph's parameter tree, so FQNs are the original ones (no "graph." prefix)
         self.mesh, self.plan, self.info = mesh, plan, info
+        self._offload = self._offload_for(plan)  # the host tier's masters in the parameters' place (`runtime.offload`)
+        self._offload_queued = False  # its move of gradients to the host is queued for the end of this backward
         # outputs come back as each rank's rows: a loss computed from them outside is one term of a sum.
         # Watched in the first training forward only: a loop that computes its loss outside does so from
         # its first step, and the watch costs an alias and a hook per output.
@@ -198,6 +201,21 @@ class ParallelModule(nn.Module, Joinable):
         sync_key = (tuple(sorted(info.grad_sync_axes.items())), trainable)
         copied = tuple((i, fqn) for i, fqn in enumerate(info.state_inputs) if fqn in info.compute_copies)
         return _Graph(gm, traced.out_spec, traced.loss_index, slots, params, sync_key, casts, copied)
+
+    def _offload_for(self, plan: Plan) -> HostOffload | None:
+        """Host masters of the plan's "host" tier parameters, registered in the parameters' place (each name of a
+        tied one): `pm.parameters()` yields them, and the optimizer made over it steps them on the host."""
+        names = [fqn for fqn in plan.offloaded() if fqn not in self.info.aliases]
+        if not names:
+            return None
+        params = [(fqn, _tensor(self, fqn)) for fqn in names]
+        offload = HostOffload(params)
+        master_of = {id(p): offload.masters[fqn] for fqn, p in params}
+        for module in self.modules():
+            for name, p in list(module._parameters.items()):
+                if id(p) in master_of:
+                    module._parameters[name] = master_of[id(p)]
+        return offload
 
     def _copies_for(self, graph: _Graph, rebuild: bool = False) -> ComputeCopies | None:
         """The compute copies `graph` reads: the module's, made anew when they lack one of its parameters or
@@ -343,6 +361,8 @@ class ParallelModule(nn.Module, Joinable):
     @property
     def device(self) -> torch.device:
         """Where this rank's parameters live (what `batch.to(model.device)` in a Hugging Face loop wants)."""
+        if self._offload is not None:  # its masters are on the host; the graph computes on the device
+            return self._offload.device
         return next(iter(self.parameters())).device
 
     # Under torch.compile (`torch.compile(pm)`, or a compiled loop calling it) the forward runs eagerly, a
@@ -378,6 +398,12 @@ class ParallelModule(nn.Module, Joinable):
             self._sync_to(graph)  # a parameter was set anew since the sync was built
         elif graph.sync_key != self._sync_key and torch.is_grad_enabled():
             self._sync_to(graph)  # another graph's gradients are summed over other axes
+        if self._offload is not None:  # the host tier: the graph computes on device copies of the host masters
+            self._offload.upload()
+            for i, fqn in enumerate(graph.gm.meta["autopar"].state_inputs):
+                copy = self._offload.device_of.get(self.info.aliases.get(fqn, fqn))
+                if copy is not None:
+                    state[i] = copy
         if graph.copied:  # mixed precision: the graph computes on the copies, made when the masters changed
             self._copies.refresh()
             for i, fqn in graph.copied:
@@ -399,6 +425,8 @@ class ParallelModule(nn.Module, Joinable):
                     if watch:
                         outs[i].register_hook(self._outside_loss_hook)
                 self._sync.watch(outs[i])  # where a backward enters the module: the sync starts there
+                if self._offload is not None:  # (after the sync's hook: its end-of-backward comes first)
+                    outs[i].register_hook(self._offload_on_enter)
         return pytree.tree_unflatten(outs, graph.out_spec)
 
     def _use_graph_for(self, key: _Signature, flat: list[Any], spec: Any) -> None:
@@ -528,6 +556,17 @@ class ParallelModule(nn.Module, Joinable):
         self._sync_key = graph.sync_key
         self._synced_params = self._params_read()
 
+    def _offload_on_enter(self, grad: torch.Tensor) -> None:
+        """A backward reaches the module: once it ends (after the gradient sync's), a synced one moves the
+        gradients to the host masters; a `no_sync()` one leaves them to the next synced backward's sum."""
+        if self._syncing and not self._offload_queued:
+            self._offload_queued = True
+            torch.autograd.Variable._execution_engine.queue_callback(self._offload_collect)
+
+    def _offload_collect(self) -> None:
+        self._offload_queued = False
+        self._offload.collect()
+
     def _outside_loss_hook(self, grad: torch.Tensor) -> None:
         """Gradient enters through an output other than the loss: say once what that trains on."""
         if self._outside_loss_logged:
@@ -546,6 +585,8 @@ class ParallelModule(nn.Module, Joinable):
         """`torch.nn.utils.clip_grad_norm_(self.parameters(), ...)`: by the norm of the full gradients across all
         ranks' shards (`runtime.grad_norm.track`; a collective: call it on every rank, after backward), the
         same on every rank."""
+        if self._offload is not None:
+            self._offload.ready()  # the host masters' gradients, every copy landed
         return torch.nn.utils.clip_grad_norm_(self.parameters(), max_norm, norm_type)
 
     def expect_equal_blocks(self, *names: str) -> None:
@@ -844,6 +885,9 @@ def _make_grad_sync(module: nn.Module, info: LoweringInfo, mesh: ProcessMesh, co
     read as its compute copy is synced as the copy, into its master (with no group if nothing is summed), in
     `reduce_dtype` as every gradient is."""
     params = dict(module.named_parameters())
+    offload = getattr(module, "_offload", None)
+    if offload is not None:  # the host tier's gradients are the device copies' (moved to the masters after)
+        params.update(offload.device_of)
     # every rank builds the flattened groups in the same (graph) order: group creation is collective
     entries, masters = [], {}
     for fqn, axes in info.grad_sync_axes.items():
