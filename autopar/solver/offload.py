@@ -42,7 +42,9 @@ class TierCost:
     """One parameter's block on one rank (1/`shard` of it) on the host tier, against the device tier."""
 
     device_bytes_saved: float  # its optimizer state, off the device
-    host_bytes: float  # its master, its gradient's host copy and its optimizer state
+    host_params_bytes: float  # its master
+    host_grads_bytes: float  # its gradient's host copy
+    host_optimizer_bytes: float  # its optimizer state
     transfer_s: float  # the gradient device-to-host, the updated value host-to-device
     host_step_s: float  # the optimizer's step on the host
     device_step_s: float  # the device's optimizer step it replaces
@@ -51,6 +53,10 @@ class TierCost:
     def step_s(self) -> float:
         """What the host tier adds to a step (the runtime overlaps none of it with compute)."""
         return self.transfer_s + self.host_step_s
+
+    @property
+    def host_bytes(self) -> float:
+        return self.host_params_bytes + self.host_grads_bytes + self.host_optimizer_bytes
 
 
 def storage_shard(spec: Spec, mesh: Mesh) -> int:
@@ -62,12 +68,14 @@ def tier_cost(param: ParamProfile, shard: float, mesh: Mesh, host_params_per_s: 
     """The host tier of `param`'s block of 1/`shard` of it on a rank of `mesh` (a frozen parameter, which the
     optimizer never steps, saves and costs nothing)."""
     if not param.optimizer_bytes:
-        return TierCost(0.0, 0.0, 0.0, 0.0, 0.0)
+        return TierCost(0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0)
     param_bytes, grad_bytes = param.param_bytes / shard, param.grad_bytes / shard
     device_step_s = param.update_launches * mesh.op_overhead_s + compute_time_s(0.0, param.update_write_bytes / shard, mesh)
     return TierCost(
         device_bytes_saved=param.optimizer_bytes / shard,
-        host_bytes=param_bytes + grad_bytes + param.optimizer_bytes / shard,
+        host_params_bytes=param_bytes,
+        host_grads_bytes=grad_bytes,
+        host_optimizer_bytes=param.optimizer_bytes / shard,
         transfer_s=(grad_bytes + param_bytes) / mesh.host_link_bytes_per_s,
         host_step_s=param.numel / shard / host_params_per_s,
         device_step_s=device_step_s,
@@ -93,6 +101,8 @@ def with_offload(plan: Plan, profile: GraphProfile, names: AbstractSet[str]) -> 
     return replace(
         plan,
         params=tuple(replace(p, tier="host") if p.fqn in names else p for p in plan.params),
-        memory=replace(plan.memory, host_bytes=sum(c.host_bytes for c in costs)),
+        memory=replace(plan.memory, host_params_bytes=sum(c.host_params_bytes for c in costs),
+                       host_grads_bytes=sum(c.host_grads_bytes for c in costs),
+                       host_optimizer_bytes=sum(c.host_optimizer_bytes for c in costs)),
         time=replace(plan.time, offload_s=sum(c.step_s for c in costs)),
     )

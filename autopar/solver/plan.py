@@ -55,7 +55,14 @@ class MemoryBreakdown:
     activations_bytes: float  # saved for backward, not recomputed
     temp_bytes: float  # largest transient (temporaries, gathered ZeRO params, recompute regions)
     budget_bytes: float | None
-    host_bytes: float = 0.0  # per rank in host memory: the offloaded parameters' masters, gradients and optimizer state
+    # per rank in host memory (the "host" tier, `solver.offload`): the masters, their gradients, their optimizer state
+    host_params_bytes: float = 0.0
+    host_grads_bytes: float = 0.0
+    host_optimizer_bytes: float = 0.0
+
+    @property
+    def host_bytes(self) -> float:
+        return self.host_params_bytes + self.host_grads_bytes + self.host_optimizer_bytes
 
     @property
     def total_bytes(self) -> float:

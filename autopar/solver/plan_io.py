@@ -50,7 +50,7 @@ def _mesh_dict(mesh: Mesh) -> dict:
 
 def _memory_dict(m: MemoryBreakdown) -> dict:
     return {k: getattr(m, k) for k in ("params_bytes", "grads_bytes", "optimizer_bytes", "activations_bytes", "temp_bytes", "budget_bytes",
-                                       "host_bytes")}
+                                       "host_params_bytes", "host_grads_bytes", "host_optimizer_bytes")}
 
 
 def _time_dict(t: TimeBreakdown) -> dict:
@@ -223,7 +223,8 @@ def _device_fields_from(f: _Field) -> dict:
 
 def _memory_from(f: _Field) -> MemoryBreakdown:
     return MemoryBreakdown(*(f[k].num() for k in ("params_bytes", "grads_bytes", "optimizer_bytes", "activations_bytes", "temp_bytes")),
-                           f["budget_bytes"].opt_num(positive=True), f.get("host_bytes", 0.0).num())  # 0: no offload
+                           f["budget_bytes"].opt_num(positive=True),  # the host tier's: 0 when nothing is offloaded
+                           *(f.get(k, 0.0).num() for k in ("host_params_bytes", "host_grads_bytes", "host_optimizer_bytes")))
 
 
 def _time_from(f: _Field) -> TimeBreakdown:
