@@ -142,7 +142,6 @@ class ParallelModule(nn.Module, Joinable):
         share_tree(self, gm)  # the graph's parameter tree, so FQNs are the original ones (no "graph." prefix)
         self.mesh, self.plan, self.info = mesh, plan, info
         self._offload = self._offload_for(plan)  # the host tier's masters in the parameters' place (`runtime.offload`)
-        self._offload_queued = False  # its move of gradients to the host is queued for the end of this backward
         # outputs come back as each rank's rows: a loss computed from them outside is one term of a sum.
         # Watched in the first training forward only: a loop that computes its loss outside does so from
         # its first step, and the watch costs an alias and a hook per output.
@@ -182,6 +181,8 @@ class ParallelModule(nn.Module, Joinable):
         self._use(first)
         self._copies = self._copies_for(first)
         self._sync = _make_grad_sync(self, info, mesh, self._copies, self._reduce_dtype())
+        if self._offload is not None:
+            self._offload.follow(self._sync)  # the host tier's gradients leave the device as the sync writes them
         self._syncing = True  # False inside `no_sync()`
         self._sync_key = first.sync_key
         self._synced_params = self._params_read()  # the sync's
@@ -425,8 +426,6 @@ class ParallelModule(nn.Module, Joinable):
                     if watch:
                         outs[i].register_hook(self._outside_loss_hook)
                 self._sync.watch(outs[i])  # where a backward enters the module: the sync starts there
-                if self._offload is not None:  # (after the sync's hook: its end-of-backward comes first)
-                    outs[i].register_hook(self._offload_on_enter)
         return pytree.tree_unflatten(outs, graph.out_spec)
 
     def _use_graph_for(self, key: _Signature, flat: list[Any], spec: Any) -> None:
@@ -553,19 +552,10 @@ class ParallelModule(nn.Module, Joinable):
             self._copies.refresh()  # the copies' requires_grad follows the masters' before the sync registers them
         self._sync = _make_grad_sync(self, graph.gm.meta["autopar"], self.mesh, self._copies, self._reduce_dtype())
         self._sync.enabled = self._syncing
+        if self._offload is not None:
+            self._offload.follow(self._sync)  # the host tier's gradients leave the device as the sync writes them
         self._sync_key = graph.sync_key
         self._synced_params = self._params_read()
-
-    def _offload_on_enter(self, grad: torch.Tensor) -> None:
-        """A backward reaches the module: once it ends (after the gradient sync's), a synced one moves the
-        gradients to the host masters; a `no_sync()` one leaves them to the next synced backward's sum."""
-        if self._syncing and not self._offload_queued:
-            self._offload_queued = True
-            torch.autograd.Variable._execution_engine.queue_callback(self._offload_collect)
-
-    def _offload_collect(self) -> None:
-        self._offload_queued = False
-        self._offload.collect()
 
     def _outside_loss_hook(self, grad: torch.Tensor) -> None:
         """Gradient enters through an output other than the loss: say once what that trains on."""

@@ -2,9 +2,9 @@
 
     off = HostOffload([(fqn, device_parameter), ...])   # pm's parameters become the host masters
     opt = torch.optim.AdamW(pm.parameters())             # steps the host masters (its state: host tensors)
+    off.follow(sync)                                     # gradients device-to-host as `sync` finishes them
     off.upload()                                         # before a forward: changed masters host-to-device
     graph(*[off.device_of[fqn] ...])                     # forward and backward run on the device copies
-    off.collect()                                        # end of a synced backward: gradients device-to-host
     opt.step()                                           # a step pre-hook waits for the copies first
 
 What the user's optimizer holds (`pm.parameters()`) is the host master of each offloaded parameter: a
@@ -13,12 +13,14 @@ optimizer's state, made like its parameters, is on the host too, and its step ru
 own CPU code. The graph computes on a device copy of each master, a leaf that requires grad as the master
 does: autograd and the gradient sync (`runtime.grad_sync`) accumulate and sum its gradient on the device.
 
-Gradients: once a backward that syncs ends (each bucket summed), every device copy's gradient is copied to
-the host and added to its master's `.grad` (a sum over ranks, as the sync writes them, so micro-batches that
-each sync add up as they do on the device), and dropped on the device. On CUDA the copies run on a side
-stream after an event on the compute stream, non_blocking into pinned buffers; an optimizer step pre-hook
-waits for their events before any optimizer steps. A `no_sync()` backward leaves its gradients on the device,
-where the next synced backward sums them.
+Gradients go to the host as they are final, and are added to the masters' `.grad` there (so backward
+calls before a step add up as they do on the device) and dropped on the device:
+- a gradient the sync sums over ranks, when its bucket's sum is written (`GradSync.on_written`): a
+  `no_sync()` backward leaves it on the device, where the next synced backward sums it;
+- any other (one rank, a ZeRO block reduce-scattered inside the graph), when autograd has accumulated it
+  (a post-accumulate-grad hook), while backward goes on.
+On CUDA the copies run on a side stream after the compute stream's work so far, non_blocking into pinned
+buffers; an optimizer step pre-hook waits for their events before any optimizer steps.
 
 Parameters: before a forward, each master whose version counter moved since its last copy (`opt.step()`, a
 load, an in-place write) is copied host-to-device (non_blocking from pinned memory, on the compute stream, so
@@ -62,7 +64,20 @@ class HostOffload:
         self._pending: list[torch.cuda.Event] = []  # device-to-host copies not yet waited for
         self._staged: list[tuple[nn.Parameter, torch.Tensor]] = []  # (master, its gradient copied there once done)
         self._stream = None  # the side stream of device-to-host copies (CUDA)
+        self._sync = None  # the gradient sync whose buckets carry some of the copies' gradients
+        for copy in self.device_of.values():
+            copy.register_post_accumulate_grad_hook(self._accumulated)
         _watch_steps(self)
+
+    def follow(self, sync) -> None:
+        """Move the gradients `sync` (a `GradSync` over the device copies) sums as it writes each bucket, and the
+        others once autograd accumulated them."""
+        self._sync = sync
+        sync.on_written = self.collect
+
+    def _accumulated(self, copy: torch.Tensor) -> None:
+        if self._sync is None or not self._sync.synced(copy):  # final now: no sum over ranks follows
+            self.collect([copy])
 
     @property
     def device(self) -> torch.device:
@@ -80,9 +95,12 @@ class HostOffload:
                     copy.copy_(master, non_blocking=copy.is_cuda)
                     self._versions[fqn] = master._version
 
-    def collect(self) -> None:
-        """Move each device copy's gradient onto its master's `.grad` (added to one there), asynchronously on CUDA."""
-        moved = [(self.masters[fqn], c) for fqn, c in self.device_of.items() if c.grad is not None]
+    def collect(self, copies: Sequence[torch.Tensor] | None = None) -> None:
+        """Move the gradient of each of `copies` (default: every device copy) onto its master's `.grad` (added to one
+        there), asynchronously on CUDA."""
+        wanted = None if copies is None else {id(c) for c in copies}
+        moved = [(self.masters[fqn], c) for fqn, c in self.device_of.items()
+                 if c.grad is not None and (wanted is None or id(c) in wanted)]
         if not moved:
             return
         if moved[0][1].is_cuda:

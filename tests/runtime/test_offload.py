@@ -15,6 +15,8 @@ import pytest
 import torch
 from torch.utils import _pytree as pytree
 
+import autopar
+from autopar.errors import InvalidValueError
 from autopar.profiler import profile
 from autopar.runtime.launch import run_ranks
 from autopar.runtime.mesh import ProcessMesh
@@ -22,7 +24,8 @@ from autopar.solver.offload import offloaded_profile, with_offload
 from autopar.solver.plan import Plan
 from autopar.solver.search import fixed_plan
 from autopar.solver.strategies import enumerate_strategies
-from tests.codegen.harness import EPS, LR, check_steps, local_sample, loss_of, parallel_module, zoo_case
+from tests.codegen.harness import (EPS, LR, check_steps, classifier_case, local_sample, loss_of, parallel_module, reference,
+                                   train, zoo_case)
 from tests.codegen.plans import cpu_mesh, greedy_plan, random_plan
 
 STEPS = 3
@@ -119,3 +122,44 @@ def test_predicted_device_and_host_bytes_are_measured():
         predicted_device = plan.memory.params_bytes + plan.memory.optimizer_bytes
         assert abs(measured["device"] - predicted_device) <= 0.01 * predicted_device, (measured, plan.memory)
         assert abs(measured["host"] - plan.memory.host_bytes) <= 0.01 * plan.memory.host_bytes, (measured, plan.memory)
+
+
+def _parallelized(rank: int, world: int, model, sample) -> tuple[tuple[str, ...], list[float], dict[str, torch.Tensor]]:
+    pm = autopar.parallelize(model, sample, (2,), hardware="cpu", offload="optimizer", time_limit_s=5)
+    assert all(p.device.type == "cpu" and p.is_pinned() == torch.cuda.is_available() for p in pm.parameters())
+    losses = train(pm, sample, STEPS)
+    return pm.plan.offloaded(), losses, pm.state_dict()
+
+
+def test_parallelize_offload_optimizer_trains_as_one_device():
+    model, sample = classifier_case()[:2]
+    ref = reference(model, sample, STEPS)
+    for offloaded, losses, state in run_ranks(_parallelized, 2, model, sample, timeout_s=120):
+        assert set(offloaded) == {name for name, _ in model.named_parameters()}
+        assert losses == pytest.approx(ref.losses, rel=1e-5)
+        for name, want in ref.params[-1].items():
+            torch.testing.assert_close(state[name], want, rtol=1e-4, atol=1e-5)
+    with pytest.raises(InvalidValueError, match="not parameters of the model"):
+        autopar.parallelize(model, sample, (1,), offload=["fc1.weight", "fc3.weight"])
+
+
+def _accumulated(rank: int, world: int, model, sample, traced, plan) -> dict[str, torch.Tensor]:
+    pm = parallel_module(model, sample, traced, plan, ProcessMesh((2,)))
+    args, kwargs = local_sample(sample, pm)
+    with pm.no_sync():  # this rank's term stays on the device, for the synced backward to sum
+        loss_of(pm(*args, **kwargs)).backward()
+    assert all(m.grad is None for m in pm._offload.masters.values())
+    loss_of(pm(*args, **kwargs)).backward()
+    return {fqn: p.grad for fqn, p in pm.named_parameters()}
+
+
+def test_no_sync_micro_batches_add_up_on_the_host():
+    """Two backward calls, the first under no_sync(), on a data-parallel plan with every parameter on the host: each
+    master's gradient is twice one device's (the gradient sync's buckets carry them all)."""
+    model, sample, traced, data_parallel = classifier_case()[:4]
+    plan = _tiers(data_parallel, {name for name, _ in model.named_parameters()})
+    ref = reference(model, sample, 1)
+    for grads in run_ranks(_accumulated, 2, model, sample, traced, plan, timeout_s=120):
+        assert set(grads) == set(ref.grads[0])
+        for fqn, want in ref.grads[0].items():
+            torch.testing.assert_close(grads[fqn], 2 * want, rtol=1e-4, atol=1e-6)
