@@ -210,6 +210,10 @@ class ParallelModule(nn.Module, Joinable):
         if not names:
             return None
         params = [(fqn, _tensor(self, fqn)) for fqn in names]
+        if any(p.is_meta for _, p in params):
+            raise LoweringError("offload: the model was built on meta, and the host tier copies each parameter's values "
+                                "to the host when the module is made: build the model with its values (on the CPU), or "
+                                "leave offload out")
         offload = HostOffload(params)
         master_of = {id(p): offload.masters[fqn] for fqn, p in params}
         for module in self.modules():
@@ -251,6 +255,9 @@ class ParallelModule(nn.Module, Joinable):
         """A copy with its own parameters and buffers (an EMA of the weights, a frozen eval copy), on the same
         mesh and plan. Process groups cannot be copied and the traces and plans are never changed, so the copy
         shares them; its gradient sync is its own, over its parameters."""
+        if self._offload is not None:
+            raise LoweringError("copy.deepcopy(pm) with parameters on the host tier (offload): copy pm.state_dict() into "
+                                "a model of its own instead (an EMA of the weights, a frozen eval copy)")
         immutable = (*self._graphs, *self._planned, *(g.out_spec for g in self._graphs.values()),
                      *(t for t, _, _ in self._planned.values()))  # signatures, output structures, traces
         for shared in (self.mesh, self.plan, self._retracer, self._sync, *immutable):
@@ -272,6 +279,9 @@ class ParallelModule(nn.Module, Joinable):
         """`nn.Module`'s conversions (`to`, `half`, `bfloat16`, `to_empty`, ...), which change the tensors: a graph
         casts to the dtypes it was traced with (HF Llama's RMSNorm casts back to its weight's), so other dtypes
         get a graph of their own, traced with them, and the gradient sync is built again."""
+        if self._offload is not None:  # it would move or convert the host masters, not the device copies
+            raise LoweringError("pm.to / pm.half / pm.cuda / ...: some parameters are on the host tier (offload), whose "
+                                "host masters must stay float32 host tensors; convert the model before parallelize")
         out = super()._apply(fn, recurse)
         for alias, owner in self.info.aliases.items():
             # a conversion across device types (meta -> cpu by `to_empty`, cpu -> cuda) makes a new tensor
