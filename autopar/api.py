@@ -198,9 +198,6 @@ def parallelize(
     if not isinstance(device_mesh, DeviceMesh):
         device_mesh = mesh_shape("device_mesh", device_mesh)
     offloaded = offloaded_names(offload, dict(model.named_parameters()))
-    if offloaded and mixed_precision is not None:
-        raise InvalidValueError(f"offload={offload!r} with mixed_precision: the host tier keeps float32 parameters and "
-                                "steps them on the host, without compute copies; leave one of the two out")
     start = time.perf_counter()
     pmesh = ProcessMesh(device_mesh)
     device = _capture_device(pmesh)

@@ -232,7 +232,9 @@ class ParallelModule(nn.Module, Joinable):
         held = [] if copies is None else copies.names
         union = held + [n for n in names if n not in held]
         dtype = graph.gm.meta["autopar"].compute_copies[names[0]]  # one policy: one compute dtype
-        return ComputeCopies([(fqn, _tensor(self, fqn)) for fqn in union], dtype)
+        # a parameter on the host tier is copied from its device copy, which the host master refreshes
+        on_device = {} if self._offload is None else self._offload.device_of
+        return ComputeCopies([(fqn, on_device.get(fqn, _tensor(self, fqn))) for fqn in union], dtype)
 
     def _reduce_dtype(self) -> torch.dtype | None:
         return None if self._precision is None else self._precision.reduce_dtype

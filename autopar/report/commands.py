@@ -119,9 +119,6 @@ def _offloaded(args: Any, prof) -> frozenset[str]:
     given = getattr(args, "offload", None)
     if not given:
         return frozenset()
-    if args.precision == "bf16":
-        raise UsageError("--offload with --precision bf16: the host tier keeps float32 parameters without compute "
-                         "copies\n  fix: leave one of the two out")
     names = given if given in ("optimizer", "all") else [n.strip() for n in given.split(",") if n.strip()]
     try:
         return offloaded_names(names, prof.params)

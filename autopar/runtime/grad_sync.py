@@ -168,7 +168,7 @@ class GradSync:
         self._synced: list[tuple[torch.nn.Parameter, weakref.ref, bool]] = []  # (param, the grad the last sync wrote, keeper)
         self._kept_sums = False  # this backward accumulates onto sums a sync wrote (every rank alike)
         self._master_grads = MasterGrads()  # the masters' grads the sync wrote (mixed precision)
-        # called with each bucket's parameters once their summed grads are written (the host tier moves them there)
+        # called with each bucket's masters once their summed grads are written (the host tier moves them there)
         self.on_written: Callable[[Sequence[torch.nn.Parameter]], None] | None = None
         self._build(list(params), reduce_dtype, masters or {})
         landed = {id(m) for b in self._buckets for m in b.masters}
@@ -392,6 +392,8 @@ class GradSync:
                 self._master_grads.unpack_into(b.buffer, b.masters, 1.0 if scale is None else scale)
                 b.work, b.buffer = None, None
                 b.ready.clear()
+                if self.on_written is not None:
+                    self.on_written(b.masters)
                 continue
             if b.as_grads:
                 if scale is not None:

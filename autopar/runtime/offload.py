@@ -22,6 +22,11 @@ calls before a step add up as they do on the device) and dropped on the device:
 On CUDA the copies run on a side stream after the compute stream's work so far, non_blocking into pinned
 buffers; an optimizer step pre-hook waits for their events before any optimizer steps.
 
+Under mixed precision (`autopar.MixedPrecision`) the device copy is float32 and the compute copies are made
+from it (`runtime.compute_copies`): the gradient sync unpacks each bucket's float32 sum into the device
+copies' `.grad`, and from there it goes to the host as above. The masters and their optimizer state are on
+the host; the device keeps a float32 copy of the values beside the compute copies.
+
 Parameters: before a forward, each master whose version counter moved since its last copy (`opt.step()`, a
 load, an in-place write) is copied host-to-device (non_blocking from pinned memory, on the compute stream, so
 the forward's kernels are ordered after it). On CPU, host and device are the same memory, and the masters are

@@ -69,7 +69,8 @@ def tier_cost(param: ParamProfile, shard: float, mesh: Mesh, host_params_per_s: 
     optimizer never steps, saves and costs nothing)."""
     if not param.optimizer_bytes:
         return TierCost(0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0)
-    param_bytes, grad_bytes = param.param_bytes / shard, param.grad_bytes / shard
+    # (under mixed precision param_bytes holds the master and its compute copy, which stays on the device)
+    param_bytes, grad_bytes = (param.param_bytes - param.copy_bytes) / shard, param.grad_bytes / shard
     device_step_s = param.update_launches * mesh.op_overhead_s + compute_time_s(0.0, param.update_write_bytes / shard, mesh)
     return TierCost(
         device_bytes_saved=param.optimizer_bytes / shard,

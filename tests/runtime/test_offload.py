@@ -26,6 +26,7 @@ from autopar.solver.search import fixed_plan
 from autopar.solver.strategies import enumerate_strategies
 from tests.codegen.harness import (EPS, LR, check_steps, classifier_case, local_sample, loss_of, parallel_module, reference,
                                    train, zoo_case)
+from tests.codegen.mixed import BF16, trace_mixed
 from tests.codegen.plans import cpu_mesh, greedy_plan, random_plan
 
 STEPS = 3
@@ -163,3 +164,42 @@ def test_no_sync_micro_batches_add_up_on_the_host():
         assert set(grads) == set(ref.grads[0])
         for fqn, want in ref.grads[0].items():
             torch.testing.assert_close(grads[fqn], 2 * want, rtol=1e-4, atol=1e-6)
+
+
+def _mixed_steps(rank: int, world: int, model, sample, traced, plans: list[Plan]) -> list[tuple[list[float], dict]]:
+    """Each plan's losses and this rank's gradients and parameters after two AdamW steps under bf16 mixed precision."""
+    out = []
+    for plan in plans:
+        pm = parallel_module(model, sample, traced, plan, ProcessMesh((2,)), mixed_precision=BF16)
+        opt = torch.optim.AdamW(pm.parameters(), lr=LR, eps=EPS)
+        args, kwargs = local_sample(sample, pm)
+        losses, grads = [], {}
+        for _ in range(2):
+            opt.zero_grad()
+            loss = loss_of(pm(*args, **kwargs))
+            loss.backward()
+            grads = {fqn: p.grad.clone() for fqn, p in pm.named_parameters() if p.grad is not None}
+            opt.step()
+            losses.append(loss.item())
+        hosted = set(plan.offloaded())
+        assert all(p.dtype == torch.float32 and (fqn not in hosted or p.device.type == "cpu")
+                   for fqn, p in pm.named_parameters())
+        out.append((losses, grads, {fqn: p.detach().clone() for fqn, p in pm.named_parameters()}))
+    return out
+
+
+def test_mixed_precision_masters_on_the_host_step_as_on_the_device():
+    """bf16 compute on float32 masters, a random plan with ZeRO and tensor-parallel parameters: with every master
+    and its AdamW state on the host, the run is the same plan's without offload (whose match with one device
+    `tests/codegen/test_mixed_precision` checks), to float32 rounding."""
+    model, sample, _, _ = zoo_case("gpt2")
+    traced = trace_mixed(model, sample)
+    plan = random_plan(traced, cpu_mesh((2,)), random.Random(5))
+    hosted = _tiers(plan, set(traced.param_fqns.values()))
+    for (losses, grads, params), (losses_h, grads_h, params_h) in run_ranks(_mixed_steps, 2, model, sample, traced,
+                                                                             [plan, hosted], timeout_s=120):
+        assert losses_h == pytest.approx(losses, rel=1e-6)
+        assert grads_h.keys() == grads.keys() and params_h.keys() == params.keys()
+        for fqn in grads:
+            torch.testing.assert_close(grads_h[fqn], grads[fqn], rtol=1e-5, atol=1e-7)
+            torch.testing.assert_close(params_h[fqn], params[fqn], rtol=1e-5, atol=1e-7)
