@@ -29,7 +29,7 @@ from torch.utils import _pytree as pytree
 from autopar.codegen.module_tree import dress_like
 from autopar.codegen import ParallelModule, lower
 from autopar.codegen.module import Retracer
-from autopar.errors import InvalidValueError, TraceError
+from autopar.errors import PARALLELIZE_KNOBS, InfeasibleError, InvalidValueError, TraceError
 from autopar.mixed_precision import MixedPrecision
 from autopar.profiler import profile
 from autopar.profiler.types import GraphProfile
@@ -147,6 +147,7 @@ def parallelize(
     mixed_precision: MixedPrecision | None = None,
     call_timeout_s: float = arrival.TIMEOUT_S,
     drift_check_every: int = 100,
+    pp: Literal["auto"] | int | None = None,
     offload: str | Iterable[str] | None = None,
 ) -> ParallelModule:
     """Return `model` parallelized over `device_mesh` as a `ParallelModule` (local shards, same FQNs).
@@ -158,6 +159,8 @@ def parallelize(
       GPU by its name, `preset_for_device`) or a `Mesh` whose numbers the solver uses; ignored when `plan` is given.
       A preset is priced at the model's math mode (`training_precision`).
     plan: a `Plan` or the path of a JSON plan file; checked against the traced model.
+    time_limit_s: CPU seconds the plan search may take in all (`autopar.solver.clock`); stopped there, it answers
+      with the best plan found, never slower than the fastest textbook plan that fits.
     input_layout: "shard": each rank feeds its contiguous slice of the global batch along dim 0
       (global_batch / world_size rows, ranks in row-major mesh order; `autopar.runtime.batch`), the
       same for every plan, and gets non-loss outputs back sliced the same way; "replicate": every
@@ -167,6 +170,11 @@ def parallelize(
       one per input shaped as `sample_input` (`(1, 0)` for `(x, labels)` with labels `(batch,)`; None for an
       input fed whole). Each rank then feeds its slice along those dims, as a DDP loop does; a non-loss output
       comes back cut along the first batched input's dim (or dim 0) where it has the batch's size there.
+    pp: "auto" lets the solver cut the model into pipeline stages where that predicts a faster step than any plan
+      without them; a number asks for that many pp ranks. A pipeline comes back as an
+      `autopar.pipeline.module.PipelineModule` (train with `loss = pm.step(**pm.local_batch(batch))`, then the optimizer's
+      step), and so does a pipeline plan given as `plan` (`PipelinePlan` or its JSON file). Its ranks agree on
+      the plan by rank 0's broadcast; call_timeout_s and drift_check_every apply to plans without stages.
     call_timeout_s: how long a call every rank must make (a state dict, a checkpoint, the first forward and each
       change of mode) waits for the other ranks before raising `CallMismatchError`, naming those that did not
       come and the call each was last in (`runtime.arrival`); `pm.call_timeout_s` changes it later.
@@ -185,6 +193,20 @@ def parallelize(
     Errors are raised on every rank alike: one raised while tracing or checking a plan on any rank, or while
     solving on rank 0, so that a loop catching it and calling `parallelize` again does so on every rank.
     """
+    from autopar.pipeline.api import is_pipeline_plan, pipeline_or_flat  # (it builds on this module)
+
+    if pp is not None or is_pipeline_plan(plan):
+        if mixed_precision is not None:
+            raise ValueError("pipeline stages run in the model's own dtypes: pass mixed_precision or pp, not both (cast "
+                             "the model with model.to(dtype) for a low-precision pipeline)")
+        if offload is not None:
+            raise InvalidValueError(f"offload={offload!r} with pipeline stages: the pipeline's stages keep their optimizer "
+                                    "state on the device; pass offload or pp, not both")
+        return pipeline_or_flat(model, sample_input, device_mesh, pp, plan, memory_budget, hardware, optimizer, time_limit_s,
+                                batch_dim, lambda flat: parallelize(model, sample_input, device_mesh, memory_budget, hardware,
+                                                                    flat, optimizer, input_layout, time_limit_s, batch_dim,
+                                                                    call_timeout_s=call_timeout_s,
+                                                                    drift_check_every=drift_check_every))
     if input_layout == "replicate" and batch_dim != 0:
         raise BatchDimError(f"batch_dim={batch_dim!r} says along which dims the ranks split the batch, but with "
                             "input_layout='replicate' every rank feeds the whole batch: leave batch_dim out, or use 'shard'")
@@ -334,8 +356,11 @@ def _solve_on_rank0(traced: TracedGraph, pmesh: ProcessMesh, memory_budget: floa
             mesh = make_mesh(math.prod(pmesh.shape), pmesh.shape, hardware or local_preset(pmesh), pmesh.axis_names,
                              precision="bf16" if mixed_precision is not None else training_precision(traced))
         prof = profiled(traced, optimizer, model, mixed_precision)
-        plan = solve(traced, offloaded_profile(prof, offloaded), mesh, memory_budget_bytes=memory_budget,
-                     time_limit_s=time_limit_s)
+        try:
+            plan = solve(traced, offloaded_profile(prof, offloaded), mesh, memory_budget_bytes=memory_budget,
+                         time_limit_s=time_limit_s)
+        except InfeasibleError as err:  # its fix in parallelize's words: memory_budget=
+            raise err.worded_for(PARALLELIZE_KNOBS) from None
         return with_offload(plan, prof, offloaded)
     return _on_rank0(solved)
 

@@ -1,6 +1,7 @@
 """The `autopar` command: plan, show, explain, diff, profile, calibrate.
 
     autopar plan examples/gpt2.py --gpus 8 --memory 80GB --save plan.json --html plan.html
+    autopar plan examples/gpt2.py --size gpt3-175b --gpus 64 --hardware h100-ib --pp auto
     autopar show plan.json
     autopar explain plan.json transformer.h.0.mlp.c_fc
     autopar diff a.json b.json
@@ -24,7 +25,7 @@ from typing import Iterator, Sequence
 
 from rich.logging import RichHandler
 
-from autopar.errors import AutoparError, InfeasibleError, UsageError
+from autopar.errors import AutoparError, InfeasibleError, Knobs, UsageError
 from autopar.report.console import err_console
 from autopar.report.units import fmt_bytes, parse_bytes
 from autopar.values import positive
@@ -68,6 +69,19 @@ def _positive(text: str) -> int:
     return n
 
 
+def _pp(text: str) -> str | int:
+    """An argparse type: 'auto' or a number of pp ranks (at least 2)."""
+    if text == "auto":
+        return text
+    try:
+        n = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is neither 'auto' nor a whole number") from None
+    if n < 2:
+        raise argparse.ArgumentTypeError(f"{n} pp ranks is no pipeline: give at least 2, or 'auto'")
+    return n
+
+
 def _add_model_args(p: argparse.ArgumentParser) -> None:
     # MODEL.py is optional on the parser because --hf-config replaces it; the command checks that one is given.
     p.add_argument("model", nargs="?", help="MODEL.py defining `model` and `sample_input`, or build(batch_size, seq_len)")
@@ -101,7 +115,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--offload", help="keep optimizer state on the host and step it there (parallelize(..., offload=...)): "
                    "'optimizer' for every parameter, or parameter names separated by commas")
     p.add_argument("--time-limit", type=_seconds, default=30.0,
-                   help="seconds per ILP search (a budget the first search finds no plan for gets two more: the leanest plan, then the fastest from it)")
+                   help="seconds the search may take in all, over every mesh shape it tries (stopped there, it answers with "
+                        "the best plan found, never slower than the fastest textbook plan that fits)")
+    p.add_argument("--pp", type=_pp, help="pipeline stages: 'auto' keeps them where they predict a faster step than "
+                   "any plan without them; a number asks for that many pp ranks")
+    p.add_argument("--gpus-per-node", type=_positive, default=8, help="with --pp: devices a node holds (the fast link "
+                   "inside a node, the slower between nodes with --hardware h100-ib)")
     p.add_argument("--save", help="write the plan to this JSON file")
     p.add_argument("--load", help="reuse this plan file (checked against the model) instead of solving")
     p.add_argument("--html", help="write a self-contained HTML report here")
@@ -152,16 +171,17 @@ def _logging_to_stderr(debug: bool) -> Iterator[None]:
         logger.handlers[:], logger.level, logger.propagate = saved
 
 
+# how the CLI names what an infeasible budget's fix changes (`InfeasibleError.worded_for`)
+CLI_KNOBS = Knobs(lambda b: f"--memory {fmt_bytes(b, up=True).replace(' ', '')}", lambda s: f"--time-limit {s:g}",
+                  "plan for more --gpus")
+
+
 def _with_fix(err: AutoparError) -> str:
+    if isinstance(err, InfeasibleError):  # its fix in the CLI's words: --memory, --time-limit, --gpus
+        return str(err.worded_for(CLI_KNOBS)).strip()
     text = str(err).strip()
     if "fix:" in text:
         return text
-    if isinstance(err, InfeasibleError) and err.min_memory_bytes:
-        from autopar.solver.ilp import budget_that_fits
-
-        # rounded up: passed back as it is, the budget fits the leanest plan
-        need = fmt_bytes(budget_that_fits(err.min_memory_bytes), up=True).replace(" ", "")
-        return f"{text}\n  fix: pass --memory {need} or more, or plan for more --gpus"
     return f"{text}\n  fix: rerun with --debug for details"
 
 

@@ -21,7 +21,7 @@ import torch
 
 from _common import load_example
 from autopar.profiler import profile
-from autopar.solver.ilp import solve_problem
+from autopar.solver.anytime import solve_problem
 from autopar.solver.mesh import make_mesh
 from autopar.solver.problem import build_problem
 from autopar.solver.strategies import enumerate_strategies

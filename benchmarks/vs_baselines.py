@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import math
 import sys
 import time
 from pathlib import Path
@@ -36,7 +37,9 @@ from autopar.runtime.launch import run_ranks  # noqa: E402
 
 from benchmarks._common import provenance_line  # noqa: E402
 from benchmarks.baselines.bench import Case, ModelResult, calibrate_all, run_model  # noqa: E402
-from benchmarks.baselines.report import budget_rows, candidates, explain_miss, format_model, plot, spearman, write_json  # noqa: E402
+from benchmarks.baselines.report import (budget_rows, candidates, explain_miss, format_model, plot, ratio_errors,  # noqa: E402
+                                         spearman, write_json)
+from autopar.solver.robust import ROBUST_MARGIN  # noqa: E402
 
 log = logging.getLogger(__name__)
 
@@ -63,6 +66,11 @@ def summary(results: list[ModelResult]) -> str:
     lines = [f"target 1 (autopar <= best fitting baseline at every budget): {'met' if not misses else 'MISSED'}"]
     lines += [f"  {m}" for m in misses]
     lines.append(f"target 2 (spearman >= 0.9 over all {len(pts)} candidates): {rho:.3f} {'met' if rho >= 0.9 else 'MISSED'}")
+    errors = sorted(ratio_errors(results))
+    if errors:  # what `autopar.solver.robust.ROBUST_MARGIN` is set from
+        at = lambda q: math.exp(errors[min(len(errors) - 1, int(q * len(errors)))]) - 1  # noqa: E731
+        lines.append(f"ratio error (predicted vs measured ratio of two plans, {len(errors)} pairs): median {at(0.5):.1%}, "
+                     f"80th percentile {at(0.8):.1%}; the solver's robust margin: {ROBUST_MARGIN:.0%}")
     return "\n".join(lines)
 
 

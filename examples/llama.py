@@ -46,6 +46,9 @@ CONFIGS: dict[str, LlamaConfig] = {
     "tiny": LlamaConfig(n_layers=2, hidden_size=64, n_heads=4, n_kv_heads=2, intermediate_size=176, vocab_size=256),
     # LLaMA-2 7B (= LLaMA-1 7B shape): 6.74B parameters.
     "7b": LlamaConfig(n_layers=32, hidden_size=4096, n_heads=32, n_kv_heads=32, intermediate_size=11008),
+    # LLaMA-2 70B: 8 kv heads (grouped-query attention), 4K context; 69.0B parameters.
+    "70b": LlamaConfig(n_layers=80, hidden_size=8192, n_heads=64, n_kv_heads=8, intermediate_size=28672, max_seq_len=4096,
+                       norm_eps=1e-5),
     # LLaMA-3 8B: 8 kv heads, 128K vocabulary; 8.03B parameters.
     "8b-gqa": LlamaConfig(
         n_layers=32,

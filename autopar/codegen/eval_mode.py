@@ -7,7 +7,7 @@ batch's), stochastic depth and other `if self.training:` branches compute someth
 So eval mode lowers the training graph with its dropout turned off (`without_dropout`)
 when `eval_difference` finds, op by op, nothing else in the model's own eval-mode trace;
 otherwise the eval graph runs under a plan of its own that keeps the parameters where the
-training plan stores them (`solver.search.solve_keeping_params`).
+training plan stores them (`solver.pinned.solve_keeping_params`).
 """
 from __future__ import annotations
 

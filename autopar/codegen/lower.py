@@ -470,14 +470,7 @@ class _Lowerer:
         return fed_spec(dim, len(self.mesh.shape))
 
     def output_batch_dim(self, val: torch.Tensor) -> int | None:
-        """An output comes back cut as the inputs were fed: along the first batched input's batch dim where it has
-        the batch's size there (a sequence-first model's `(seq, batch, vocab)` logits), else along dim 0 where it has
-        it there (its `(batch, classes)` logits), else whole."""
-        first = next((d for d in self.fed_dims.values() if d is not None), None)
-        for dim in dict.fromkeys((first, 0)):
-            if dim is not None and val.dim() > dim and int(val.shape[dim]) == self.batch:
-                return dim
-        return None
+        return output_batch_dim(val, tuple(self.fed_dims.values()), self.batch)
 
     def emit_buffer_updates(self) -> None:
         """Write the values a forward computes for its buffers (BatchNorm's running statistics and batch
@@ -556,6 +549,19 @@ class _Lowerer:
         for n in dead:  # the division and the count's own all-reduces, now done by start_count and deferred_mean
             self.graph.erase_node(n)
         return out
+
+
+def output_batch_dim(val: torch.Tensor, input_dims: tuple[int | None, ...], batch: int | None) -> int | None:
+    """The dim along which an output comes back cut, as the inputs were fed (`input_dims`: each input's batch dim,
+    in order; `batch`: the global batch size): along the first batched input's batch dim where it has the batch's
+    size there (a sequence-first model's `(seq, batch, vocab)` logits), else along dim 0 where it has it there
+    (its `(batch, classes)` logits), else None (whole). A pipeline stage's inputs are fed as the stage before
+    returns them, by this rule (`autopar.pipeline.cut`)."""
+    first = next((d for d in input_dims if d is not None), None)
+    for dim in dict.fromkeys((first, 0)):
+        if dim is not None and val.dim() > dim and int(val.shape[dim]) == batch:
+            return dim
+    return None
 
 
 def _as_eager_runs(node: fx.Node, target: Any, kwargs: dict) -> tuple[Any, dict]:

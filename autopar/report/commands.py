@@ -102,13 +102,14 @@ def _solve(args: Any, traced, prof, budget: float | None) -> tuple[Plan, list]:
 
     offloaded = _offloaded(args, prof)
     device_prof = offloaded_profile(prof, offloaded)
-    with phase("solving and pricing baselines"):
+    with phase("solving and pricing baselines") as progress:
         if args.mesh or args.hardware.endswith(".json") or Path(args.hardware).is_file():
             plan, shapes = solve(traced, device_prof, _mesh(args.hardware, args.gpus, args.mesh, args.precision),
-                                 memory_budget_bytes=budget, time_limit_s=args.time_limit, baselines=True), []
+                                 memory_budget_bytes=budget, time_limit_s=args.time_limit, baselines=True, progress=progress), []
         else:
             plan, shapes = solve_for_devices(traced, device_prof, args.gpus, hardware=args.hardware, memory_budget_bytes=budget,
-                                             time_limit_s=args.time_limit, baselines=True, precision=args.precision)
+                                             time_limit_s=args.time_limit, baselines=True, precision=args.precision,
+                                             progress=progress)
     return with_offload(plan, prof, offloaded), shapes
 
 
@@ -127,12 +128,13 @@ def _offloaded(args: Any, prof) -> frozenset[str]:
 
 
 def _load_checked(args: Any, traced, budget: float | None) -> Plan:
+    from autopar.solver.assemble import budget_of
     from autopar.solver.plan_io import check_plan, load_plan
 
     plan = load_plan(args.load)
     shape = args.mesh or (plan.mesh.shape if math.prod(plan.mesh.shape) == args.gpus else (args.gpus,))
     mesh = _mesh(args.hardware, args.gpus, shape, args.precision)
-    check_plan(plan, traced, mesh, mesh.memory_bytes if budget is None else budget)  # the solver's default budget
+    check_plan(plan, traced, mesh, budget_of(mesh, budget))  # the solver's default budget when none is given
     return plan
 
 
@@ -142,9 +144,13 @@ def cmd_plan(args: Any) -> int:
         shape = "x".join(map(str, args.mesh))
         raise UsageError(f"--mesh {shape} has {math.prod(args.mesh)} devices but --gpus is {args.gpus}\n  fix: make the product of the --mesh sizes equal --gpus (or drop --mesh to try every shape)")
     hardware = _mesh(args.hardware, args.gpus, args.mesh).hardware  # unknown hardware fails before tracing
+    if args.load and _is_pipeline_file(args.load):
+        return _emit_pipeline(_load_pipeline(args.load), args.json)
     traced, prof = _trace_and_profile(source, hardware)
     budget = args.memory
     shapes: list = []
+    if args.pp:
+        return _plan_pipeline(args, source, traced, prof, hardware)
     if args.load:
         plan = _load_checked(args, traced, budget)
     else:
@@ -159,9 +165,76 @@ def cmd_plan(args: Any) -> int:
         write_html(summary, args.html)
     if shapes:
         summary["mesh_shapes_tried"] = [
-            {"shape": list(r.shape), "step_s": r.step_s, "memory_bytes": r.memory_bytes, "error": r.error} for r in shapes
+            {"shape": list(r.shape), "step_s": r.step_s, "memory_bytes": r.memory_bytes, "error": r.error,
+             "textbook_step_s": r.textbook_s} for r in shapes
         ]
     _emit(summary, args.json, saved=args.save, html=args.html)
+    return 0
+
+
+def _plan_pipeline(args: Any, source: PlanSource, traced, prof, hardware: str) -> int:
+    """`plan --pp`: the single-mesh plan against the pipeline search's (`pipeline.choose`), the chosen one saved
+    and shown."""
+    from autopar.api import capture_device_for, trace_copy
+    from autopar.errors import InfeasibleError
+    from autopar.model_file import model_file_batch_dim
+    from autopar.pipeline.api import global_batch, microbatch_sample
+    from autopar.pipeline.choose import choose
+    from autopar.pipeline.plan import PipelinePlan, save_pipeline_plan
+
+    try:
+        flat = replace(_solve(args, traced, prof, args.memory)[0], source=source)
+    except InfeasibleError:
+        flat = None
+    model, sample = _build(source)
+    batch_dim = model_file_batch_dim(source.model_file) if source.model_file else 0
+    device = capture_device_for(hardware)
+    with phase("searching pipeline stages"):
+        chosen = choose(flat, lambda m: trace_copy(model, microbatch_sample(sample, m, batch_dim), device, batch_dim=batch_dim),
+                        global_batch(traced), args.gpus, args.pp, _hardware_arg(args), args.memory, source.optimizer,
+                        args.time_limit, args.gpus_per_node)
+    if not isinstance(chosen, PipelinePlan):
+        if args.save:
+            from autopar.solver.plan_io import save_plan
+
+            save_plan(chosen, args.save)
+        _emit(summarize(chosen), args.json, saved=args.save)
+        return 0
+    chosen = replace(chosen, source=source)
+    if args.save:
+        save_pipeline_plan(chosen, args.save)
+    return _emit_pipeline(chosen, args.json, args.save)
+
+
+def _hardware_arg(args: Any) -> Any:
+    """--hardware as the pipeline search takes it: a preset name, or the mesh a calibration file holds."""
+    if args.hardware.endswith(".json") or Path(args.hardware).is_file():
+        return _mesh(args.hardware, args.gpus, None)
+    return args.hardware
+
+
+def _is_pipeline_file(path: str) -> bool:
+    from autopar.pipeline.api import is_pipeline_plan
+
+    return is_pipeline_plan(path)
+
+
+def _load_pipeline(path: str):
+    from autopar.pipeline.plan import load_pipeline_plan
+
+    return load_pipeline_plan(path)
+
+
+def _emit_pipeline(plan: Any, as_json: bool, saved: str | None = None) -> int:
+    from autopar.report.pipeline import pipeline_report, pipeline_summary
+
+    summary = pipeline_summary(plan)
+    if as_json:
+        sys.stdout.write(json.dumps(summary, indent=1) + "\n")
+        return 0
+    console = _print(pipeline_report(summary))
+    if saved:
+        console.print(f"plan saved to {saved}")
     return 0
 
 
@@ -193,10 +266,15 @@ def _load(path: str) -> Plan:
 
     if not Path(path).is_file():
         raise UsageError(f"plan file {path!r} does not exist\n  fix: create one with `autopar plan MODEL.py --gpus N --save {path}`")
+    if _is_pipeline_file(path):
+        raise UsageError(f"{path} is a pipeline plan, which explain and diff do not read yet\n  fix: `autopar show {path}` "
+                         "lists its stages; each stage's plan is under \"stages\" in the JSON")
     return load_plan(path)
 
 
 def cmd_show(args: Any) -> int:
+    if Path(args.plan).is_file() and _is_pipeline_file(args.plan):
+        return _emit_pipeline(_load_pipeline(args.plan), args.json)
     plan = _load(args.plan)
     summary = summarize(plan)
     if args.html:

@@ -11,6 +11,8 @@ from typing import Literal
 import numpy as np
 import pulp
 
+from autopar.solver.clock import cpu_s
+
 try:
     import highspy
 except ImportError:  # CBC is the fallback (see `make_solver`)
@@ -21,6 +23,13 @@ log = logging.getLogger(__name__)
 # HiGHS 1.16 names it resetThreadScheduler; older releases within `highspy>=1.7` have resetGlobalScheduler
 _reset_scheduler = None if highspy is None else (
     getattr(highspy.Highs, "resetThreadScheduler", None) or highspy.Highs.resetGlobalScheduler)
+# the points at which HiGHS asks whether to stop: inside simplex, interior point and branch and bound
+_INTERRUPTS = () if highspy is None else tuple(getattr(highspy.cb.HighsCallbackType, name) for name in (
+    "kCallbackSimplexInterrupt", "kCallbackIpmInterrupt", "kCallbackMipInterrupt"))
+# HiGHS' own limit, in wall seconds, a safety beside the CPU limit should the callback not be reached: this many
+# times it, and this much more (the 2-core test machines have run a solve at 1/16 of a core)
+_WALL_PER_CPU = 30.0
+_WALL_EXTRA_S = 60.0
 
 Backend = Literal["highs", "cbc"]
 
@@ -40,13 +49,16 @@ if highspy is not None:
 
 
 class BulkHighs(pulp.HiGHS):
-    """pulp's HiGHS class, silent, handing the model over in bulk, and a MIP start when `warm_start` is set: the
-    variables given an initial value (`LpVariable.setInitialValue`), which HiGHS completes (pulp 3.3 has
-    no MIP start for HiGHS)."""
+    """pulp's HiGHS class, silent, handing the model over in bulk, a MIP start when `warm_start` is set (the
+    variables given an initial value, `LpVariable.setInitialValue`, which HiGHS completes: pulp 3.3 has no MIP
+    start for HiGHS), and a limit in CPU seconds (`cpu_limit_s`, the solver's clock: `clock.py`), which HiGHS'
+    own limit, in wall seconds, is not: a callback interrupts it (HiGHS calls it between simplex iterations and
+    MIP nodes: seen 1-1.6 s late on a model of 65k columns)."""
 
-    def __init__(self, *args, warm_start: bool = False, **kwargs):
+    def __init__(self, *args, warm_start: bool = False, cpu_limit_s: float | None = None, **kwargs):
         super().__init__(*args, **kwargs)
         self.warm_start = warm_start
+        self.cpu_limit_s = cpu_limit_s
 
     def createAndConfigureSolver(self, lp: pulp.LpProblem) -> None:
         """pulp's, on a `_QuietHighs` (pulp makes a plain `highspy.Highs`, which prints its banner), with the
@@ -64,6 +76,16 @@ class BulkHighs(pulp.HiGHS):
         # a solve asking for one thread refused to start ("the scheduler has already been initialized") and the
         # caller saw "no plan in time". Made again for this solve's count (cheap: one thread has no workers).
         _reset_scheduler(True)
+        if self.cpu_limit_s is not None:
+            deadline_s = cpu_s() + self.cpu_limit_s
+
+            def interrupt(kind, message, data_out, data_in, user_data) -> None:
+                if cpu_s() > deadline_s:
+                    data_in.user_interrupt = True
+
+            lp.solverModel.setCallback(interrupt, None)
+            for kind in _INTERRUPTS:
+                lp.solverModel.startCallback(kind)
         super().callSolver(lp)
 
     def buildSolverModel(self, lp: pulp.LpProblem) -> None:
@@ -104,7 +126,8 @@ class BulkHighs(pulp.HiGHS):
 
 def make_solver(backend: Backend, time_limit_s: float, presolve: bool, mip_rel_gap: float,
                 warm_start: bool = False) -> tuple[pulp.LpSolver, str]:
-    """`warm_start`: start from the variables' initial values (`LpVariable.setInitialValue`)."""
+    """`time_limit_s`: CPU seconds (`clock.py`; CBC, a process of its own, counts its own); `warm_start`: start
+    from the variables' initial values (`LpVariable.setInitialValue`)."""
     if backend == "highs":
         # One thread: deterministic. Presolve is on only once the memory row is in: without it,
         # presolve removes <1% of rows yet took 60-70% of the solve (GPT-2 small on 2x2: 0.47 ->
@@ -114,8 +137,8 @@ def make_solver(backend: Backend, time_limit_s: float, presolve: bool, mip_rel_g
         # let reduced-cost fixing shrink the model sooner: Llama tiny 2x2 at 2 MB 4.1 -> 3.0 s, GPT-2 small
         # 2x2 at 30% of its need 1.6 -> 1.1 s, other budgets within noise.
         options = {"presolve": "on", "mip_heuristic_effort": 0.3} if presolve else {"presolve": "off"}
-        highs = BulkHighs(msg=False, timeLimit=time_limit_s, threads=1, random_seed=0, gapRel=mip_rel_gap,
-                          warm_start=warm_start, **options)
+        highs = BulkHighs(msg=False, timeLimit=_WALL_PER_CPU * time_limit_s + _WALL_EXTRA_S, threads=1, random_seed=0,
+                          gapRel=mip_rel_gap, warm_start=warm_start, cpu_limit_s=time_limit_s, **options)
         if highspy is not None and highs.available():
             return highs, "highs"
         log.warning("solver: highspy is not importable; falling back to CBC (pip install highspy)")

@@ -13,6 +13,12 @@ with the same prefix and the same signature (op sequence, shapes, strategy
 counts and wiring within the block) are tied: the clusters at the same position
 in each copy form one class, which the ILP decides once. A 96-layer model then
 has as many ILP nodes as a 1-layer one plus the head and tail.
+
+Per layer (`group(..., per_layer=True)`): each family's copies are tied in runs of
+1, 2, 4, ... layers (`layer_runs`), so that any number of its layers, from none to
+all, can take one set of decisions and the rest another: a budget that needs 10 of
+32 layers recomputed is met with 10, not 32. A 96-layer model then has as many ILP
+nodes as 7 copies of a layer plus the head and tail.
 """
 from __future__ import annotations
 
@@ -121,9 +127,22 @@ def _signature(traced: TracedGraph, nodes: list[fx.Node], strategies, clusters: 
     return tuple(sig)
 
 
+def layer_runs(n: int) -> list[int]:
+    """Run lengths summing to `n` whose subsets sum to every count from 0 to n: 1, 2, 4, ... and what is left
+    (31 layers: 1, 2, 4, 8, 16; 30: 1, 2, 4, 8, 15)."""
+    runs, size = [], 1
+    while sum(runs) + size <= n:
+        runs.append(size)
+        size *= 2
+    return runs + ([n - sum(runs)] if n > sum(runs) else [])
+
+
 def tie_blocks(
-    traced: TracedGraph, strategies: Mapping[str, tuple[Strategy, ...]], clusters: list[Cluster], cluster_of: Mapping[str, int]
+    traced: TracedGraph, strategies: Mapping[str, tuple[Strategy, ...]], clusters: list[Cluster], cluster_of: Mapping[str, int],
+    per_layer: bool = False,
 ) -> tuple[tuple[tuple[int, ...], ...], tuple[int, ...]]:
+    """Classes of clusters (`Grouping.classes`): each family of repeated blocks tied into one, or with `per_layer`
+    into one per run of `layer_runs`."""
     blocks: dict[tuple[str, int], list[fx.Node]] = {}
     for node in traced.graph.nodes:
         key = block_key(traced, node) if node.name in strategies else None
@@ -133,9 +152,18 @@ def tie_blocks(
     families: dict[tuple, list[list[fx.Node]]] = {}
     for (prefix, _), nodes in blocks.items():
         families.setdefault((prefix, _signature(traced, nodes, strategies, clusters, cluster_of)), []).append(nodes)
+    runs: list[list[list[fx.Node]]] = []  # copies tied together
+    for copies in families.values():
+        if not per_layer:
+            runs.append(copies)
+            continue
+        start = 0
+        for length in layer_runs(len(copies)):
+            runs.append(copies[start:start + length])
+            start += length
     class_members: dict[int, list[int]] = {}  # representative cluster -> tied clusters
     tied_to: dict[int, int] = {}
-    for copies in families.values():
+    for copies in runs:
         if len(copies) < 2:
             continue
         first = copies[0]
@@ -167,9 +195,9 @@ def singletons(traced: TracedGraph, strategies: Mapping[str, tuple[Strategy, ...
     return Grouping(clusters, {n: i for i, n in enumerate(names)}, tuple((i,) for i in range(len(names))), tuple(range(len(names))))
 
 
-def group(traced: TracedGraph, strategies: Mapping[str, tuple[Strategy, ...]]) -> Grouping:
-    """Merge followers, then tie repeated blocks."""
+def group(traced: TracedGraph, strategies: Mapping[str, tuple[Strategy, ...]], per_layer: bool = False) -> Grouping:
+    """Merge followers, then tie repeated blocks (`per_layer`: in runs, see the module docstring)."""
     clusters, cluster_of = merge_followers(traced, strategies)
-    classes, class_of = tie_blocks(traced, strategies, clusters, cluster_of)
+    classes, class_of = tie_blocks(traced, strategies, clusters, cluster_of, per_layer)
     log.debug("cluster: %d nodes -> %d clusters -> %d classes", len(cluster_of), len(clusters), len(classes))
     return Grouping(tuple(clusters), cluster_of, classes, class_of)

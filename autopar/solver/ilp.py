@@ -80,13 +80,9 @@ Objective (time of one step):
   + 1 us per GiB of the memory expression (a tie-break: equally fast plans -> the leaner one)
 For the infeasible report the same model minimises the memory expression instead.
 
-Solving (`solve_problem`): first without the memory row, which is fast and is the answer
-whenever it fits; otherwise with it, HiGHS presolve on (see `backends.make_solver`). No MIP
-start, unless that search finds no plan in time: then it runs again from the leanest plan
-(`_leanest_instead`). A greedy start (the unconstrained plan with ZeRO and recomputation switched on, cheapest
-per byte first) changed nothing on 26 memory-bound solves of the tiny models and made one
-(hf_llama-tiny on 2x2 at 60% of its need) hit the time limit with a 10% slower plan, against
-27 s to the optimum without it: HiGHS' own heuristics, which a start holds back, found better plans.
+Solving: `anytime.solve_problem` runs this model without the memory row, then with it from a valid start
+(`_Model.start_from`), within one time limit; `run` is one HiGHS solve (presolve on once the memory row is in,
+see `backends.make_solver`).
 
 Times are entered in milliseconds and bytes in GiB, or in a smaller power of two for a
 model whose most replicated plan needs less (`memory_unit_bytes`), so coefficients stay
@@ -94,36 +90,31 @@ near 1 for the solver's tolerances; everything outside this module is seconds/by
 """
 from __future__ import annotations
 
-import logging
 import math
-import time
 from dataclasses import dataclass, field
 from typing import Literal, Mapping, Sequence
 
 import pulp
 
-from autopar.errors import AutoparError, InfeasibleError
-from autopar.gc_pause import gc_paused
+from autopar.solver.clock import cpu_s
 from autopar.solver.backends import Backend, make_solver
 from autopar.solver.plan import MemoryBreakdown, SolverReport, TimeBreakdown
 from autopar.solver.problem import Assignment, Option, Problem
-
-log = logging.getLogger(__name__)
 
 _MS = 1e3
 _GIB = float(2**30)
 # Tie-break: among equally fast plans prefer the leaner one (1 us per GiB: far below any real time difference).
 _TIE_MS_PER_GIB = 1e-3
 _LEAST_COST_MS = 1e-9
+# A solve started when the time is up still runs this long: enough to take a MIP start and report a bound
+_LEAST_RUN_S = 0.05
+# HiGHS' primal_solution_status of a solution in hand (kSolutionStatusFeasible)
+_FEASIBLE = 2
 # the memory row asks for this much less than the budget at most: 4e-6 of the memory unit (HiGHS' feasibility
 # tolerance, see add_memory_limit), 4 KiB for a unit of 1 GiB
 MEMORY_SLACK_BYTES = 4096.0
 # HiGHS' own default relative MIP gap: "optimal" means within 0.01% of the best possible step time.
 DEFAULT_GAP = 1e-4
-# The leanest form of a plan that does not fit its budget anyway (`solve_problem(or_leanest=True)`: a textbook
-# baseline's need, a graph's plan over budget) is searched to within 1%: DeepSeek-V2-Lite's data-parallel and
-# Megatron baselines on 4x2 found theirs in 11 and 22 s, 0.1-0.3% above what 30 s (the time limit) found.
-PRICING_GAP = 1e-2
 
 
 def memory_unit_bytes(problem: Problem) -> float:
@@ -274,15 +265,25 @@ def checkpoint_regions(problem: Problem, recompute: Sequence[bool]) -> int:
     return sum(copies.values()) + sum(opened.values())
 
 
+def recomputable_options(problem: Problem) -> list[frozenset[int]]:
+    """Per node, the options under which it may be recomputed: a call (not a placeholder) that saves something, or
+    that keeps another node's output (`Problem.recompute_with`: it may join that node's region); recomputing
+    anything else frees nothing."""
+    keepers = {v for _, v in problem.recompute_with}
+    return [frozenset(s for s, o in enumerate(node.options) if node.recomputable and (o.saved_bytes > 0 or v in keepers))
+            for v, node in enumerate(problem.nodes)]
+
+
 def _node_vars(table: Mapping[tuple[int, int], pulp.LpVariable], v: int) -> list[pulp.LpVariable]:
     """Node v's group binaries in a (node, option) -> variable table (`_Model.y` or `_Model.z`), each once."""
     return list({var: None for (m, _), var in table.items() if m == v})
 
 
-def _pair_terms(ev: list[list[pulp.LpVariable]], table: tuple[tuple[float, ...], ...], unit: float
+def _pair_terms(ev: list[list[pulp.LpVariable | None]], table: tuple[tuple[float, ...], ...], unit: float
                 ) -> list[tuple[pulp.LpVariable, float]]:
-    """An edge's per-class-pair amounts (`Edge.saved_bytes`, `forward_s`...) on its e[a][b], in ILP units; zeros left out."""
-    return [(ev[a][b], c * unit) for a, row in enumerate(table) for b, c in enumerate(row) if c > 0]
+    """An edge's per-class-pair amounts (`Edge.saved_bytes`, `forward_s`...) on its e[a][b], in ILP units; zeros and
+    pairs the restrictions rule out left out."""
+    return [(ev[a][b], c * unit) for a, row in enumerate(table) for b, c in enumerate(row) if c > 0 and ev[a][b] is not None]
 
 
 def _affine(terms: list[tuple[pulp.LpVariable, float]]) -> pulp.LpAffineExpression:
@@ -321,6 +322,7 @@ class _Model:
         else:
             terms = self.memory_terms
         self.prob += _affine(terms), "objective"
+        self.variables = self.prob.variables()  # pulp finds them anew on every call: once here
 
     def _add_strategy_vars(self) -> None:
         self.x = []
@@ -339,22 +341,34 @@ class _Model:
             self.prob += pulp.lpSum(xs) == 1, f"onehot_{v}"
             self.x.append(xs)
 
+    def _allowed(self, v: int) -> frozenset[int]:
+        allowed = self.restrictions.allowed.get(v)
+        return frozenset(range(len(self.problem.nodes[v].options))) if allowed is None else allowed
+
     def _add_edges(self) -> None:
-        self.e: dict[int, list[list[pulp.LpVariable]]] = {}  # edge index -> e[k][a][b]
+        """Pairs of option classes that the restrictions rule out get no variable (None in e[k][a][b]): a baseline's
+        or a fixed sharding's model is then a small part of the whole (LLaMA-7B on 4x2: 65k variables, most of
+        them edge pairs)."""
+        self.e: dict[int, list[list[pulp.LpVariable | None]]] = {}  # edge index -> e[k][a][b]
         for k, e in enumerate(self.problem.edges):
             if not any(c for row in e.cost_s for c in row) and e.saved_bytes is None and e.zero_saving_s is None \
                     and e.replaced_bytes is None and e.buffer_bytes is None:
                 continue  # free in every combination, saves and holds nothing, no ZeRO saving: no variables needed
             rows, cols = len(e.cost_s), len(e.cost_s[0])
-            ev = [[pulp.LpVariable(f"e_{k}_{a}_{b}", lowBound=0, upBound=1) for b in range(cols)] for a in range(rows)]
+            src = {e.src_class[s] for s in self._allowed(e.src)}
+            dst = {e.dst_class[s] for s in self._allowed(e.dst)}
+            ev = [[pulp.LpVariable(f"e_{k}_{a}_{b}", lowBound=0, upBound=1) if a in src and b in dst else None
+                   for b in range(cols)] for a in range(rows)]
             self.e[k] = ev
-            for a in range(rows):
+            for a in sorted(src):
                 members = [self.x[e.src][s] for s, c in enumerate(e.src_class) if c == a]
-                self.prob += pulp.lpSum(ev[a]) == pulp.lpSum(members), f"edge_src_{k}_{a}"
-            for b in range(cols):
+                self.prob += pulp.lpSum(var for var in ev[a] if var is not None) == pulp.lpSum(members), f"edge_src_{k}_{a}"
+            for b in sorted(dst):
                 members = [self.x[e.dst][s] for s, c in enumerate(e.dst_class) if c == b]
-                self.prob += pulp.lpSum(ev[a][b] for a in range(rows)) == pulp.lpSum(members), f"edge_dst_{k}_{b}"
-            self.time_terms.extend((ev[a][b], e.cost_s[a][b] * _MS) for a in range(rows) for b in range(cols) if e.cost_s[a][b])
+                self.prob += pulp.lpSum(ev[a][b] for a in range(rows) if ev[a][b] is not None) == pulp.lpSum(members), \
+                    f"edge_dst_{k}_{b}"
+            self.time_terms.extend((ev[a][b], c * _MS) for a, row in enumerate(e.cost_s) for b, c in enumerate(row)
+                                   if c and ev[a][b] is not None)
 
     def _groups(self, v: int, key) -> dict:
         """Options of node v that may be chosen, grouped by `key(option)` (None: no variable needed), in index order."""
@@ -372,15 +386,12 @@ class _Model:
         self.y: dict[tuple[int, int], pulp.LpVariable] = {}  # (node, option) -> its group's variable
         if self.restrictions.recompute == "never":
             return
-        # a node that keeps another's output (recompute_with) may join its region though it saves nothing itself
-        keepers = {v for _, v in self.problem.recompute_with}
-        for v, node in enumerate(self.problem.nodes):
-            if not node.recomputable:
-                continue
-            keeps = v in keepers  # else recomputing frees nothing when nothing is saved: pointless
+        may = recomputable_options(self.problem)
+        for v in range(len(self.problem.nodes)):
             # the gradient through the node is in the key too: a rebuilt layer counts its widest node's
-            groups = self._groups(v, lambda o: (o.saved_bytes, o.recompute_s, o.grad_flow_bytes, o.held_input_bytes)
-                                  if o.saved_bytes > 0 or keeps else None)
+            groups = self._groups(v, lambda o: (o.saved_bytes, o.recompute_s, o.grad_flow_bytes, o.held_input_bytes))
+            groups = {key: [s for s in members if s in may[v]] for key, members in groups.items()}
+            groups = {key: members for key, members in groups.items() if members}
             for g, ((saved, recompute_s, _, held), members) in enumerate(groups.items()):
                 y = pulp.LpVariable(f"y_{v}_{g}", cat=pulp.LpBinary)
                 self.prob += y <= pulp.lpSum(self.x[v][s] for s in members), f"recompute_{v}_{g}"
@@ -436,6 +447,8 @@ class _Model:
             amounts: dict[tuple[float, float, float], list[pulp.LpVariable]] = {}
             for a, row in enumerate(ev):
                 for b, var in enumerate(row):
+                    if var is None:
+                        continue
                     amount = tuple(0.0 if table is None else table[a][b]
                                    for table in (e.forward_s, e.saved_bytes, e.buffer_bytes if rebuilt else None))
                     amounts.setdefault(amount, []).append(var)
@@ -507,6 +520,8 @@ class _Model:
             if not zs:
                 continue
             terms = _pair_terms(ev, e.zero_saving_s, _MS)
+            if not terms:  # no pair the restrictions leave saves anything
+                continue
             saving = pulp.LpVariable(f"zs_{k}", lowBound=0)
             self.prob += saving <= pulp.LpAffineExpression(terms), f"zero_saving_{k}"
             self.prob += saving <= max(c for _, c in terms) * pulp.lpSum(zs), f"zero_saving_gate_{k}"
@@ -629,12 +644,22 @@ class _Model:
             self.prob += _affine(self.memory_terms) <= (self.problem.budget_bytes - slack_bytes) * self.per_byte, "memory"
 
     def start_from(self, a: Assignment) -> None:
-        """A MIP start: the options of `a` (the solver completes the rest; what an earlier solve left is cleared)."""
-        for var in self.prob.variables():
+        """A MIP start: every integer variable as `a` sets it (the solver completes the continuous ones; what an
+        earlier solve left is cleared). Where `a` takes an option the restrictions rule out, the node is left for
+        HiGHS to complete; recompute and ZeRO are set only where the model has their variables."""
+        for var in self.variables:
             var.varValue = None
         for v, xs in enumerate(self.x):
+            if xs[a.choice[v]].upBound == 0:  # an option the restrictions rule out: HiGHS completes this node
+                continue
             for s, var in enumerate(xs):
                 var.setInitialValue(1 if s == a.choice[v] else 0)
+        for table, flags in ((self.y, a.recompute), (self.z, a.zero)):
+            for (v, _), var in table.items():
+                var.setInitialValue(0)
+            for (v, s), var in table.items():
+                if s == a.choice[v] and flags[v]:
+                    var.setInitialValue(1)
 
     def assignment(self) -> Assignment:
         choice = tuple(max(range(len(xs)), key=lambda s: xs[s].varValue or 0.0) for xs in self.x)
@@ -644,226 +669,42 @@ class _Model:
 
 
 @dataclass(frozen=True)
-class _Outcome:
-    status: Literal["optimal", "time_limit", "infeasible"]
+class Outcome:
+    """How one solve of a `_Model` ended."""
+
+    status: Literal["optimal", "time_limit", "infeasible", "none"]  # none: the time limit passed with no solution
     backend: str
     solve_s: float
     gap: float | None  # relative gap left when it is worth reporting (above HiGHS' default 1e-4)
+    bound: float | None = None  # the best objective any solution can reach, as the solver proved it (model units)
+
+    @property
+    def found(self) -> bool:
+        return self.status in ("optimal", "time_limit")
 
 
-def _run(
+def run(
     model: _Model, backend: Backend, time_limit_s: float, presolve: bool = False, mip_rel_gap: float = DEFAULT_GAP,
     warm_start: bool = False,
-) -> _Outcome:
-    """Solve (`warm_start`: from the assignment `_Model.start_from` set); raises when the time limit passed
-    without any solution."""
-    solver, used = make_solver(backend, time_limit_s, presolve, mip_rel_gap, warm_start)
-    began = time.perf_counter()
+) -> Outcome:
+    """Solve (`warm_start`: from the assignment `_Model.start_from` set) for at most `time_limit_s`."""
+    solver, used = make_solver(backend, max(time_limit_s, _LEAST_RUN_S), presolve, mip_rel_gap, warm_start)
+    began = cpu_s()
     model.prob.solve(solver)
-    solve_s = time.perf_counter() - began
+    solve_s = cpu_s() - began
     sol = model.prob.sol_status
-    gap = None
-    if used == "highs" and sol in (pulp.LpSolutionOptimal, pulp.LpSolutionIntegerFeasible):
-        left = model.prob.solverModel.getInfo().mip_gap
-        gap = left if left > DEFAULT_GAP else None
+    gap = bound = None
+    if used == "highs":
+        info = model.prob.solverModel.getInfo()
+        bound = info.mip_dual_bound if math.isfinite(info.mip_dual_bound) else None
+        if info.primal_solution_status != _FEASIBLE:  # pulp reads an interrupted search as feasible, found or not
+            sol = pulp.LpSolutionInfeasible if sol == pulp.LpSolutionInfeasible else pulp.LpSolutionNoSolutionFound
+        if sol in (pulp.LpSolutionOptimal, pulp.LpSolutionIntegerFeasible):
+            gap = info.mip_gap if info.mip_gap > DEFAULT_GAP else None
     if sol == pulp.LpSolutionOptimal:  # optimal within mip_rel_gap
-        return _Outcome("optimal", used, solve_s, gap)
+        return Outcome("optimal", used, solve_s, gap, bound)
     if sol == pulp.LpSolutionIntegerFeasible:  # stopped by the time limit with a plan in hand
-        return _Outcome("time_limit", used, solve_s, gap)
+        return Outcome("time_limit", used, solve_s, gap, bound)
     if sol == pulp.LpSolutionInfeasible:
-        return _Outcome("infeasible", used, solve_s, None)
-    raise AutoparError(
-        f"the ILP found no plan in {time_limit_s:.1f} s ({used}, status {pulp.LpStatus[model.prob.status]}); "
-        "raise time_limit_s"
-    )
-
-
-@gc_paused
-def solve_problem(
-    problem: Problem,
-    time_limit_s: float = 30.0,
-    backend: Backend = "highs",
-    restrictions: Restrictions = Restrictions(),
-    mip_rel_gap: float = DEFAULT_GAP,
-    or_leanest: bool = False,
-) -> Solution:
-    """The fastest assignment that fits the budget; InfeasibleError (with the minimum) when none does, or with
-    `or_leanest` the leanest assignment, over the budget (how a textbook plan that does not fit is priced).
-
-    Two solves, as a rule: first without the memory row (fast: the edge polytope is nearly
-    integral); that optimum is the answer whenever it fits. Otherwise the memory row goes in
-    and the model is solved again. Should that find no plan in time, two more searches of up to
-    `time_limit_s` each: the leanest plan, and if it fits, the fastest again from it
-    (`_leanest_instead`). With `or_leanest` the leanest plan is searched for before the memory row's
-    solve, which it answers when it does not fit, and starts from when it does. `mip_rel_gap`: stop once
-    the plan is provably within this fraction of the best possible step time (reported in
-    SolverReport.gap when above HiGHS' default of 1e-4)."""
-    began = time.perf_counter()
-    model = _Model(problem, restrictions, "time")
-    out = _run(model, backend, time_limit_s, mip_rel_gap=mip_rel_gap)
-    spent_s = out.solve_s
-    if out.status == "infeasible":  # not even without the budget: the restrictions leave nothing
-        raise AutoparError("the restrictions leave no valid assignment at all; relax them")
-    a = model.assignment()
-    memory, step = evaluate(problem, a)
-    if problem.budget_bytes is not None and memory.total_bytes > problem.budget_bytes:
-        model.add_memory_limit()
-        warm = False
-        if or_leanest:
-            # The leanest plan first: when even it needs more than the budget it is the answer, without the
-            # search that proves no plan fits (3.1 of the 8.9 s that pricing LLaMA-7B's data-parallel baseline
-            # on 8 devices took). When it fits, the search below starts from it.
-            leanest = min_memory(problem, time_limit_s, backend, restrictions, PRICING_GAP)
-            if _least_need_bytes(leanest) > problem.budget_bytes:
-                return leanest
-            model.start_from(leanest.assignment)
-            warm = True
-        try:
-            out = _run(model, backend, max(time_limit_s - spent_s, 1.0), True, mip_rel_gap, warm_start=warm)
-        except AutoparError as no_plan:  # none in time
-            return _leanest_instead(model, time_limit_s, backend, no_plan, began, mip_rel_gap, or_leanest, memory)
-        spent_s += out.solve_s
-        if out.status == "infeasible":  # proven: no plan needs as little
-            leanest = min_memory(problem, time_limit_s, backend, restrictions, _leanest_gap(or_leanest))
-            if or_leanest:
-                return leanest
-            raise infeasible_error(leanest.memory, problem.budget_bytes or 0.0, leanest.report.gap, time_limit_s, proven=True)
-        a = model.assignment()
-        memory, step = evaluate(problem, a)
-    report = SolverReport(out.backend, out.status, spent_s, len(model.prob.variables()), len(model.prob.constraints), out.gap)
-    gap_text = f" (gap {out.gap:.2%})" if out.gap is not None else ""
-    log.info(
-        "solver: %s vars, %s in %.1f s%s, est. step %.0f ms",
-        f"{report.num_variables:,}", out.status, spent_s, gap_text, step.total_s * 1e3,
-    )
-    return Solution(a, memory, step, report)
-
-
-def _leanest_instead(model: _Model, time_limit_s: float, backend: Backend, no_plan: AutoparError, began: float,
-                     mip_rel_gap: float, or_leanest: bool, fastest: MemoryBreakdown) -> Solution:
-    """`model` (with its memory row) found no plan within the budget in time. If the leanest plan fits, the
-    same model is searched once more from it (a MIP start) and answers with what it finds: Mixtral-tiny on 2x2 at 1.5
-    MB, where the first search found nothing in 29 s, the leanest plan is priced 20.8 ms a step and the
-    search from it finds one at 6.0-6.4 ms. Else "no plan fits" where the least need is proven above the budget,
-    or the time-limit error with the leanest plan's need (`or_leanest`: the leanest plan instead of either); with
-    the need of `fastest` (the plan found without the budget) where the leanest plan was not found in time either
-    (a 2-layer GRU unrolled over 12 steps on 2x2: "raise time_limit_s", and no budget, before)."""
-    problem = model.problem
-    budget = problem.budget_bytes or 0.0
-    try:
-        leanest = min_memory(problem, time_limit_s, backend, model.restrictions, _leanest_gap(or_leanest))
-    except AutoparError:
-        need, asked = _need_and_budget(fastest.total_bytes, budget)
-        raise AutoparError(f"{no_plan} or a budget of {need} (the fastest plan needs that; in time the solver "
-                           f"found no plan within {asked}, nor the leanest plan)") from None
-    if leanest.memory.total_bytes > budget:
-        if or_leanest:
-            return leanest
-        infeasible = infeasible_error(leanest.memory, budget, leanest.report.gap, time_limit_s)
-        if infeasible.lower_bound_bytes > budget:
-            raise infeasible from None
-        need, asked = _need_and_budget(leanest.memory.total_bytes, budget)
-        raise AutoparError(
-            f"{no_plan} or a budget of {need} (the leanest plan found needs that; "
-            f"the solver could not rule out a plan that fits {asked})") from None
-    model.start_from(leanest.assignment)
-    a, memory, step, status, gap = leanest.assignment, leanest.memory, leanest.time, "leanest", None
-    try:
-        out = _run(model, backend, time_limit_s, True, mip_rel_gap, warm_start=True)
-        found = model.assignment()
-        found_memory, found_step = evaluate(problem, found)
-        if found_step.total_s < step.total_s and found_memory.total_bytes <= budget:
-            a, memory, step, status, gap = found, found_memory, found_step, out.status, out.gap
-    except AutoparError:  # the start was not taken up and nothing else was found: the leanest plan stands
-        pass
-    log.warning("solver: no plan within %s found in time_limit_s=%g; searched again from the leanest plan (%s, "
-                "est. step %.1f ms): est. step %.1f ms (%s); raise time_limit_s for a faster one",
-                _gib(budget), time_limit_s, _gib(leanest.memory.total_bytes), leanest.time.total_s * 1e3,
-                step.total_s * 1e3, status)
-    r = leanest.report
-    report = SolverReport(r.backend, status, time.perf_counter() - began, len(model.prob.variables()),
-                          len(model.prob.constraints), gap)
-    return Solution(a, memory, step, report)
-
-
-def _least_need_bytes(leanest: Solution) -> float:
-    """The least memory any plan needs, as far as the search for `leanest` proved it (its gap)."""
-    return leanest.memory.total_bytes * (1.0 - (leanest.report.gap or 0.0))
-
-
-def _leanest_gap(or_leanest: bool) -> float:
-    """How close the leanest search goes: to 1% for a plan that is priced over its budget (`or_leanest`), to
-    HiGHS' default for the need an error states."""
-    return PRICING_GAP if or_leanest else DEFAULT_GAP
-
-
-@gc_paused
-def min_memory(
-    problem: Problem, time_limit_s: float = 30.0, backend: Backend = "highs", restrictions: Restrictions = Restrictions(),
-    mip_rel_gap: float = DEFAULT_GAP,
-) -> Solution:
-    """The assignment with the least per-device memory (ignores the budget and the time); `mip_rel_gap`: stop
-    once it is provably within this fraction of the least."""
-    model = _Model(problem, restrictions, "memory")
-    out = _run(model, backend, time_limit_s, mip_rel_gap=mip_rel_gap)
-    if out.status == "infeasible":
-        raise AutoparError("the restrictions leave no valid assignment at all; relax them")
-    a = model.assignment()
-    memory, step = evaluate(problem, a)
-    report = SolverReport(out.backend, out.status, out.solve_s, len(model.prob.variables()), len(model.prob.constraints), out.gap)
-    return Solution(a, memory, step, report)
-
-
-def _gib(n: float, digits: int = 1, up: bool = False) -> str:
-    """Bytes in the largest binary unit that keeps a digit before the point (tiny test models need MiB);
-    `up`: rounded up, for a need a user may copy as the budget."""
-    for unit, size in (("GiB", _GIB), ("MiB", 2.0**20), ("KiB", 2.0**10)):
-        if n >= size:
-            value = math.ceil(n / size * 10**digits - 1e-9) / 10**digits if up else n / size
-            return f"{value:.{digits}f} {unit}"
-    return f"{math.ceil(n) if up else n:.0f} B"
-
-
-def budget_that_fits(need_bytes: float) -> float:
-    """A budget under which a plan needing `need_bytes` is found: the memory row asks for up to
-    `MEMORY_SLACK_BYTES` less than the budget (a few millionths of the memory unit, which is at most GiB and at
-    most the replicated plan's need, so a small share of any need too)."""
-    return need_bytes + min(MEMORY_SLACK_BYTES, 1e-3 * need_bytes)
-
-
-def _need_and_budget(need_bytes: float, budget_bytes: float) -> tuple[str, str]:
-    """Both in the same words, the need rounded up, with as many digits as it takes to tell them apart ("needs
-    2.6 MiB; budget 2.6 MiB" read as a contradiction, and 2.6 MiB as a budget would not fit)."""
-    for digits in range(1, 4):
-        need, budget = _gib(need_bytes, digits, up=True), _gib(budget_bytes, digits)
-        if need != budget:
-            break
-    return need, budget
-
-
-def infeasible_error(best: MemoryBreakdown, budget_bytes: float, gap: float | None, time_limit_s: float,
-                     proven: bool = False) -> InfeasibleError:
-    """What to tell a user whose budget no plan fits: the leanest plan's need and its largest part. `gap`: the
-    relative gap the search for it left at its time limit (None: proven least), stated with the bound it
-    proves, so that a user who asks for less than the leanest plan found learns whether any could fit;
-    `proven`: the budget itself was proven too small, which bounds the least need from below too."""
-    parts = {
-        "parameters": best.params_bytes,
-        "gradients": best.grads_bytes,
-        "optimizer state": best.optimizer_bytes,
-        "saved activations": best.activations_bytes,
-        "largest temporary": best.temp_bytes,
-    }
-    name, size = max(parts.items(), key=lambda kv: kv[1])
-    bound_bytes = best.total_bytes * (1.0 - gap) if gap else best.total_bytes
-    if proven:
-        bound_bytes = min(max(bound_bytes, budget_bytes), best.total_bytes)
-    found = "" if not gap else (
-        f" (the leanest plan found in time_limit_s={time_limit_s:g}; none needs less than {_gib(bound_bytes)})")
-    need, budget = _need_and_budget(best.total_bytes, budget_bytes)
-    return InfeasibleError(
-        f"no plan fits: needs {need} per device ({name} {_gib(size)}){found}; "
-        f"budget {budget}; raise --memory or use more devices",
-        min_memory_bytes=best.total_bytes,
-        lower_bound_bytes=bound_bytes,
-    )
+        return Outcome("infeasible", used, solve_s, None, bound)
+    return Outcome("none", used, solve_s, None, bound)

@@ -14,7 +14,7 @@ from __future__ import annotations
 import math
 import operator
 from dataclasses import dataclass, field, replace
-from typing import Any, Mapping, NamedTuple
+from typing import Any, Callable, Mapping, NamedTuple
 
 import torch
 from torch import fx
@@ -304,7 +304,8 @@ class _Arc(NamedTuple):
     lift: tuple | None = None
 
 
-def _param_root(node, params: Mapping[str, object], costs: Mapping[str, object]) -> str | None:
+def _param_root(node, params: Mapping[str, object], costs: Mapping[str, object],
+                inputs: Callable[[fx.Node], tuple[tuple[fx.Node, int], ...]] = strategy_inputs) -> str | None:
     """The parameter whose gradient `node`'s gradient flows into through ops with one gradient-carrying
     input (t, view, cast, `embedding(weight, arange)`...), or None. Codegen lifts the all-reduce of such a
     gradient out of the graph into the bucketed grad sync (`codegen.lower.partial_grad_axes`), which
@@ -314,7 +315,7 @@ def _param_root(node, params: Mapping[str, object], costs: Mapping[str, object])
             return node.name
         if node.op != "call_function" or node.target is operator.getitem:
             return None
-        ins = [p for p, _ in strategy_inputs(node) if costs[p.name].requires_grad]
+        ins = [p for p, _ in inputs(node) if costs[p.name].requires_grad]
         if len(ins) != 1:
             return None
         node = ins[0]
@@ -345,6 +346,16 @@ class _Pricer:
         self._nodes: dict[str, tuple] = {}
         self._producers: dict[str, tuple[tuple[fx.Node, int], ...]] = {}  # `strategy_inputs`, asked per option
 
+    def inputs(self, node: fx.Node) -> tuple[tuple[fx.Node, int], ...]:
+        """`strategy_inputs(node)`, found once (a build asks it of a node per option and per gradient chain)."""
+        producers = self._producers.get(node.name)
+        if producers is None:
+            producers = self._producers[node.name] = strategy_inputs(node)
+        return producers
+
+    def param_root(self, node: fx.Node) -> str | None:
+        return _param_root(node, self.params, self.costs, self.inputs)
+
     def option(self, name: str, k: int) -> Option:
         role, cost, outs, ins, param, base = self._node(name)
         strat = self.strategies[name][k]
@@ -367,9 +378,9 @@ class _Pricer:
             outs = tuple(None if v is None else _ints(v.shape) for v in output_vals(node))
             ins: tuple = ()
             if node.op == "call_function":
-                producers = strategy_inputs(node)
+                producers = self.inputs(node)
                 # an input with no gradient (token ids, masks, buffers) needs no backward all-reduce
-                roots = [_param_root(p, self.params, self.costs) for p, _ in producers]
+                roots = [self.param_root(p) for p, _ in producers]
                 # a parameter's gradient is summed in the reduce dtype (mixed precision), the others as computed
                 in_bytes = tuple(_tensor_bytes(output_vals(p)[i]) * (_summed_per_computed(self.params[r]) if r else 1.0)
                                  if self.costs[p.name].requires_grad else 0.0 for (p, i), r in zip(producers, roots))
@@ -394,12 +405,10 @@ class _Pricer:
         if role != "call_function":
             return {}
         in_bytes, bucketed, _ = ins
-        producers = self._producers.get(name)
-        if producers is None:
-            producers = self._producers[name] = strategy_inputs(self.nodes[name])
+        producers = self.inputs(self.nodes[name])
         out: dict[str, float] = {}
         for index, seconds in bucketed_sync_s(cost, self.strategies[name][k], self.mesh, in_bytes, bucketed).items():
-            root = _param_root(producers[index][0], self.params, self.costs)
+            root = self.param_root(producers[index][0])
             out[root] = out.get(root, 0.0) + seconds
         return out
 
@@ -538,9 +547,11 @@ def build_problem(
     strategies: Mapping[str, tuple[Strategy, ...]],
     budget_bytes: float | None,
     grouped: bool = True,
+    per_layer: bool = False,
 ) -> BuiltProblem:
-    """grouped=False keeps one problem node per graph node (for pricing arbitrary per-node plans)."""
-    grouping = group(traced, strategies) if grouped else singletons(traced, strategies)
+    """grouped=False keeps one problem node per graph node (for pricing arbitrary per-node plans); per_layer ties
+    repeated blocks in runs of layers that may decide recompute and ZeRO apart (`cluster.group`)."""
+    grouping = group(traced, strategies, per_layer) if grouped else singletons(traced, strategies)
     pricer = _Pricer(traced, profile, mesh, strategies)
     clusters = grouping.clusters
 
@@ -552,14 +563,21 @@ def build_problem(
     for members in grouping.classes:
         n_opts = len(clusters[members[0]].choices)
         label = lambda i: str(strategies[clusters[members[0]].leader][i])  # noqa: E731
-        class_opts.append([_sum([cluster_option(c, i) for c in members], label(i)) for i in range(n_opts)])
+        first = [cluster_option(members[0], i) for i in range(n_opts)]
+        if len(members) > 1 and first == [cluster_option(members[-1], i) for i in range(n_opts)]:
+            # tied copies price alike (the first and the last copy checked: the ones whose neighbours differ):
+            # the class is the first one's sum taken as many times, not each copy priced (flat in depth)
+            class_opts.append([_sum([o] * len(members), label(i)) for i, o in enumerate(first)])
+            _copy_storage(pricer, [clusters[c] for c in members])
+        else:
+            class_opts.append([_sum([cluster_option(c, i) for c in members], label(i)) for i in range(n_opts)])
     shared, saved_by = _shared_syncs(traced, strategies, pricer, grouping)
 
     def zero_terms(p: fx.Node, node: fx.Node, index: int, u: int, v: int) -> tuple | None:
         """For an arc from a parameter's cluster (through views) into `node`'s input `index`: per src option, the
         parameter's (ZeRO axes, local bytes) or None (no ZeRO option), and per dst option the axes on which `node`
         gets a partial gradient there. None for any other arc. What `Edge.zero_saving_s` is priced from."""
-        root = _param_root(p, pricer.params, pricer.costs)
+        root = pricer.param_root(p)
         if root is None or grouping.cluster_of[root] != u or saved_by.get(root, node.name) != node.name:
             return None
         src = []
@@ -580,7 +598,7 @@ def build_problem(
         there); `_lift_correction` prices the rest as the in-graph all-reduces codegen emits. (Lifting through a
         chain of several such producers needs each one unsplit; only the nearest is priced.)"""
         if p.name in pricer.params or not pricer.costs[p.name].requires_grad or not isinstance(val, torch.Tensor) \
-                or _param_root(p, pricer.params, pricer.costs) is None:
+                or pricer.param_root(p) is None:
             return None
         nbytes = _tensor_bytes(val)
         ndim = len(mesh.shape)
@@ -599,7 +617,7 @@ def build_problem(
         if node.op != "call_function" or node.name not in strategies:
             continue
         v = grouping.cluster_of[node.name]
-        for a, (p, k) in enumerate(strategy_inputs(node)):
+        for a, (p, k) in enumerate(pricer.inputs(node)):
             u = grouping.cluster_of[p.name]
             if u == v or (node.name, a) in free:
                 continue  # a follower and its producer: consistent by construction; or sent with the loss
@@ -728,15 +746,31 @@ def grouping_choice(cluster: Cluster, node: str, option: int) -> int:
     return cluster.choices[option][cluster.members.index(node)]
 
 
+def _copy_storage(pricer: _Pricer, copies: list[Cluster]) -> None:
+    """The ZeRO storage specs of the first copy's parameters for the same parameters of the other copies (tied
+    copies have the same members in the same order, of the same shapes and strategies)."""
+    stored = {(m, k): spec for (m, k), spec in pricer.storage.items() if m in copies[0].members}
+    for copy in copies[1:]:
+        for (m, k), spec in stored.items():
+            pricer.storage[copy.members[copies[0].members.index(m)], k] = spec
+
+
 def _shared_syncs(traced: TracedGraph, strategies, pricer: _Pricer, grouping: Grouping
                   ) -> tuple[tuple[SharedSync, ...], dict[str, str]]:
     """`Problem.shared_syncs`: a parameter whose gradient more than one node's price sends to the bucketed sync,
     with each such node's part per option of its class (codegen sums the uses' gradients before the sync); and
     per such parameter its first such node, the one whose edge carries its ZeRO saving (saved once, as paid)."""
+    readers: dict[str, int] = {}  # parameter -> nodes whose inputs lead to it: only one, and nothing is shared
+    for node in traced.graph.nodes:
+        if node.op == "call_function" and node.name in strategies:
+            for root in {pricer.param_root(p) for p, _ in pricer.inputs(node)} - {None}:
+                readers[root] = readers.get(root, 0) + 1
     terms: dict[str, list[tuple[int, tuple[float, ...]]]] = {}
     first: dict[str, str] = {}
     for node in traced.graph.nodes:
         if node.op != "call_function" or node.name not in strategies:
+            continue
+        if all(readers.get(pricer.param_root(p), 0) < 2 for p, _ in pricer.inputs(node)):
             continue
         cluster = grouping.clusters[grouping.cluster_of[node.name]]
         per_option = [pricer.param_syncs(node.name, grouping_choice(cluster, node.name, i)) for i in range(len(cluster.choices))]

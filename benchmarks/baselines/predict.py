@@ -42,13 +42,15 @@ from autopar.api import trace_copy
 from autopar.errors import AutoparError, InfeasibleError
 from autopar.profiler import profile
 from autopar.solver import fixed_plan, solve
-from autopar.solver.ilp import Restrictions, solve_problem
+from autopar.solver.anytime import solve_problem
+from autopar.solver.ilp import Restrictions
 from autopar.solver.cost import bucketed_all_reduce_s, collective_time_s, sync_latency_s
 from autopar.solver.mesh import Mesh
 from autopar.solver.plan import Plan
 from autopar.solver.problem import build_problem, count_hidden_in_forward
 from autopar.solver.reshard import reshard_cost
-from autopar.solver.search import batch_dependent, splits_batch, to_plan
+from autopar.solver.assemble import to_plan
+from autopar.solver.textbook import batch_dependent, splits_batch
 from autopar.solver.spec import Replicate, Shard, Spec
 from autopar.solver.strategies import enumerate_strategies, strategy_inputs
 from autopar.tracer import TracedGraph, module_path, output_vals

@@ -43,6 +43,18 @@ def spearman(xs: Sequence[float], ys: Sequence[float]) -> float:
     return cov / (sx * sy) if sx and sy else math.nan
 
 
+def ratio_errors(results: Sequence[ModelResult]) -> list[float]:
+    """The cost model's error on the ratio of two plans' step times, over every pair of one model's candidates:
+    |log(predicted ratio / measured ratio)| (0: the model ranks them, and by how much, as measured). What the
+    solver's robust choice needs (`solver.robust.ROBUST_MARGIN`): how far a predicted gain can be off."""
+    errors = []
+    for r in results:
+        pts = candidates(r)
+        errors += [abs(math.log((a.predicted_s / b.predicted_s) / (a.step_s / b.step_s)))
+                   for i, a in enumerate(pts) for b in pts[i + 1:]]
+    return errors
+
+
 def candidates(r: ModelResult) -> list[SystemResult]:
     return [*r.baselines, *r.autopar_plans.values()]
 

@@ -137,6 +137,21 @@ def test_profile_command(capsys):
     assert code == 0 and "transformer.h.0" in out and "total" in out
 
 
+def test_a_plan_saved_at_a_gpus_default_budget_loads_back(tmp_path, capsys):
+    """A GPU's default budget is its memory less its fixed overheads (CUDA context, NCCL): `--load` checks the file
+    against that same budget, not the whole memory."""
+    path = tmp_path / "plan.json"
+    code, _, _ = run(capsys, "plan", MLP, "--size", "tiny", "--batch-size", "8", "--gpus", "2", "--hardware", "h100",
+                     "--mesh", "2", "--save", str(path))
+    assert code == 0
+    saved = load_plan(path)
+    assert 0 < saved.fingerprint.budget_bytes < saved.mesh.memory_bytes
+    code, out, err = run(capsys, "plan", MLP, "--size", "tiny", "--batch-size", "8", "--gpus", "2", "--hardware", "h100",
+                         "--mesh", "2", "--load", str(path), "--json")
+    assert code == 0, err
+    assert json.loads(out)["time"]["total_s"] == saved.time.total_s
+
+
 def test_precision_bf16_plans_the_mixed_precision_step(tmp_path):
     """`--precision bf16` traces under the policy: the plan holds float32 masters and their bf16 copies (1.5x fp32's
     parameter bytes on a data-parallel mesh), bf16 activations, and its matmuls priced at the bf16 rate; it records the

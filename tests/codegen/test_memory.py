@@ -30,7 +30,7 @@ from autopar.profiler import profile
 from autopar.profiler.measure import LiveStorageTracker
 from autopar.runtime.launch import run_ranks
 from autopar.runtime.mesh import ProcessMesh
-from autopar.solver.search import fixed_plan
+from autopar.solver.pinned import fixed_plan
 from autopar.solver.spec import Spec
 from autopar.solver.strategies import enumerate_strategies
 from autopar.tracer.nodes import module_path
@@ -165,7 +165,8 @@ def test_zero_and_recompute_memory_is_real():
 def test_solver_prices_the_rebuilt_layer_as_a_transient():
     """Backward rebuilds a recomputed layer whole (codegen's checkpoint region per layer): the ILP and
     `evaluate` add the largest rebuilt layer to the peak, one layer's share for a tied class."""
-    from autopar.solver.ilp import evaluate, solve_problem
+    from autopar.solver.anytime import solve_problem
+    from autopar.solver.ilp import evaluate
     from autopar.solver.problem import Assignment, Node, Option, Problem
 
     gib = 2**30
@@ -188,7 +189,8 @@ def test_a_rebuilt_layer_holds_its_regathered_zero_parameters():
     import pytest as _pytest
 
     from autopar.errors import InfeasibleError
-    from autopar.solver.ilp import evaluate, solve_problem
+    from autopar.solver.anytime import solve_problem
+    from autopar.solver.ilp import evaluate
     from autopar.solver.problem import Assignment, Node, Option, Problem, ZeroOption
 
     gib = 2**30
@@ -219,7 +221,8 @@ def test_a_rebuilt_layer_holds_the_gradient_backward_carries_through_it():
     import pytest as _pytest
 
     from autopar.errors import InfeasibleError
-    from autopar.solver.ilp import evaluate, solve_problem
+    from autopar.solver.anytime import solve_problem
+    from autopar.solver.ilp import evaluate
     from autopar.solver.problem import Assignment, Node, Option, Problem, ZeroOption
 
     gib = 2**30

@@ -16,7 +16,7 @@ from autopar.api import profiled
 from autopar.profiler.measure import LiveStorageTracker
 from autopar.runtime.launch import run_ranks
 from autopar.runtime.mesh import ProcessMesh
-from autopar.solver.search import fixed_plan
+from autopar.solver import fixed_plan
 from tests.codegen.harness import local_sample, parallel_module
 from tests.codegen.mixed import BF16, trace_mixed
 from tests.codegen.plans import cpu_mesh, greedy_plan

@@ -16,7 +16,7 @@ from autopar.runtime.launch import run_ranks
 from autopar.runtime.mesh import ProcessMesh
 from autopar.solver.problem import build_problem
 from autopar.solver.regions import is_cheap, is_copy, layer_key, region_runs
-from autopar.solver.search import fixed_plan
+from autopar.solver.pinned import fixed_plan
 from autopar.solver.strategies import enumerate_strategies
 from autopar.tracer import module_path
 from tests.codegen.harness import trace_model

@@ -13,7 +13,7 @@ from autopar.profiler import profile
 from autopar.solver import solve
 from autopar.solver.mesh import make_mesh
 from autopar.solver.plan_io import save_plan
-from autopar.solver.search import fixed_plan
+from autopar.solver import fixed_plan
 from autopar.solver.spec import Replicate, Shard, Spec, Strategy
 from autopar.tracer import trace
 from tests.cli.plans import EXAMPLES

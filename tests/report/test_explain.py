@@ -14,7 +14,7 @@ from autopar.profiler import profile
 from autopar.report.explain import explain, make_context
 from autopar.solver.plan import PlanSource
 from autopar.solver.plan_io import load_plan, save_plan
-from autopar.solver.search import fixed_plan
+from autopar.solver import fixed_plan
 from autopar.tracer import trace
 from tests.cli.plans import EXAMPLES
 

@@ -12,10 +12,13 @@ import random
 import pulp
 import pytest
 
-from autopar.errors import AutoparError, InfeasibleError
+from autopar.errors import PARALLELIZE_KNOBS, AutoparError, InfeasibleError, SearchTimeoutError
 from autopar.solver.backends import _reset_scheduler, make_solver
 from autopar.solver import ilp
-from autopar.solver.ilp import Restrictions, _Model, _need_and_budget, evaluate, infeasible_error, min_memory, solve_problem
+from autopar.solver import anytime
+from autopar.solver.anytime import min_memory, solve_problem
+from autopar.solver.ilp import Restrictions, _Model, evaluate
+from autopar.solver.needs import infeasible_error, need_and_budget
 from autopar.solver.problem import Assignment, Edge, Node, Option, Problem, ZeroOption
 
 GIB = 2**30
@@ -139,78 +142,106 @@ def test_infeasible_budget_reports_the_minimum_and_what_dominates():
     assert "needs 2.2 GiB per device (optimizer state 1.0 GiB); budget 1.0 GiB" in str(info.value)
     assert min_memory(p).memory.total_bytes == pytest.approx(2.125 * GIB)
     # a budget just below the need: as many digits as it takes to tell the two apart (not "needs 2.7; budget 2.7")
-    assert _need_and_budget(2.68 * MB, 2.66 * MB) == ("2.68 MiB", "2.66 MiB")
+    assert need_and_budget(2.68 * MB, 2.66 * MB) == ("2.68 MiB", "2.66 MiB")
 
 
 def test_a_least_memory_not_proven_in_time_is_reported_with_the_bound_it_proved():
     p = dp_vs_tp(bandwidth_bytes_per_s=10e9, budget_bytes=1 * GIB)
     best = min_memory(p).memory  # 2.125 GiB, proven
-    proven = infeasible_error(best, 1 * GIB, None, 30.0)
+    proven = infeasible_error(best, 1 * GIB, None)
     assert proven.min_memory_bytes == proven.lower_bound_bytes == pytest.approx(2.125 * GIB)
     assert "none needs less" not in str(proven)
     # stopped at the time limit 20% above the solver's bound: a budget between the two may fit
-    open_ = infeasible_error(best, 1 * GIB, 0.2, 30.0)
+    open_ = infeasible_error(best, 1 * GIB, 0.2)
     assert open_.min_memory_bytes == pytest.approx(2.125 * GIB)
     assert open_.lower_bound_bytes == pytest.approx(0.8 * 2.125 * GIB)
-    assert "(the leanest plan found in time_limit_s=30; none needs less than 1.7 GiB)" in str(open_)
+    assert "(the leanest plan found; none needs less than 1.7 GiB)" in str(open_)
     # a budget proven infeasible bounds the least need from below too
-    assert infeasible_error(best, 2 * GIB, 0.2, 30.0, proven=True).lower_bound_bytes == pytest.approx(2 * GIB)
+    assert infeasible_error(best, 2 * GIB, 0.2, proven=True).lower_bound_bytes == pytest.approx(2 * GIB)
+
+
+def _finding_nothing(monkeypatch, finds):
+    """`anytime.run` as HiGHS out of time (Mixtral-tiny on 2x2 at 1.5 MB: nothing in 29 s) wherever
+    `finds(model, memory row in, warm start)` says so; returns every run's (objective, memory row in, warm start)."""
+    real_run = anytime.run
+    runs = []
+
+    def run(model, backend, time_limit_s, presolve=False, mip_rel_gap=ilp.DEFAULT_GAP, warm_start=False):
+        bound = "memory" in model.prob.constraints
+        runs.append((model.prob.name, bound, warm_start))
+        if not finds(model, bound, warm_start):
+            return ilp.Outcome("none", "highs", time_limit_s, None)
+        return real_run(model, backend, time_limit_s, presolve, mip_rel_gap, warm_start)
+
+    monkeypatch.setattr(anytime, "run", run)
+    return runs
+
+
+def tp_or_dp(budget_bytes: float) -> Problem:
+    """`dp_vs_tp` with x resharded for TP at 10 s: unconstrained, data parallel (4.25 GiB)."""
+    base = dp_vs_tp(bandwidth_bytes_per_s=10e9, budget_bytes=None)
+    return Problem(base.nodes, (base.edges[0], Edge.dense(1, 2, [[0.0, 10.0], [0.0, 10.0]])), budget_bytes)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_a_seeded_start_out_of_time_still_returns_a_plan_no_worse_than_the_start(monkeypatch, seed):
+    """No search finds anything in time (a time limit too short for any of them): the answer is the fastest start
+    that fits, never an error and never slower; with time, the answer is the brute-force optimum."""
+    p = random_problem(random.Random(seed))
+    needs = sorted(evaluate(p, a)[0].total_bytes for a in every_assignment(p))
+    p = dataclasses.replace(p, budget_bytes=needs[len(needs) // 2])  # half the assignments fit
+    fitting = sorted((evaluate(p, a)[1].total_s, i, a) for i, a in enumerate(every_assignment(p))
+                     if evaluate(p, a)[0].total_bytes <= p.budget_bytes)
+    starts = [a for _, _, a in fitting[-3:]]  # the slowest three that fit
+    assert solve_problem(p, starts=starts).time.total_s == pytest.approx(brute_force(p)[0])
+    _finding_nothing(monkeypatch, lambda model, bound, warm: False)
+    sol = solve_problem(p, time_limit_s=1e-3, starts=starts)
+    assert sol.memory.total_bytes <= p.budget_bytes
+    assert sol.time.total_s <= min(evaluate(p, a)[1].total_s for a in starts) * (1 + 1e-9)
 
 
 @pytest.mark.parametrize("started_search_finds", [True, False])
-def test_when_the_time_search_finds_nothing_in_time_it_searches_again_from_the_leanest_plan(monkeypatch, started_search_finds):
-    real_run = ilp._run
-    started = []
-
-    def memory_row_finds_nothing(model, backend, time_limit_s, presolve=False, mip_rel_gap=ilp.DEFAULT_GAP, warm_start=False):
-        if warm_start:
-            started.append([[var.varValue for var in xs] for xs in model.x])  # the start handed to the solver
-        if model.prob.constraints.get("memory") is not None and (not warm_start or not started_search_finds):
-            # as HiGHS on Mixtral-tiny 2x2 at 1.5 MB in 29 s
-            raise AutoparError("the ILP found no plan within time_limit_s=1 (highs, status Not Solved); raise time_limit_s")
-        return real_run(model, backend, time_limit_s, presolve, mip_rel_gap, warm_start)
-
-    monkeypatch.setattr(ilp, "_run", memory_row_finds_nothing)
-    base = dp_vs_tp(bandwidth_bytes_per_s=10e9, budget_bytes=None)
-    # resharding x for TP costs 10 s: the unconstrained plan is data parallel (4.25 GiB)
-    p = Problem(base.nodes, (base.edges[0], Edge.dense(1, 2, [[0.0, 10.0], [0.0, 10.0]])), 3 * GIB)
+def test_when_no_start_fits_the_leanest_plan_starts_the_memory_bound_search(monkeypatch, started_search_finds):
+    """The memory-bound search finds nothing from scratch; the least-memory search's plan fits, so the search
+    starts from it, and the answer is the leanest plan when nothing better is found (as HiGHS on Mixtral-tiny at
+    1.5 MB: nothing in 29 s from scratch; from the leanest plan, 20.8 ms a step, 6.0-6.4 ms)."""
+    runs = _finding_nothing(monkeypatch, lambda model, bound, warm: not bound or (warm and started_search_finds))
+    p = tp_or_dp(3 * GIB)
     sol = solve_problem(p)
+    assert ("autopar_memory", False, True) in runs and runs[-1] == ("autopar_time", True, True)
     leanest = min_memory(p)
-    assert started == [[[1.0 if s == c else 0.0 for s in range(len(node.options))]
-                        for node, c in zip(p.nodes, leanest.assignment.choice)]]
     assert sol.memory.total_bytes <= 3 * GIB
     if started_search_finds:
         assert sol.report.status == "optimal"
         assert sol.time.total_s == pytest.approx(brute_force(p)[0]) and sol.time.total_s < leanest.time.total_s
-    else:  # nothing better found: the leanest plan is the answer
-        assert sol.report.status == "leanest"
-        assert sol.memory.total_bytes == pytest.approx(least_memory(p)) and sol.time.total_s == leanest.time.total_s
-    with pytest.raises(InfeasibleError) as info:  # below the least: proven, as before
-        solve_problem(dataclasses.replace(p, budget_bytes=2 * GIB))
-    assert info.value.min_memory_bytes == pytest.approx(least_memory(p))
+    else:  # nothing better found: a leanest plan is the answer
+        assert sol.report.status == "leanest" and sol.memory.total_bytes == pytest.approx(least_memory(p))
 
 
-def test_when_neither_search_finds_a_plan_in_time_the_error_names_the_fastest_plans_need(monkeypatch):
-    """The memory-bound search and the leanest plan's both stop at the time limit with nothing (a GRU unrolled
-    over its steps on 2x2): the error still names a budget that plans, the need of the plan found without one."""
-    real_run = ilp._run
-
-    def only_the_unbounded_search_finds(model, backend, time_limit_s, presolve=False, mip_rel_gap=ilp.DEFAULT_GAP,
-                                        warm_start=False):
-        if model.prob.constraints.get("memory") is not None or model.prob.name == "autopar_memory":
-            raise AutoparError("the ILP found no plan within time_limit_s=1 (highs, status Not Solved); raise time_limit_s")
-        return real_run(model, backend, time_limit_s, presolve, mip_rel_gap, warm_start)
-
-    monkeypatch.setattr(ilp, "_run", only_the_unbounded_search_finds)
-    base = dp_vs_tp(bandwidth_bytes_per_s=10e9, budget_bytes=None)
-    # resharding x for TP costs 10 s: the unconstrained plan is data parallel (4.25 GiB)
-    p = Problem(base.nodes, (base.edges[0], Edge.dense(1, 2, [[0.0, 10.0], [0.0, 10.0]])), 3 * GIB)
-    fastest = solve_problem(dataclasses.replace(p, budget_bytes=None))
-    assert fastest.memory.total_bytes == pytest.approx(4.25 * GIB)  # data parallel, over the budget
-    with pytest.raises(AutoparError) as info:
+def test_a_budget_below_the_least_need_is_infeasible_not_a_timeout():
+    p = tp_or_dp(2 * GIB)
+    with pytest.raises(InfeasibleError) as info:
         solve_problem(p)
-    assert "raise time_limit_s or a budget of 4.3 GiB (the fastest plan needs that" in str(info.value)
-    assert "no plan within 3.0 GiB, nor the leanest plan" in str(info.value)
+    assert not isinstance(info.value, SearchTimeoutError)
+    assert info.value.min_memory_bytes == pytest.approx(least_memory(p))
+    assert "fix: pass memory_budget_bytes=" in str(info.value)
+
+
+def test_when_no_search_finds_a_plan_in_time_the_error_names_the_time_and_the_leanest_plans_need(monkeypatch):
+    """The memory-bound search and the leanest plan's both stop at the time limit with nothing better than the plan
+    found without a budget (a GRU unrolled over its steps on 2x2): a `SearchTimeoutError` (an `InfeasibleError`)
+    naming the time limit, and a budget that plans, that plan's need; worded for the entry point called."""
+    _finding_nothing(monkeypatch, lambda model, bound, warm: not bound and model.prob.name == "autopar_time")
+    p = tp_or_dp(3 * GIB)
+    with pytest.raises(SearchTimeoutError) as info:
+        solve_problem(p, time_limit_s=7.0)
+    assert isinstance(info.value, InfeasibleError)
+    assert info.value.time_limit_s == 7.0 and info.value.min_memory_bytes == pytest.approx(4.25 * GIB)
+    assert ("found no plan within 3.0 GiB in 7 s (its time limit) and could not rule one out: the leanest plan it "
+            "found needs 4.3 GiB per device (optimizer state 2.0 GiB)\n") in str(info.value)
+    assert "fix: pass time_limit_s=14 or more, or memory_budget_bytes=4.564e+09 or more" in str(info.value)
+    worded = info.value.worded_for(PARALLELIZE_KNOBS)
+    assert isinstance(worded, SearchTimeoutError) and "memory_budget=4.564e+09 or more" in str(worded)
 
 
 def test_resharding_edges_pick_the_globally_cheapest_chain():
@@ -615,12 +646,11 @@ def test_a_solve_prints_nothing(capfd):
 @pytest.mark.parametrize("budget_gib", [3.5, 3.0, 2.0, 1.0, 0.25])
 def test_or_leanest_gives_the_fastest_plan_that_fits_or_else_the_leanest(budget_gib, monkeypatch):
     """How a textbook plan is priced (`or_leanest`), against brute force: the fastest plan within the budget,
-    else the leanest plan. Over budget, the leanest plan is searched for first: when it does not fit, it is the
-    answer without the search that proves nothing fits (two solves, not three: 3.1 s of the 8.9 s LLaMA-7B's
-    data-parallel baseline took on 8 devices), and when it fits, the search within the budget starts from it."""
-    runs = []
-    real_run = ilp._run
-    monkeypatch.setattr(ilp, "_run", lambda model, *args, **kwargs: runs.append(model.prob.name) or real_run(model, *args, **kwargs))
+    else the leanest plan. Over budget, the fastest plan's options are fitted to the budget first (recompute
+    and ZeRO only); when that fits, the search within the budget starts from it; when it does not, the leanest
+    plan is searched for, and when even it needs more than the budget it is the answer, without the search
+    that proves nothing fits."""
+    runs = _finding_nothing(monkeypatch, lambda model, bound, warm: True)
     p = chain_with_activations(budget_gib * GIB)
     sol = solve_problem(p, or_leanest=True)
     best = brute_force(p)
@@ -628,5 +658,9 @@ def test_or_leanest_gives_the_fastest_plan_that_fits_or_else_the_leanest(budget_
         assert sol.time.total_s == pytest.approx(best[0]) and sol.memory.total_bytes <= p.budget_bytes
     else:
         assert sol.memory.total_bytes == pytest.approx(least_memory(p)) and sol.memory.total_bytes > p.budget_bytes
-    fits_unbounded = budget_gib >= 3.5
-    assert len(runs) == (1 if fits_unbounded else 3 if best is not None else 2), runs
+    if budget_gib >= 3.5:  # the fastest plan fits
+        assert runs == [("autopar_time", False, False)]
+    elif best is not None:  # fitted, then searched from
+        assert runs == [("autopar_time", False, False), ("autopar_time", True, False), ("autopar_time", True, True)]
+    else:  # fitting fails, the leanest plan (searched from the fastest) does not fit either
+        assert runs == [("autopar_time", False, False), ("autopar_time", True, False), ("autopar_memory", False, True)]

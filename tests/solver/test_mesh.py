@@ -92,7 +92,7 @@ def test_a_preset_is_priced_at_a_precisions_rate():
 
 
 def test_fixed_overheads_per_layout_and_the_default_budget():
-    from autopar.solver.search import _budget
+    from autopar.solver.assemble import budget_of as _budget
     h100 = make_mesh(8, (2, 4), "h100")
     o = h100.overheads
     # one communicator per split axis and one for the world (a sync over both axes)

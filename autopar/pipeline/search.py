@@ -1,0 +1,392 @@
+"""The pipeline search: stages, cuts, micro-batches and schedule around the solver's intra-stage plans.
+
+    plan = solve_pipeline(lambda m: trace_at(m), global_batch=64, num_devices=64, hardware="h100-ib")
+
+The structure is Alpa's and Mist's (arXiv 2201.12023, 2503.19050): an outer search over the number
+of stages, the stage mesh and the micro-batch count, whose inner call is the intra-stage solve
+(`autopar.solver.solve`, a black box here). It runs in two rounds:
+
+1. Estimate. The graph between two cut points (a layer, the embeddings before the first layer, the
+   head and loss after the last) is a unit; each unit of a distinct structure is solved alone on the
+   stage mesh at the micro-batch's size (a transformer has three: embeddings, a layer, head and loss).
+   A stage's price is the sum of its units' (`cost.StageCost`), the cuts are balanced by a dynamic
+   program (the slowest stage as fast as it can be, each stage's memory with its micro-batches in
+   flight within the budget), and every schedule is priced (`cost.price`).
+2. Solve. The best few estimates are solved for real: each stage's own part of the graph, with the
+   budget less what its other micro-batches in flight hold, again until it fits. Stages of the same
+   structure (the middle stages of a transformer) are solved once and the plan renamed onto each.
+
+Where the mesh spans nodes (`Topology`), tensor-parallel and data-parallel axes stay inside a node
+as long as the stage does, and a boundary between stages on different nodes sends over the slower link.
+"""
+from __future__ import annotations
+
+import hashlib
+import logging
+import math
+import time
+from dataclasses import dataclass, replace
+from typing import Callable, Sequence
+
+from autopar.errors import AutoparError, InfeasibleError
+from autopar.pipeline.cost import StageCost, in_flight, price, stage_cost
+from autopar.pipeline.cut import CutError, Layers, StageGraph, cut, find_layers
+from autopar.pipeline.loss import LossError, split_loss
+from autopar.pipeline.plan import SCHEDULES, PipelinePlan, StagePlan, schedule_problem, with_pp
+from autopar.profiler import profile
+from autopar.solver import solve
+from autopar.solver.mesh import PRESETS, Mesh, MeshAxis, default_axis_names
+from autopar.solver.plan import NodeDecision, ParamDecision, Plan
+from autopar.solver.plan_io import with_fingerprint
+from autopar.tracer import TracedGraph
+
+log = logging.getLogger(__name__)
+
+
+class PipelineSearchError(AutoparError):
+    """No pipeline plan: the model cannot be cut (the reason), or no configuration fits the budget."""
+
+
+@dataclass(frozen=True)
+class Topology:
+    """Devices in nodes: a fast link inside a node, a slower one between nodes."""
+
+    intra: MeshAxis  # inside a node (NVLink)
+    inter: MeshAxis  # between nodes (InfiniBand)
+    gpus_per_node: int
+    base: Mesh  # the device's compute and memory numbers
+
+    @staticmethod
+    def of(hardware: str | Mesh, gpus_per_node: int = 8) -> "Topology":
+        """A preset or mesh's links: its last axis inside a node, its first between nodes (one axis: both)."""
+        mesh = PRESETS[hardware] if isinstance(hardware, str) else hardware
+        return Topology(mesh.axes[-1], mesh.axes[0], gpus_per_node, mesh)
+
+    def stage_mesh(self, shape: tuple[int, ...]) -> Mesh:
+        """A stage's mesh, ranks in row-major order from the innermost axis: an axis stays on the fast link while
+        the ranks it spans (its size times the sizes inside it) fit in a node."""
+        axes, span = [], 1
+        names = default_axis_names(len(shape))
+        for name, size in reversed(list(zip(names, shape))):
+            span *= size
+            link = self.intra if span <= self.gpus_per_node else self.inter
+            axes.append(replace(link, name=name, size=size, per_kind=()))
+        return replace(self.base, axes=tuple(reversed(axes)), groups=())
+
+    def boundary_links(self, stage_size: int, num_stages: int, pp: int) -> list[MeshAxis]:
+        """The link each boundary between consecutive stages crosses (stage s on pp rank s % pp, ranks of pp rank
+        r from r * stage_size)."""
+        def node(s: int) -> int:
+            return (s % pp) * stage_size // self.gpus_per_node
+        return [self.intra if node(s) == node(s + 1) and stage_size < self.gpus_per_node else self.inter
+                for s in range(num_stages - 1)]
+
+
+@dataclass(frozen=True)
+class Config:
+    pp: int
+    stage_shape: tuple[int, ...]
+    microbatches: int
+    virtual: int = 1
+
+
+# ---------------------------------------------------------------- structure: solve once, rename onto each copy
+def structure_key(traced: TracedGraph) -> str:
+    """The graph up to its names: ops, shapes and wiring (node references by position), how its inputs are fed."""
+    index: dict[str, int] = {}
+    h = hashlib.sha256()
+    for i, node in enumerate(traced.graph.nodes):
+        index[node.name] = i
+        val = node.meta.get("val")
+        shape = (tuple(val.shape), str(val.dtype)) if hasattr(val, "shape") else type(val).__name__
+        args = _positional(node.args, index), _positional(node.kwargs, index)
+        h.update(repr((node.op, str(node.target), shape, args, node.name in traced.param_fqns)).encode())
+    h.update(repr((traced.input_batch_dims, traced.loss_index, len(traced.output_names))).encode())
+    return h.hexdigest()
+
+
+def _positional(value, index: dict[str, int]):
+    if hasattr(value, "name") and value.name in index:
+        return ("node", index[value.name])
+    if isinstance(value, (list, tuple)):
+        return tuple(_positional(v, index) for v in value)
+    if isinstance(value, dict):
+        return tuple(sorted((k, _positional(v, index)) for k, v in value.items()))
+    return repr(value)
+
+
+def rename_plan(plan: Plan, source: TracedGraph, target: TracedGraph) -> Plan:
+    """`plan`, made for `source`, for `target` of the same structure (`structure_key`): node i of one is node i of
+    the other, and each parameter the one its placeholder stands for."""
+    names = dict(zip((n.name for n in source.graph.nodes), (n.name for n in target.graph.nodes)))
+    nodes = tuple(replace(d, node=names[d.node]) for d in plan.nodes)
+    params = tuple(ParamDecision(target.param_fqns[names[p.node]], names[p.node], p.use, p.storage, p.layout)
+                   for p in plan.params)
+    return with_fingerprint(replace(plan, nodes=nodes, params=params), target, plan.mesh, plan.fingerprint.budget_bytes)
+
+
+class StageSolver:
+    """`solve` on stage graphs, once per structure, mesh shape and budget."""
+
+    def __init__(self, optimizer: str, time_limit_s: float):
+        self.optimizer, self.time_limit_s = optimizer, time_limit_s
+        self._plans: dict[tuple, tuple[Plan, TracedGraph] | InfeasibleError] = {}
+        self.solves = 0
+
+    def __call__(self, traced: TracedGraph, mesh: Mesh, budget_bytes: float) -> Plan:
+        key = (structure_key(traced), mesh.shape, round(budget_bytes / 2**20))
+        if key not in self._plans:
+            self.solves += 1
+            try:
+                plan = solve(traced, profile(traced, optimizer=self.optimizer), mesh, memory_budget_bytes=budget_bytes,
+                             time_limit_s=self.time_limit_s)
+                self._plans[key] = (plan, traced)
+            except InfeasibleError as err:
+                self._plans[key] = err
+        found = self._plans[key]
+        if isinstance(found, InfeasibleError):
+            raise found
+        plan, source = found
+        return plan if source is traced else rename_plan(plan, source, traced)
+
+
+# ---------------------------------------------------------------- round 1: estimates from units
+def unit_bounds(layers: Layers) -> list[int]:
+    """The op positions where units start, and the end: units are the spans between consecutive cut points."""
+    return [0, *layers.cut_points(), layers.num_ops]
+
+
+def _unit_stage(traced: TracedGraph, layers: Layers, bounds: list[int], u: int) -> StageGraph:
+    """Unit u as a stage of its own: the graph cut at its start and end."""
+    starts = tuple(p for p in (bounds[u], bounds[u + 1]) if 0 < p < layers.num_ops)
+    stages = cut(traced, starts, layers)
+    return stages[0] if u == 0 else stages[1]
+
+
+def unit_costs(traced: TracedGraph, layers: Layers, mesh: Mesh, budget_bytes: float, solver: StageSolver) -> list[StageCost]:
+    """Each unit's price alone on `mesh` (its sends those of its own boundary)."""
+    bounds = unit_bounds(layers)
+    out = []
+    for u in range(len(bounds) - 1):
+        stage = _unit_stage(traced, layers, bounds, u)
+        out.append(stage_cost(solver(stage.traced, mesh, budget_bytes), stage, None))
+        if stage.sent:  # (the last unit sends nothing)
+            n = mesh.num_devices
+            sent = sum(stage.traced.node(v).meta["val"].numel() * stage.traced.node(v).meta["val"].element_size()
+                       for v in stage.sent)
+            out[-1] = replace(out[-1], send_bytes=sent / n)
+    return out
+
+
+def _sum(costs: Sequence[StageCost]) -> StageCost:
+    return StageCost(*(sum(getattr(c, f) for c in costs) for f in ("micro_s", "sync_s", "update_s", "static_bytes",
+                                                                   "activation_bytes")),
+                     send_bytes=costs[-1].send_bytes, receive_bytes=0.0)
+
+
+def balanced_cuts(units: Sequence[StageCost], num_stages: int, pp: int, schedule: str, microbatches: int,
+                  budget_bytes: float) -> tuple[int, ...] | None:
+    """Unit indices where stages 1.. start: the slowest stage as fast as possible with every stage's memory (its
+    micro-batches in flight included) within the budget; None when no cut fits."""
+    n = len(units)
+    if num_stages > n:
+        return None
+    prefix = [StageCost(0, 0, 0, 0, 0, 0, 0)]
+    for c in units:
+        prefix.append(_sum([prefix[-1], c]))
+    virtual = num_stages // pp
+
+    def span(i: int, j: int) -> tuple[float, float, float]:  # time, static and activation bytes of units [i, j)
+        a, b = prefix[i], prefix[j]
+        return b.micro_s - a.micro_s, b.static_bytes - a.static_bytes, b.activation_bytes - a.activation_bytes
+
+    inf = (math.inf, math.inf)
+    best = [[inf] * (n + 1) for _ in range(num_stages + 1)]  # best[s][j]: (slowest, total) of stages 0..s-1 over units [0, j)
+    choice = [[0] * (n + 1) for _ in range(num_stages + 1)]
+    best[0][0] = (0.0, 0.0)
+    for s in range(1, num_stages + 1):
+        held = in_flight(schedule, pp, virtual, microbatches, (s - 1) % pp)
+        for j in range(s, n - (num_stages - s) + 1):
+            for i in range(s - 1, j):
+                if best[s - 1][i] == inf:
+                    continue
+                t, static, act = span(i, j)
+                if virtual == 1 and static + held * act > budget_bytes:
+                    continue
+                cand = (max(best[s - 1][i][0], t), best[s - 1][i][1] + t)
+                if cand < best[s][j]:
+                    best[s][j], choice[s][j] = cand, i
+    if best[num_stages][n] == inf:
+        return None
+    starts, j = [], n
+    for s in range(num_stages, 0, -1):
+        j = choice[s][j]
+        starts.append(j)
+    return tuple(reversed(starts))[1:]
+
+
+# ---------------------------------------------------------------- the search
+@dataclass(frozen=True)
+class Estimate:
+    config: Config
+    schedule: str
+    step_s: float
+    starts: tuple[int, ...]  # unit indices
+
+
+def configs(num_devices: int, global_batch: int, num_units: int, gpus_per_node: int, pp: int | None = None) -> list[Config]:
+    """pp x stage mesh x micro-batch counts worth estimating: pp from 2 up to the units (only `pp` where given), a
+    stage mesh of one axis or (dp, tp) with tp filling a node, micro-batches of n, 2n and 4n rows (n: the stage's
+    devices; each rank feeds its slice of each micro-batch)."""
+    out = []
+    degrees = [pp] if pp is not None else [p for p in range(2, num_devices + 1) if num_devices % p == 0]
+    for pp in (p for p in degrees if p <= num_units):
+        n = num_devices // pp
+        shapes = [(n,)] + ([(n // min(n, gpus_per_node), min(n, gpus_per_node))] if 1 < min(n, gpus_per_node) < n else [])
+        for rows in (n, 2 * n, 4 * n):
+            if global_batch % rows:
+                continue
+            for shape in shapes:
+                for virtual in (1, 2):
+                    if pp * virtual <= num_units:
+                        out.append(Config(pp, shape, global_batch // rows, virtual))
+    return out
+
+
+def solve_pipeline(
+    trace_at: Callable[[int], TracedGraph],
+    global_batch: int,
+    num_devices: int,
+    hardware: str | Mesh = "h100",
+    memory_budget_bytes: float | None = None,
+    optimizer: str = "adamw",
+    time_limit_s: float = 30.0,
+    schedules: Sequence[str] = SCHEDULES,
+    gpus_per_node: int = 8,
+    candidates: int = 3,
+    topology: Topology | None = None,
+    pp: int | None = None,
+) -> PipelinePlan:
+    """The fastest pipeline plan found for the model `trace_at(m)` traces at micro-batches of global_batch / m rows
+    (`pp`: only pipelines of that many pp ranks; default: every degree that divides num_devices).
+
+    Raises `PipelineSearchError` with the reason when the model cannot be cut or no configuration fits."""
+    if pp is not None and (pp < 2 or num_devices % pp):
+        raise PipelineSearchError(f"pp={pp} does not split {num_devices} devices into stages: give a divisor of "
+                                  f"{num_devices} of at least 2, or 'auto'")
+    topo = topology or Topology.of(hardware, gpus_per_node)
+    budget = topo.base.memory_bytes if memory_budget_bytes is None else float(memory_budget_bytes)
+    solver = StageSolver(optimizer, time_limit_s)
+    traces: dict[int, TracedGraph] = {}
+
+    def traced_at(m: int) -> TracedGraph:
+        if m not in traces:
+            traces[m] = trace_at(m)
+        return traces[m]
+
+    first = traced_at(1)
+    layers = find_layers(first)
+    try:
+        if layers.reason:
+            raise CutError(layers.reason)
+        split_loss(first)
+    except (CutError, LossError) as err:
+        raise PipelineSearchError(f"{first.model_name or 'the model'} gets no pipeline: {err}") from None
+    num_units = len(unit_bounds(layers)) - 1
+    if pp is not None and pp > num_units:
+        raise PipelineSearchError(f"{first.model_name} has {num_units} parts between its cut points, too few for pp={pp}: "
+                                  f"give pp <= {num_units}, or 'auto'")
+    began = time.perf_counter()
+    estimates: list[Estimate] = []
+    for config in configs(num_devices, global_batch, num_units, gpus_per_node, pp):
+        if layers.batch_statistics and config.microbatches > 1:
+            continue
+        estimates += _estimates(config, traced_at(config.microbatches), topo, budget, solver, schedules)
+    estimates.sort(key=lambda e: e.step_s)
+    log.info("pipeline: %d configurations estimated in %.1f s (%d solves)", len(estimates), time.perf_counter() - began,
+             solver.solves)
+    best: PipelinePlan | None = None
+    tried = set()
+    for e in estimates:
+        key = (e.config, e.schedule)
+        if len(tried) >= candidates or key in tried:
+            continue
+        tried.add(key)
+        try:
+            plan = _exact(e, traced_at(e.config.microbatches), topo, budget, solver)
+        except (InfeasibleError, ValueError) as err:
+            log.info("pipeline: %s %s does not fit: %s", e.config, e.schedule, err)
+            continue
+        if best is None or plan.time.step_s < best.time.step_s:
+            best = plan
+    if best is None:
+        raise PipelineSearchError(f"no pipeline of {num_devices} devices fits {budget / 2**30:.1f} GiB per device for "
+                                  f"{first.model_name}: raise the budget or use more devices")
+    return best
+
+
+def _estimates(config: Config, traced: TracedGraph, topo: Topology, budget: float, solver: StageSolver,
+               schedules: Sequence[str]) -> list[Estimate]:
+    layers = find_layers(traced)
+    mesh = topo.stage_mesh(config.stage_shape)
+    try:
+        units = unit_costs(traced, layers, mesh, budget, solver)
+    except InfeasibleError:
+        return []
+    num = config.pp * config.virtual
+    out = []
+    for schedule in schedules:
+        if schedule_problem(schedule, config.pp, config.virtual, config.microbatches):
+            continue
+        starts = balanced_cuts(units, num, config.pp, schedule, config.microbatches, budget)
+        if starts is None:
+            continue
+        bounds = (0, *starts, len(units))
+        costs = [_sum(units[a:b]) for a, b in zip(bounds, bounds[1:])]
+        costs = [replace(c, receive_bytes=costs[i - 1].send_bytes if i else 0.0) for i, c in enumerate(costs)]
+        links = topo.boundary_links(math.prod(config.stage_shape), num, config.pp)
+        step, memory = price(costs, schedule, with_pp(mesh, config.pp, topo.inter), config.microbatches, links)
+        if max(memory) <= budget or config.virtual > 1:
+            out.append(Estimate(config, schedule, step.step_s, starts))
+    return out
+
+
+def _exact(e: Estimate, traced: TracedGraph, topo: Topology, budget: float, solver: StageSolver) -> PipelinePlan:
+    """The estimate's configuration solved stage by stage and priced; ValueError or InfeasibleError when it does
+    not fit."""
+    config, layers = e.config, find_layers(traced)
+    bounds = unit_bounds(layers)
+    stages = cut(traced, tuple(bounds[u] for u in e.starts), layers)
+    mesh = topo.stage_mesh(config.stage_shape)
+    pmesh = with_pp(mesh, config.pp, topo.inter)
+    links = topo.boundary_links(mesh.num_devices, len(stages), config.pp)
+    shared = _shared(stages)
+    budgets = [budget] * len(stages)
+    for _ in range(3):  # until every rank's stages fit with their micro-batches in flight
+        plans = [solver(s.traced, mesh, b) for s, b in zip(stages, budgets)]
+        costs = [stage_cost(p, s, stages[i + 1] if i + 1 < len(stages) else None, shared)
+                 for i, (p, s) in enumerate(zip(plans, stages))]
+        step, memory = price(costs, e.schedule, pmesh, config.microbatches, links)
+        over = [memory[i % config.pp] - budget for i in range(len(stages))]
+        if max(over) <= 0:
+            break
+        budgets = [b - max(o, 0.0) / config.virtual for b, o in zip(budgets, over)]
+        if min(budgets) <= 0:
+            raise ValueError("the micro-batches in flight alone exceed the budget")
+    else:
+        raise ValueError(f"stages need {max(memory) / 2**30:.1f} GiB with their micro-batches in flight")
+    if e.schedule == "zero_bubble" and any(p.recomputed() for p in plans):
+        raise ValueError("zero_bubble needs stage plans without recompute")
+    ops = [n.name for n in traced.graph.nodes if n.op == "call_function"]
+    stage_plans = tuple(StagePlan(s.start, ops[s.start], s.layers, p, has_embedding=i == 0, has_head=s.is_last)
+                        for i, (s, p) in enumerate(zip(stages, plans)))
+    return PipelinePlan(pmesh, e.schedule, config.microbatches, stage_plans, step, memory, budget, traced.model_name)
+
+
+def _shared(stages: Sequence[StageGraph]) -> frozenset[str]:
+    """FQNs of the parameters more than one stage reads."""
+    seen: dict[str, int] = {}
+    for s in stages:
+        for fqn in set(s.traced.param_fqns.values()):
+            seen[fqn] = seen.get(fqn, 0) + 1
+    return frozenset(f for f, k in seen.items() if k > 1)

@@ -1,0 +1,84 @@
+"""The pipeline search against the single-mesh plan: stages kept only where they predict a faster step, the plan
+saved and loaded as it was, and `parallelize(pp=...)` training like one device on 2 gloo ranks."""
+from __future__ import annotations
+
+import functools
+from dataclasses import replace
+
+import pytest
+import torch
+
+from autopar.api import parallelize, trace_copy
+from autopar.pipeline.api import global_batch, microbatch_sample
+from autopar.pipeline.choose import choose
+from autopar.pipeline.cut import find_layers
+from autopar.pipeline.plan import PipelinePlan, load_pipeline_plan, save_pipeline_plan
+from autopar.pipeline.search import PipelineSearchError
+from autopar.profiler import profile
+from autopar.runtime.launch import run_ranks
+from autopar.solver import solve
+from autopar.solver.mesh import PRESETS, make_mesh
+from autopar.solver.plan import Plan
+from tests.codegen.harness import EPS, LR, trace_model
+from tests.pipeline.harness import STEPS, check_steps, zoo_model
+from tests.pipeline.test_cut import _Twice
+
+MODEL = "mlp"  # three layers, traced in a fraction of a second at each micro-batch count
+
+
+def _link(alpha_s: float, beta_bytes_per_s: float):
+    """The cpu preset with every link of this latency and bandwidth, computing at 1 MFLOP/s and reading memory at
+    10 MB/s: the tiny model's compute outweighs its launches, as a large model's does on GPUs."""
+    cpu = PRESETS["cpu"]
+    return replace(cpu, axes=tuple(replace(a, alpha_s=alpha_s, beta_bytes_per_s=beta_bytes_per_s) for a in cpu.axes),
+                   flops_per_s=1e6, mem_bandwidth_bytes_per_s=1e7)
+
+
+@functools.lru_cache(maxsize=None)
+def trace_at(m: int):
+    model, sample, _ = zoo_model(MODEL)
+    return trace_copy(model, microbatch_sample(sample, m), "cpu")
+
+
+def _choose(hardware) -> Plan | PipelinePlan:
+    whole = trace_at(1)
+    mesh = hardware.with_shape((2,))
+    flat = solve(whole, profile(whole), mesh, time_limit_s=5)
+    return choose(flat, trace_at, global_batch(whole), 2, "auto", hardware, time_limit_s=5)
+
+
+def test_stages_kept_where_they_pay_and_saved_as_they_are(tmp_path):
+    # on a slow link (10 KB/s), syncing every gradient over 2 data-parallel ranks costs more than two stages that
+    # send one activation a micro-batch; on a link of no latency and no transfer time, stages only add a bubble
+    slow, fast = _choose(_link(5e-5, 1e4)), _choose(_link(0.0, 1e15))
+    assert isinstance(slow, PipelinePlan) and slow.pp == 2, slow
+    assert isinstance(fast, Plan), fast
+    assert "no pipeline stages: the best pipeline" in fast.notes[-1] and "pipeline stages predict" in slow.notes[-1]
+    assert [layer for s in slow.stages for layer in s.layers] == list(find_layers(trace_at(1)).names)
+    save_pipeline_plan(slow, tmp_path / "plan.json")
+    assert load_pipeline_plan(tmp_path / "plan.json") == slow
+
+
+def _train(rank: int, world: int) -> dict[str, float]:
+    model, sample, ref = zoo_model(MODEL)
+    pm = parallelize(model, sample, (world,), hardware="cpu", pp=2, time_limit_s=5)
+    opt = torch.optim.AdamW(pm.parameters(), lr=LR, eps=EPS)
+    return check_steps(pm, opt, sample, ref, range(STEPS), f"parallelize(pp=2) on {world} ranks")
+
+
+@pytest.mark.timeout(300)
+def test_parallelize_pp_trains_like_one_device():
+    zoo_model(MODEL)  # the reference, made once in the parent
+    worst = run_ranks(_train, 2, timeout_s=240)
+    assert all(w["loss"] < 1e-5 for w in worst)
+
+
+def test_a_model_that_cannot_be_cut_keeps_its_plan_and_says_why():
+    x = torch.randn(4, 8)
+    traced = trace_model(_Twice(), (x,))
+    flat = solve(traced, profile(traced), make_mesh(2, (2,), "cpu"), time_limit_s=5)
+    kept = choose(flat, lambda m: traced, 4, 2, "auto", "cpu")
+    assert isinstance(kept, Plan) and kept.nodes == flat.nodes
+    assert kept.notes[-1].startswith("no pipeline stages:") and "do not run one after another" in kept.notes[-1]
+    with pytest.raises(PipelineSearchError, match="do not run one after another"):
+        choose(flat, lambda m: traced, 4, 2, 2, "cpu")
