@@ -22,7 +22,7 @@ from autopar.runtime.launch import run_ranks
 from autopar.runtime.mesh import ProcessMesh
 from autopar.solver.offload import offloaded_profile, with_offload
 from autopar.solver.plan import Plan
-from autopar.solver.search import fixed_plan
+from autopar.solver.pinned import fixed_plan
 from autopar.solver.strategies import enumerate_strategies
 from tests.codegen.harness import (EPS, LR, check_steps, classifier_case, local_sample, loss_of, parallel_module, reference,
                                    train, zoo_case)
