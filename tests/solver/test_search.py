@@ -15,7 +15,7 @@ from autopar.solver.needs import budget_that_fits
 from autopar.solver.assemble import to_plan
 from autopar.solver.robust import ROBUST_MARGIN
 from autopar.solver.search import search_mesh
-from autopar.solver.mesh import MeshAxis, make_mesh
+from autopar.solver.mesh import Mesh, MeshAxis, make_mesh
 from autopar.solver.spec import Shard, Spec
 from autopar.tracer import trace
 
@@ -109,9 +109,15 @@ def test_baselines_priced_with_the_plan_are_those_priced_alone():
         [b.time.total_s for b in baseline_plans(traced, prof, best.mesh)], rel=1e-6)
 
 
+def two_level_mesh() -> Mesh:
+    """4 H100s as 2 nodes of 2: axis 0 InfiniBand, axis 1 NVLink; one matmul rate, bf16's, for every dtype (as a
+    calibrated mesh has): at float32's rate the matmuls outweigh any link, and splitting weights over both axes pays."""
+    return dataclasses.replace(make_mesh(4, (2, 2), "h100-ib"), rates=None)
+
+
 def test_two_level_mesh_puts_tensor_parallelism_on_the_fast_axis():
     traced, prof = mlp(2, 4096, 16384, 256, "sgd")  # weight-heavy (AdamW's step: the next test)
-    mesh = make_mesh(4, (2, 2), "h100-ib")  # axis 0 InfiniBand, axis 1 NVLink
+    mesh = two_level_mesh()
     assert mesh.axes[1].beta_bytes_per_s > mesh.axes[0].beta_bytes_per_s
     plan = solve(traced, prof, mesh)
     sharded = [p for p in plan.params if not p.use.is_replicate()]
@@ -128,7 +134,7 @@ def test_adamw_step_is_worth_sharding_where_weights_dominate():
 
     traced, prof = mlp(2, 4096, 16384, 256)
     _, sgd = mlp(2, 4096, 16384, 256, "sgd")
-    mesh = make_mesh(4, (2, 2), "h100-ib")
+    mesh = two_level_mesh()
     plan = solve(traced, prof, mesh)
     megatron = solve(traced, sgd, mesh)
     assert any(isinstance(p.use.placements[0], Shard) for p in plan.params)  # blocks over the slow axis too
