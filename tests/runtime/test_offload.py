@@ -151,16 +151,18 @@ def _accumulated(rank: int, world: int, model, sample, traced, plan) -> dict[str
         loss_of(pm(*args, **kwargs)).backward()
     assert all(m.grad is None for m in pm._offload.masters.values())
     loss_of(pm(*args, **kwargs)).backward()
-    return {fqn: p.grad for fqn, p in pm.named_parameters()}
+    return {fqn: p.grad for fqn, p in pm.named_parameters()}, pm.clip_grad_norm_(1e9)
 
 
 def test_no_sync_micro_batches_add_up_on_the_host():
     """Two backward calls, the first under no_sync(), on a data-parallel plan with every parameter on the host: each
-    master's gradient is twice one device's (the gradient sync's buckets carry them all)."""
+    master's gradient is twice one device's (the gradient sync's buckets carry them all), and so is their norm."""
     model, sample, traced, data_parallel = classifier_case()[:4]
     plan = _tiers(data_parallel, {name for name, _ in model.named_parameters()})
     ref = reference(model, sample, 1)
-    for grads in run_ranks(_accumulated, 2, model, sample, traced, plan, timeout_s=120):
+    norm = torch.linalg.vector_norm(torch.cat([2 * g.reshape(-1) for g in ref.grads[0].values()]))
+    for grads, clipped_by in run_ranks(_accumulated, 2, model, sample, traced, plan, timeout_s=120):
+        torch.testing.assert_close(clipped_by, norm, rtol=1e-5, atol=0)  # the host gradients' norm, as one device's
         assert set(grads) == set(ref.grads[0])
         for fqn, want in ref.grads[0].items():
             torch.testing.assert_close(grads[fqn], 2 * want, rtol=1e-4, atol=1e-6)
