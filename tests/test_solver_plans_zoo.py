@@ -1,6 +1,6 @@
 """The solver's own plans, under a generous and a tight budget, train like one device on every zoo model.
 
-Issue 6's acceptance beside the random plans: for every zoo model on meshes (2,),
+Beside the random plans (test_equivalence.py): for every zoo model on meshes (2,),
 (4,) and (2,2), three AdamW steps of the plan the solver picks match the
 single-device model (loss, every rank's block of every gradient and parameter).
 The tight budget is 60% of the generous plan's predicted need (or just above the
@@ -25,7 +25,8 @@ from tests.zoo import ZOO
 
 MESHES = [(2,), (4,), (2, 2)]
 STEPS = 3
-pytestmark = pytest.mark.xdist_group("zoo")  # one worker: the zoo's traces and references are made once (`zoo_case`)
+# a worker of its own beside test_equivalence's "zoo" group: the zoo's traces and references are made once per group
+pytestmark = pytest.mark.xdist_group("zoo_solver")
 
 
 @functools.lru_cache(maxsize=None)
@@ -48,7 +49,7 @@ def _plans(name: str, mesh_shape: tuple[int, ...]) -> tuple[str, str]:
     """The generous and the tight plan of one model (as JSON: a forked worker sends them back)."""
     _, _, traced, prof, _ = _model(name)
     mesh = make_mesh(math.prod(mesh_shape), mesh_shape, "cpu")
-    generous = solve(traced, prof, mesh)
+    generous = solve(traced, prof, mesh, time_limit_s=4.0)
     return plan_to_json(generous), plan_to_json(_tight_plan(traced, prof, mesh, generous))
 
 
