@@ -16,7 +16,7 @@ import math
 import time
 import weakref
 from pathlib import Path
-from typing import Any, Callable, Literal, Mapping
+from typing import AbstractSet, Any, Callable, Iterable, Literal, Mapping
 
 import torch
 import torch.distributed as dist
@@ -36,9 +36,11 @@ from autopar.profiler.types import GraphProfile
 from autopar.runtime import arrival
 from autopar.runtime.lockstep import from_rank0, on_every_rank
 from autopar.runtime.mesh import ProcessMesh
+from autopar.runtime.offload import offloaded_names
 from autopar.runtime.optimizers import alike_by_design, replaced
 from autopar.solver import solve, solve_keeping_params
 from autopar.solver.mesh import Mesh, Precision, make_mesh, preset_for_device
+from autopar.solver.offload import offloaded_profile, with_offload
 from autopar.solver.plan import Plan
 from autopar.solver.plan_io import check_plan, load_plan, plan_from_json, plan_to_json
 from autopar.tracer import TracedGraph, trace
@@ -146,6 +148,7 @@ def parallelize(
     call_timeout_s: float = arrival.TIMEOUT_S,
     drift_check_every: int = 100,
     pp: Literal["auto"] | int | None = None,
+    offload: str | Iterable[str] | None = None,
 ) -> ParallelModule:
     """Return `model` parallelized over `device_mesh` as a `ParallelModule` (local shards, same FQNs).
 
@@ -182,6 +185,11 @@ def parallelize(
       on copies of the float32 parameters (which the optimizer steps), the losses in float32 as autocast computes
       them, gradients summed over ranks in `reduce_dtype` (`autopar.mixed_precision`); None: the model's own dtypes.
 
+    offload: keep optimizer state on the host and step it there (`runtime.offload`): "optimizer" for every
+      parameter, or the FQNs of some; the optimizer made over `pm.parameters()` then holds host tensors for them
+      (pinned where CUDA is), and the plan's device memory leaves their optimizer state out. With `plan` given,
+      the plan's tiers are used (`autopar plan --offload`).
+
     Errors are raised on every rank alike: one raised while tracing or checking a plan on any rank, or while
     solving on rank 0, so that a loop catching it and calling `parallelize` again does so on every rank.
     """
@@ -191,6 +199,9 @@ def parallelize(
         if mixed_precision is not None:
             raise ValueError("pipeline stages run in the model's own dtypes: pass mixed_precision or pp, not both (cast "
                              "the model with model.to(dtype) for a low-precision pipeline)")
+        if offload is not None:
+            raise InvalidValueError(f"offload={offload!r} with pipeline stages: the pipeline's stages keep their optimizer "
+                                    "state on the device; pass offload or pp, not both")
         return pipeline_or_flat(model, sample_input, device_mesh, pp, plan, memory_budget, hardware, optimizer, time_limit_s,
                                 batch_dim, lambda flat: parallelize(model, sample_input, device_mesh, memory_budget, hardware,
                                                                     flat, optimizer, input_layout, time_limit_s, batch_dim,
@@ -208,6 +219,7 @@ def parallelize(
                                 "100, or 0 to compare replicated parameters only before each save")
     if not isinstance(device_mesh, DeviceMesh):
         device_mesh = mesh_shape("device_mesh", device_mesh)
+    offloaded = offloaded_names(offload, dict(model.named_parameters()))
     start = time.perf_counter()
     pmesh = ProcessMesh(device_mesh)
     device = _capture_device(pmesh)
@@ -221,12 +233,17 @@ def parallelize(
         # made for another device count fails here, naming the mesh, rather than somewhere in lowering.
         running = given.mesh.with_shape(pmesh.shape, pmesh.axis_names)
         check_plan(given, traced, running, given.fingerprint.budget_bytes)
+        if offload is not None and offloaded != set(given.offloaded()):
+            raise InvalidValueError(f"offload={offload!r}, but the plan given keeps {len(given.offloaded())} parameters' "
+                                    "optimizer state on the host: a plan records each parameter's tier. Leave offload "
+                                    "out to use the plan's, or plan again with `autopar plan --offload`")
         return traced, given
 
     # an error on any rank (a trace that fails, a plan that does not match) is raised on every rank, as is the
     # solver's on rank 0: a loop that catches it and tries again starts again on every rank at once
     traced, given = on_every_rank(traced_and_checked)
-    plan = given or _solve_on_rank0(traced, pmesh, memory_budget, hardware, optimizer, time_limit_s, model, mixed_precision)
+    plan = given or _solve_on_rank0(traced, pmesh, memory_budget, hardware, optimizer, time_limit_s, model, mixed_precision,
+                                    offloaded)
     gm = lower(
         traced, plan, pmesh,
         params=dict(model.named_parameters(remove_duplicate=False)),
@@ -329,19 +346,22 @@ def profiled(traced: TracedGraph, optimizer: str, model: nn.Module, mixed_precis
 
 
 def _solve_on_rank0(traced: TracedGraph, pmesh: ProcessMesh, memory_budget: float | None, hardware: str | Mesh | None,
-                    optimizer: str, time_limit_s: float, model: nn.Module, mixed_precision: MixedPrecision | None) -> Plan:
-    """Rank 0 solves and broadcasts the plan."""
+                    optimizer: str, time_limit_s: float, model: nn.Module, mixed_precision: MixedPrecision | None,
+                    offloaded: AbstractSet[str] = frozenset()) -> Plan:
+    """Rank 0 solves and broadcasts the plan (with `offloaded` on the host tier: their state off the device)."""
     def solved() -> Plan:
         if isinstance(hardware, Mesh):
             mesh = hardware.with_shape(pmesh.shape, pmesh.axis_names)
         else:
             mesh = make_mesh(math.prod(pmesh.shape), pmesh.shape, hardware or local_preset(pmesh), pmesh.axis_names,
                              precision="bf16" if mixed_precision is not None else training_precision(traced))
+        prof = profiled(traced, optimizer, model, mixed_precision)
         try:
-            return solve(traced, profiled(traced, optimizer, model, mixed_precision), mesh,
-                         memory_budget_bytes=memory_budget, time_limit_s=time_limit_s)
+            plan = solve(traced, offloaded_profile(prof, offloaded), mesh, memory_budget_bytes=memory_budget,
+                         time_limit_s=time_limit_s)
         except InfeasibleError as err:  # its fix in parallelize's words: memory_budget=
             raise err.worded_for(PARALLELIZE_KNOBS) from None
+        return with_offload(plan, prof, offloaded)
     return _on_rank0(solved)
 
 

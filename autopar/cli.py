@@ -112,6 +112,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="fp32: float32 parameters and matmuls (parallelize's default); tf32: the same with TF32 matmuls "
                         "(torch.backends.cuda.matmul.allow_tf32); bf16: mixed precision, bf16 compute on float32 masters "
                         "(parallelize(..., mixed_precision=autopar.MixedPrecision(torch.bfloat16)))")
+    p.add_argument("--offload", help="keep optimizer state on the host and step it there (parallelize(..., offload=...)): "
+                   "'optimizer' for every parameter, or parameter names separated by commas")
     p.add_argument("--time-limit", type=_seconds, default=30.0,
                    help="seconds the search may take in all, over every mesh shape it tries (stopped there, it answers with "
                         "the best plan found, never slower than the fastest textbook plan that fits)")

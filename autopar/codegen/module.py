@@ -62,6 +62,7 @@ from autopar.runtime.grad_norm import track
 from autopar.runtime.optimizers import watch_optimizers
 from autopar.runtime import join, rng
 from autopar.runtime.compute_copies import ComputeCopies
+from autopar.runtime.offload import HostOffload
 from autopar.runtime.grad_sync import GradSync
 from autopar.runtime.mesh import ProcessMesh
 from autopar.runtime.same_inputs import agree
@@ -140,6 +141,7 @@ class ParallelModule(nn.Module, Joinable):
         info: LoweringInfo = gm.meta["autopar"]
         share_tree(self, gm)  # the graph's parameter tree, so FQNs are the original ones (no "graph." prefix)
         self.mesh, self.plan, self.info = mesh, plan, info
+        self._offload = self._offload_for(plan)  # the host tier's masters in the parameters' place (`runtime.offload`)
         # outputs come back as each rank's rows: a loss computed from them outside is one term of a sum.
         # Watched in the first training forward only: a loop that computes its loss outside does so from
         # its first step, and the watch costs an alias and a hook per output.
@@ -179,6 +181,8 @@ class ParallelModule(nn.Module, Joinable):
         self._use(first)
         self._copies = self._copies_for(first)
         self._sync = _make_grad_sync(self, info, mesh, self._copies, self._reduce_dtype())
+        if self._offload is not None:
+            self._offload.follow(self._sync)  # the host tier's gradients leave the device as the sync writes them
         self._syncing = True  # False inside `no_sync()`
         self._sync_key = first.sync_key
         self._synced_params = self._params_read()  # the sync's
@@ -199,6 +203,25 @@ class ParallelModule(nn.Module, Joinable):
         copied = tuple((i, fqn) for i, fqn in enumerate(info.state_inputs) if fqn in info.compute_copies)
         return _Graph(gm, traced.out_spec, traced.loss_index, slots, params, sync_key, casts, copied)
 
+    def _offload_for(self, plan: Plan) -> HostOffload | None:
+        """Host masters of the plan's "host" tier parameters, registered in the parameters' place (each name of a
+        tied one): `pm.parameters()` yields them, and the optimizer made over it steps them on the host."""
+        names = [fqn for fqn in plan.offloaded() if fqn not in self.info.aliases]
+        if not names:
+            return None
+        params = [(fqn, _tensor(self, fqn)) for fqn in names]
+        if any(p.is_meta for _, p in params):
+            raise LoweringError("offload: the model was built on meta, and the host tier copies each parameter's values "
+                                "to the host when the module is made: build the model with its values (on the CPU), or "
+                                "leave offload out")
+        offload = HostOffload(params)
+        master_of = {id(p): offload.masters[fqn] for fqn, p in params}
+        for module in self.modules():
+            for name, p in list(module._parameters.items()):
+                if id(p) in master_of:
+                    module._parameters[name] = master_of[id(p)]
+        return offload
+
     def _copies_for(self, graph: _Graph, rebuild: bool = False) -> ComputeCopies | None:
         """The compute copies `graph` reads: the module's, made anew when they lack one of its parameters or
         `rebuild` says the masters changed (a conversion, a parameter set anew)."""
@@ -209,7 +232,9 @@ class ParallelModule(nn.Module, Joinable):
         held = [] if copies is None else copies.names
         union = held + [n for n in names if n not in held]
         dtype = graph.gm.meta["autopar"].compute_copies[names[0]]  # one policy: one compute dtype
-        return ComputeCopies([(fqn, _tensor(self, fqn)) for fqn in union], dtype)
+        # a parameter on the host tier is copied from its device copy, which the host master refreshes
+        on_device = {} if self._offload is None else self._offload.device_of
+        return ComputeCopies([(fqn, on_device.get(fqn, _tensor(self, fqn))) for fqn in union], dtype)
 
     def _reduce_dtype(self) -> torch.dtype | None:
         return None if self._precision is None else self._precision.reduce_dtype
@@ -232,6 +257,9 @@ class ParallelModule(nn.Module, Joinable):
         """A copy with its own parameters and buffers (an EMA of the weights, a frozen eval copy), on the same
         mesh and plan. Process groups cannot be copied and the traces and plans are never changed, so the copy
         shares them; its gradient sync is its own, over its parameters."""
+        if self._offload is not None:
+            raise LoweringError("copy.deepcopy(pm) with parameters on the host tier (offload): copy pm.state_dict() into "
+                                "a model of its own instead (an EMA of the weights, a frozen eval copy)")
         immutable = (*self._graphs, *self._planned, *(g.out_spec for g in self._graphs.values()),
                      *(t for t, _, _ in self._planned.values()))  # signatures, output structures, traces
         for shared in (self.mesh, self.plan, self._retracer, self._sync, *immutable):
@@ -253,6 +281,9 @@ class ParallelModule(nn.Module, Joinable):
         """`nn.Module`'s conversions (`to`, `half`, `bfloat16`, `to_empty`, ...), which change the tensors: a graph
         casts to the dtypes it was traced with (HF Llama's RMSNorm casts back to its weight's), so other dtypes
         get a graph of their own, traced with them, and the gradient sync is built again."""
+        if self._offload is not None:  # it would move or convert the host masters, not the device copies
+            raise LoweringError("pm.to / pm.half / pm.cuda / ...: some parameters are on the host tier (offload), whose "
+                                "host masters must stay float32 host tensors; convert the model before parallelize")
         out = super()._apply(fn, recurse)
         for alias, owner in self.info.aliases.items():
             # a conversion across device types (meta -> cpu by `to_empty`, cpu -> cuda) makes a new tensor
@@ -358,6 +389,8 @@ class ParallelModule(nn.Module, Joinable):
     @property
     def device(self) -> torch.device:
         """Where this rank's parameters live (what `batch.to(model.device)` in a Hugging Face loop wants)."""
+        if self._offload is not None:  # its masters are on the host; the graph computes on the device
+            return self._offload.device
         return next(iter(self.parameters())).device
 
     # Under torch.compile (`torch.compile(pm)`, or a compiled loop calling it) the forward runs eagerly, a
@@ -393,6 +426,12 @@ class ParallelModule(nn.Module, Joinable):
             self._sync_to(graph)  # a parameter was set anew since the sync was built
         elif graph.sync_key != self._sync_key and torch.is_grad_enabled():
             self._sync_to(graph)  # another graph's gradients are summed over other axes
+        if self._offload is not None:  # the host tier: the graph computes on device copies of the host masters
+            self._offload.upload()
+            for i, fqn in enumerate(graph.gm.meta["autopar"].state_inputs):
+                copy = self._offload.device_of.get(self.info.aliases.get(fqn, fqn))
+                if copy is not None:
+                    state[i] = copy
         if graph.copied:  # mixed precision: the graph computes on the copies, made when the masters changed
             self._copies.refresh()
             for i, fqn in graph.copied:
@@ -540,6 +579,8 @@ class ParallelModule(nn.Module, Joinable):
             self._copies.refresh()  # the copies' requires_grad follows the masters' before the sync registers them
         self._sync = _make_grad_sync(self, graph.gm.meta["autopar"], self.mesh, self._copies, self._reduce_dtype())
         self._sync.enabled = self._syncing
+        if self._offload is not None:
+            self._offload.follow(self._sync)  # the host tier's gradients leave the device as the sync writes them
         self._sync_key = graph.sync_key
         self._synced_params = self._params_read()
 
@@ -561,6 +602,8 @@ class ParallelModule(nn.Module, Joinable):
         """`torch.nn.utils.clip_grad_norm_(self.parameters(), ...)`: by the norm of the full gradients across all
         ranks' shards (`runtime.grad_norm.track`; a collective: call it on every rank, after backward), the
         same on every rank."""
+        if self._offload is not None:
+            self._offload.ready()  # the host masters' gradients, every copy landed
         return torch.nn.utils.clip_grad_norm_(self.parameters(), max_norm, norm_type)
 
     def expect_equal_blocks(self, *names: str) -> None:
@@ -859,6 +902,9 @@ def _make_grad_sync(module: nn.Module, info: LoweringInfo, mesh: ProcessMesh, co
     read as its compute copy is synced as the copy, into its master (with no group if nothing is summed), in
     `reduce_dtype` as every gradient is."""
     params = dict(module.named_parameters())
+    offload = getattr(module, "_offload", None)
+    if offload is not None:  # the host tier's gradients are the device copies' (moved to the masters after)
+        params.update(offload.device_of)
     # every rank builds the flattened groups in the same (graph) order: group creation is collective
     entries, masters = [], {}
     for fqn, axes in info.grad_sync_axes.items():

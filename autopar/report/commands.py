@@ -96,15 +96,35 @@ def _mesh(hardware: str, gpus: int, shape: tuple[int, ...] | None, precision: st
 # ---------------------------------------------------------------- plan
 def _solve(args: Any, traced, prof, budget: float | None) -> tuple[Plan, list]:
     """The plan with the textbook baselines priced on its mesh, and what each mesh shape tried would give
-    (empty when --mesh or a mesh file fixes the shape)."""
+    (empty when --mesh or a mesh file fixes the shape); --offload's parameters on the host tier."""
     from autopar.solver import solve, solve_for_devices
+    from autopar.solver.offload import offloaded_profile, with_offload
 
+    offloaded = _offloaded(args, prof)
+    device_prof = offloaded_profile(prof, offloaded)
     with phase("solving and pricing baselines") as progress:
         if args.mesh or args.hardware.endswith(".json") or Path(args.hardware).is_file():
-            return solve(traced, prof, _mesh(args.hardware, args.gpus, args.mesh, args.precision), memory_budget_bytes=budget,
-                         time_limit_s=args.time_limit, baselines=True, progress=progress), []
-        return solve_for_devices(traced, prof, args.gpus, hardware=args.hardware, memory_budget_bytes=budget,
-                                 time_limit_s=args.time_limit, baselines=True, precision=args.precision, progress=progress)
+            plan, shapes = solve(traced, device_prof, _mesh(args.hardware, args.gpus, args.mesh, args.precision),
+                                 memory_budget_bytes=budget, time_limit_s=args.time_limit, baselines=True, progress=progress), []
+        else:
+            plan, shapes = solve_for_devices(traced, device_prof, args.gpus, hardware=args.hardware, memory_budget_bytes=budget,
+                                             time_limit_s=args.time_limit, baselines=True, precision=args.precision,
+                                             progress=progress)
+    return with_offload(plan, prof, offloaded), shapes
+
+
+def _offloaded(args: Any, prof) -> frozenset[str]:
+    """The parameters `--offload` names ("optimizer": all; else FQNs separated by commas)."""
+    from autopar.runtime.offload import offloaded_names
+
+    given = getattr(args, "offload", None)
+    if not given:
+        return frozenset()
+    names = given if given in ("optimizer", "all") else [n.strip() for n in given.split(",") if n.strip()]
+    try:
+        return offloaded_names(names, prof.params)
+    except ValueError as err:
+        raise UsageError(f"--offload {given}: {err}") from None
 
 
 def _load_checked(args: Any, traced, budget: float | None) -> Plan:

@@ -219,7 +219,7 @@ def explain(plan: Plan, query: str, ctx: ExplainContext | None = None) -> dict[s
             "recompute": d.recompute,
         }
         if p is not None:
-            entry.update(parameter=p.fqn, use=str(p.use), storage=str(p.storage), layout=LAYOUT_WORDS[p.layout],
+            entry.update(parameter=p.fqn, use=str(p.use), storage=str(p.storage), layout=LAYOUT_WORDS[p.layout], tier=p.tier,
                          words=param_words(p, axis_names, ndims.get(p.fqn)))
         if ctx is not None:
             entry["alternatives"] = alternatives(plan, d, ctx)
@@ -275,8 +275,9 @@ def diff(a: Plan, b: Plan) -> dict[str, Any]:
     ]
     pa, pb = {p.fqn: p for p in a.params}, {p.fqn: p for p in b.params}
     params = [
-        {"param": f, "a": f"use {pa[f].use}, storage {pa[f].storage}", "b": f"use {pb[f].use}, storage {pb[f].storage}"}
-        for f in pa if f in pb and (pa[f].use != pb[f].use or pa[f].storage != pb[f].storage)
+        {"param": f, "a": f"use {pa[f].use}, storage {pa[f].storage}, {pa[f].tier}",
+         "b": f"use {pb[f].use}, storage {pb[f].storage}, {pb[f].tier}"}
+        for f in pa if f in pb and (pa[f].use, pa[f].storage, pa[f].tier) != (pb[f].use, pb[f].storage, pb[f].tier)
     ]
     layers = _changed_layers(a, b)
     mesh_changed = a.mesh.shape != b.mesh.shape or a.mesh.axis_names != b.mesh.axis_names or a.mesh.hardware != b.mesh.hardware

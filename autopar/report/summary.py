@@ -23,6 +23,11 @@ def memory_dict(m: MemoryBreakdown) -> dict[str, float | None]:
         "temp_bytes": m.temp_bytes,
         "total_bytes": m.total_bytes,
         "budget_bytes": m.budget_bytes,
+        # the host tier's (`solver.offload`): 0 when nothing is offloaded
+        "host_params_bytes": m.host_params_bytes,
+        "host_grads_bytes": m.host_grads_bytes,
+        "host_optimizer_bytes": m.host_optimizer_bytes,
+        "host_bytes": m.host_bytes,
     }
 
 
@@ -30,11 +35,12 @@ def memory_dict(m: MemoryBreakdown) -> dict[str, float | None]:
 MEMORY_PARTS = (("params_bytes", "parameters"), ("grads_bytes", "gradients"), ("optimizer_bytes", "optimizer state"),
                 ("activations_bytes", "saved activations"), ("temp_bytes", "largest temporary"))
 TIME_PARTS = (("compute_s", "compute"), ("update_s", "  of which optimizer step"), ("comm_s", "communication"),
-              ("recompute_s", "recompute"))
+              ("recompute_s", "recompute"), ("offload_s", "host tier (copies, host optimizer step)"))
 
 
 def time_dict(t: TimeBreakdown) -> dict[str, float]:
-    return {"compute_s": t.compute_s, "update_s": t.update_s, "comm_s": t.comm_s, "recompute_s": t.recompute_s, "total_s": t.total_s}
+    return {"compute_s": t.compute_s, "update_s": t.update_s, "comm_s": t.comm_s, "recompute_s": t.recompute_s,
+            "offload_s": t.offload_s, "total_s": t.total_s}
 
 
 def unrecorded(plan: Plan) -> list[str]:

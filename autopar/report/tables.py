@@ -73,8 +73,16 @@ def memory_table(s: dict[str, Any]) -> TableData:
     peak_row = len(rows) - 2
     if m.get("overhead_bytes"):  # the default budget is the device's memory less these
         rows.append(("device overheads (CUDA context, cuBLAS, NCCL)", fmt_bytes(m["overhead_bytes"]), "beside the budget"))
-    return TableData("Memory per device (at the step's peak)", ("part", "bytes", "share"), tuple(rows),
-                     frozenset({1, 2}), strong=frozenset({peak_row}))
+    columns = ("part", "bytes", "share")
+    if m.get("host_bytes"):  # parameters on the host tier: what each part keeps in host memory, beside the device's
+        host = {key: m.get(f"host_{key}", 0.0) for key in ("params_bytes", "grads_bytes", "optimizer_bytes")}
+        host["total_bytes"] = m["host_bytes"]
+        keys = [key for key, _ in MEMORY_PARTS] + ["total_bytes"]
+        rows = [(*row, fmt_bytes(host[key]) if key in host else "") for row, key in zip(rows, keys)] + \
+               [(*row, "") for row in rows[len(keys):]]
+        columns = ("part", "device bytes", "share", "host bytes")
+    return TableData("Memory per device (at the step's peak)", columns, tuple(rows),
+                     frozenset(range(1, len(columns))), strong=frozenset({peak_row}))
 
 
 def time_table(s: dict[str, Any]) -> TableData:

@@ -32,8 +32,10 @@ def explain_report(result: dict[str, Any]) -> list:
     for n in result["nodes"]:
         parts.append(Text(f"{n['node']} ({n['op']}) in {n['module'] or '(top level)'}: {n['strategy']}", style="bold"))
         if "parameter" in n:
+            stepped = ("its optimizer state is in host memory, stepped there" if n.get("tier") == "host"
+                       else "its compute is the optimizer's step on each device's block")
             parts.append(Text(f"  parameter {n['parameter']} ({n['layout']}): {n['words']} (use {n['use']}, storage {n['storage']}); "
-                              "its compute is the optimizer's step on each device's block"))
+                              f"{stepped}"))
         parts.append(Text(f"  output: {n['output']}; recomputed in backward: {'yes' if n['recompute'] else 'no'}"))
         alts = n.get("alternatives")
         if alts:

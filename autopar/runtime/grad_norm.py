@@ -54,9 +54,11 @@ def total_grad_norm(grads: Mapping[str, torch.Tensor], storage: Mapping[str, Spe
     total = torch.zeros((), dtype=torch.float64)
     for axes in sorted(by_axes):
         grads_here = [g.double() for g in by_axes[axes] if g.numel()]
-        part = torch.zeros(1, dtype=torch.float64, device=by_axes[axes][0].device)
+        # on the mesh's device, which its collectives run on: host-tier gradients (`runtime.offload`) are on the host
+        part = torch.zeros(1, dtype=torch.float64, device=mesh.device_mesh.device_type)
         for g in grads_here:  # this rank's share of the group: a max, or a sum of |g|^p
-            part = torch.maximum(part, g.abs().max()) if is_inf else part + g.abs().pow(norm_type).sum()
+            share = (g.abs().max() if is_inf else g.abs().pow(norm_type).sum()).to(part.device)
+            part = torch.maximum(part, share) if is_inf else part + share
         if axes:
             part = comm.all_reduce(part, mesh.flat_group_name(axes), "max" if is_inf else "sum")
         part = part.cpu().reshape(())

@@ -87,7 +87,7 @@ import functools
 import logging
 import weakref
 from dataclasses import dataclass, field
-from typing import Iterable, Iterator, Mapping, Sequence
+from typing import Callable, Iterable, Iterator, Mapping, Sequence
 
 import torch
 import torch.distributed as dist
@@ -168,6 +168,8 @@ class GradSync:
         self._synced: list[tuple[torch.nn.Parameter, weakref.ref, bool]] = []  # (param, the grad the last sync wrote, keeper)
         self._kept_sums = False  # this backward accumulates onto sums a sync wrote (every rank alike)
         self._master_grads = MasterGrads()  # the masters' grads the sync wrote (mixed precision)
+        # called with each bucket's masters once their summed grads are written (the host tier moves them there)
+        self.on_written: Callable[[Sequence[torch.nn.Parameter]], None] | None = None
         self._build(list(params), reduce_dtype, masters or {})
         landed = {id(m) for b in self._buckets for m in b.masters}
         self._unsynced = [p for p in self._scaled if id(p) not in landed]  # scaled, never in a bucket
@@ -214,6 +216,10 @@ class GradSync:
             for p in b.params:
                 self._handles.append(p.register_post_accumulate_grad_hook(self._on_grad))
                 self._hooked.add(id(p))
+
+    def synced(self, p: torch.Tensor) -> bool:
+        """Whether `p`'s gradient goes through a bucket of this sync."""
+        return id(p) in self._where
 
     @property
     def num_buckets(self) -> int:
@@ -386,6 +392,8 @@ class GradSync:
                 self._master_grads.unpack_into(b.buffer, b.masters, 1.0 if scale is None else scale)
                 b.work, b.buffer = None, None
                 b.ready.clear()
+                if self.on_written is not None:
+                    self.on_written(b.masters)
                 continue
             if b.as_grads:
                 if scale is not None:
@@ -402,6 +410,8 @@ class GradSync:
                 self._synced.append((p, weakref.ref(grad), b.keeper))
             b.work, b.buffer = None, None
             b.ready.clear()
+            if self.on_written is not None:
+                self.on_written(b.params)
         self._next = 0
 
     def shadow(self) -> None:

@@ -176,6 +176,12 @@ class Mesh:
             return self.rates.bf16_flops_per_s
         return self.rates.tf32_flops_per_s if self.precision == "tf32" else self.rates.fp32_flops_per_s
 
+    @property
+    def host_link_bytes_per_s(self) -> float:
+        """Host-device copy bandwidth per direction (pinned memory over PCIe: `HOST_LINKS` by preset name); a CPU
+        mesh or a hand-made one copies at its memory bandwidth (host and device are the same memory there)."""
+        return HOST_LINKS.get(self.hardware, self.mem_bandwidth_bytes_per_s)
+
     def overhead_bytes(self) -> float:
         """`overheads` for this layout: one NCCL communicator per axis of more than one device, and one for the
         whole world where several axes are (the bucketed gradient sync over several axes)."""
@@ -285,6 +291,14 @@ PRESETS: dict[str, Mesh] = {
     # This kind of machine: gloo over loopback between CPU processes (rough; `calibrate()` measures it).
     "cpu": Mesh((_axis("dp", 5e-5, 2e9),), flops_per_s=5e10, mem_bandwidth_bytes_per_s=1e10,
                 memory_bytes=16e9, hardware="cpu"),
+}
+
+# Host-device copies of pinned memory per direction, by preset: PCIe 4.0 x16 is 32 GB/s and PCIe 5.0 x16 64 GB/s
+# raw; cudaMemcpyAsync reaches ~80% of that (~25 and ~50 GB/s). SXM boards (H100, H200, A100) sit behind
+# their host's PCIe switch: PCIe 5 for Hopper, PCIe 4 for the A100s.
+HOST_LINKS: dict[str, float] = {
+    "h100": 50e9, "h100-pcie": 50e9, "h200": 50e9, "h100-ib": 50e9,
+    "a100": 25e9, "a100-40gb": 25e9, "l4": 25e9, "rtx4090": 25e9,
 }
 
 # Patterns of `torch.cuda.get_device_name()` (lower case), in order: the first that matches names the preset.

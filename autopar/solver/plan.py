@@ -7,12 +7,15 @@ into JSON and back (never pickle) and computes/compares the fingerprint.
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
+from typing import Literal
 
 from autopar.solver.mesh import Mesh
 from autopar.solver.spec import Spec, Strategy
 from autopar.tracer.param_layouts import Layout
 
 SCHEMA_VERSION = 1
+Tier = Literal["device", "host"]
+TIERS: tuple[Tier, ...] = ("device", "host")
 
 
 @dataclass(frozen=True)
@@ -33,6 +36,9 @@ class ParamDecision:
     # its layout relative to its module's math (`tracer.param_layouts`): which dim a split of it is Megatron's
     # column- or row-parallel; "" in plan files written without it (reports then name the dim split)
     layout: Layout = ""
+    # where its optimizer state lives and its step runs (`runtime.offload`): "device", or "host" (pinned host
+    # memory, stepped there by the user's optimizer; the device holds the parameter and its gradient)
+    tier: Tier = "device"
 
     @property
     def zero(self) -> bool:
@@ -49,6 +55,14 @@ class MemoryBreakdown:
     activations_bytes: float  # saved for backward, not recomputed
     temp_bytes: float  # largest transient (temporaries, gathered ZeRO params, recompute regions)
     budget_bytes: float | None
+    # per rank in host memory (the "host" tier, `solver.offload`): the masters, their gradients, their optimizer state
+    host_params_bytes: float = 0.0
+    host_grads_bytes: float = 0.0
+    host_optimizer_bytes: float = 0.0
+
+    @property
+    def host_bytes(self) -> float:
+        return self.host_params_bytes + self.host_grads_bytes + self.host_optimizer_bytes
 
     @property
     def total_bytes(self) -> float:
@@ -63,10 +77,12 @@ class TimeBreakdown:
     comm_s: float  # collectives inside strategies + resharding + gradient sync
     recompute_s: float
     update_s: float = 0.0  # of compute_s: the optimizer's step on this device's parameter blocks
+    # the host tier (`solver.offload`): gradients device-to-host, the host's optimizer step, parameters back
+    offload_s: float = 0.0
 
     @property
     def total_s(self) -> float:
-        return self.compute_s + self.comm_s + self.recompute_s
+        return self.compute_s + self.comm_s + self.recompute_s + self.offload_s
 
 
 @dataclass(frozen=True)
@@ -151,6 +167,10 @@ class Plan:
         where = "" if src is None else src.model_file or (f"--hf-config {src.hf_config}" if src.hf_config else "")
         name = self.fingerprint.model
         return f"{name} ({where})" if name and where else name or where
+
+    def offloaded(self) -> tuple[str, ...]:
+        """FQNs of the parameters whose optimizer state lives on the host (`ParamDecision.tier`)."""
+        return tuple(p.fqn for p in self.params if p.tier == "host")
 
     def recomputed(self) -> tuple[str, ...]:
         return tuple(d.node for d in self.nodes if d.recompute)

@@ -24,6 +24,7 @@ from autopar.errors import PlanFormatError, PlanMismatchError
 from autopar.solver.mesh import PRECISIONS, AxisGroup, LinkCost, Mesh, MeshAxis, device_fields_from_json
 from autopar.solver.plan import (
     SCHEMA_VERSION,
+    TIERS,
     BaselineResult,
     Fingerprint,
     MemoryBreakdown,
@@ -33,6 +34,7 @@ from autopar.solver.plan import (
     PlanSource,
     SolverReport,
     TimeBreakdown,
+    Tier,
 )
 from autopar.solver.spec import Shard, Spec, Strategy
 from autopar.tracer import TracedGraph, output_vals
@@ -47,11 +49,13 @@ def _mesh_dict(mesh: Mesh) -> dict:
 
 
 def _memory_dict(m: MemoryBreakdown) -> dict:
-    return {k: getattr(m, k) for k in ("params_bytes", "grads_bytes", "optimizer_bytes", "activations_bytes", "temp_bytes", "budget_bytes")}
+    return {k: getattr(m, k) for k in ("params_bytes", "grads_bytes", "optimizer_bytes", "activations_bytes", "temp_bytes", "budget_bytes",
+                                       "host_params_bytes", "host_grads_bytes", "host_optimizer_bytes")}
 
 
 def _time_dict(t: TimeBreakdown) -> dict:
-    return {"compute_s": t.compute_s, "comm_s": t.comm_s, "recompute_s": t.recompute_s, "update_s": t.update_s}
+    return {"compute_s": t.compute_s, "comm_s": t.comm_s, "recompute_s": t.recompute_s, "update_s": t.update_s,
+            "offload_s": t.offload_s}
 
 
 def _spec_str(spec: Spec | None) -> str | None:
@@ -84,7 +88,8 @@ def plan_to_dict(plan: Plan) -> dict:
             }
             for d in plan.nodes
         ],
-        "params": [{"fqn": p.fqn, "node": p.node, "use": str(p.use), "storage": str(p.storage), "layout": p.layout} for p in plan.params],
+        "params": [{"fqn": p.fqn, "node": p.node, "use": str(p.use), "storage": str(p.storage), "layout": p.layout, "tier": p.tier}
+                   for p in plan.params],
         "memory": _memory_dict(plan.memory),
         "time": _time_dict(plan.time),
         "solver": {k: getattr(plan.solver, k) for k in ("backend", "status", "solve_s", "num_variables", "num_constraints", "gap")},
@@ -218,12 +223,14 @@ def _device_fields_from(f: _Field) -> dict:
 
 def _memory_from(f: _Field) -> MemoryBreakdown:
     return MemoryBreakdown(*(f[k].num() for k in ("params_bytes", "grads_bytes", "optimizer_bytes", "activations_bytes", "temp_bytes")),
-                           f["budget_bytes"].opt_num(positive=True))
+                           f["budget_bytes"].opt_num(positive=True),  # the host tier's: 0 when nothing is offloaded
+                           *(f.get(k, 0.0).num() for k in ("host_params_bytes", "host_grads_bytes", "host_optimizer_bytes")))
 
 
 def _time_from(f: _Field) -> TimeBreakdown:
     # files written before the optimizer's step was priced have no update_s: none of their compute was
-    return TimeBreakdown(f["compute_s"].num(), f["comm_s"].num(), f["recompute_s"].num(), f.get("update_s", 0.0).num())
+    return TimeBreakdown(f["compute_s"].num(), f["comm_s"].num(), f["recompute_s"].num(), f.get("update_s", 0.0).num(),
+                         f.get("offload_s", 0.0).num())  # 0: nothing offloaded
 
 
 def _optional(f: _Field, read: Callable[[_Field], Any]) -> Any:
@@ -242,6 +249,14 @@ def _layout_from(f: _Field) -> Layout:
     if layout not in get_args(Layout):
         raise f.fail(f"field '{f.path}' should be one of {', '.join(map(repr, get_args(Layout)))}, got {layout!r}")
     return layout  # type: ignore[return-value]
+
+
+def _tier_from(f: _Field) -> Tier:
+    """Where a parameter's optimizer state lives; "device" in files written before tiers were recorded."""
+    tier = f.of(str)
+    if tier not in TIERS:
+        raise f.fail(f"field '{f.path}' should be one of {', '.join(map(repr, TIERS))}, got {tier!r}")
+    return tier  # type: ignore[return-value]
 
 
 def _source_from(f: _Field) -> PlanSource:
@@ -276,7 +291,8 @@ def plan_from_dict(obj: Any, source: str = "plan") -> Plan:
     sv = root["solver"]
     solver = SolverReport(sv["backend"].of(str), sv["status"].of(str), sv["solve_s"].num(), sv["num_variables"].count(),
                           sv["num_constraints"].count(), sv.get("gap", None).opt_num(infinite=True))
-    params = tuple(ParamDecision(p["fqn"].of(str), p["node"].of(str), p["use"].spec(), p["storage"].spec(), _layout_from(p.get("layout", "")))
+    params = tuple(ParamDecision(p["fqn"].of(str), p["node"].of(str), p["use"].spec(), p["storage"].spec(), _layout_from(p.get("layout", "")),
+                                 _tier_from(p.get("tier", "device")))
                    for p in root["params"].items())
     baselines = tuple(
         BaselineResult(b["name"].of(str), _optional(b["time"], _time_from), _optional(b["memory"], _memory_from), b["fits"].of(bool))

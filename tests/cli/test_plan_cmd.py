@@ -111,6 +111,21 @@ def test_infeasible_budget_names_the_minimum(capsys):
     assert code == 0, err
 
 
+def test_offload_puts_the_optimizer_state_in_the_host_column(capsys):
+    mlp = ["plan", MLP, "--size", "tiny", "--batch-size", "8", "--gpus", "1", "--hardware", "cpu"]
+    code, out, _ = run(capsys, *mlp, "--json")
+    on_device = json.loads(out)["memory"]
+    code, out, _ = run(capsys, *mlp, "--offload", "optimizer", "--json")
+    assert code == 0
+    offloaded = json.loads(out)["memory"]
+    assert offloaded["optimizer_bytes"] == 0 and offloaded["host_optimizer_bytes"] == on_device["optimizer_bytes"]
+    assert offloaded["host_params_bytes"] == on_device["params_bytes"] == offloaded["params_bytes"]
+    code, out, _ = run(capsys, *mlp, "--offload", "optimizer")
+    assert "host bytes" in out and "host tier (copies, host optimizer step)" in out
+    code, _, err = run(capsys, *mlp, "--offload", "layers.0.fc1.weight,nosuch")
+    assert code != 0 and "['nosuch'] are not parameters of the model" in err
+
+
 def test_profile_command(capsys):
     code, out, _ = run(capsys, "profile", MLP, "--size", "tiny", "--batch-size", "8", "--json")
     assert code == 0

@@ -58,7 +58,25 @@ def test_round_trip_is_equal(plan, tmp_path):
     assert [p.zero for p in loaded.params] == [False, False, True, False]  # fc2.weight is the one ZeRO-stored
     raw = json.loads((tmp_path / "plan.json").read_text())
     assert raw["schema_version"] == 1
-    assert raw["params"][0] == {"fqn": "fc1.weight", "node": raw["params"][0]["node"], "use": "RS(0)", "storage": "RS(0)", "layout": "out_in"}
+    assert raw["params"][0] == {"fqn": "fc1.weight", "node": raw["params"][0]["node"], "use": "RS(0)", "storage": "RS(0)", "layout": "out_in",
+                                 "tier": "device"}
+
+
+def test_host_tier_round_trips_and_older_files_load_on_the_device(plan):
+    offloaded = replace(plan, params=tuple(replace(p, tier="host") for p in plan.params[:2]) + plan.params[2:],
+                        memory=replace(plan.memory, host_params_bytes=1e9, host_grads_bytes=1e9, host_optimizer_bytes=2e9),
+                        time=replace(plan.time, offload_s=0.5))
+    loaded = plan_from_json(plan_to_json(offloaded))
+    assert loaded == offloaded and loaded.offloaded() == ("fc1.weight", "fc1.bias")
+    assert loaded.memory.host_bytes == 4e9 and loaded.time.total_s == pytest.approx(plan.time.total_s + 0.5)
+    obj = json.loads(plan_to_json(offloaded))
+    for p in obj["params"]:
+        del p["tier"]
+    for key in ("host_params_bytes", "host_grads_bytes", "host_optimizer_bytes"):
+        del obj["memory"][key]
+    del obj["time"]["offload_s"]
+    old = plan_from_json(json.dumps(obj))
+    assert old.offloaded() == () and old.memory.host_bytes == 0 and old.time == plan.time
 
 
 def test_a_plan_saved_before_the_optimizer_step_was_priced_loads_with_none_of_it(plan):
@@ -79,6 +97,7 @@ def _corrupt(plan, edit) -> str:
     (lambda o: o["mesh"]["axes"][1].update(size="two"), "plan.json: field 'mesh.axes[1].size' should be int, got \"two\""),
     (lambda o: o["memory"].update(params_bytes=True), "plan.json: field 'memory.params_bytes' should be int or float, got true"),
     (lambda o: o.update(schema_version=99), "plan.json: schema version 99 is not supported"),
+    (lambda o: o["params"][1].update(tier="disk"), "plan.json: field 'params[1].tier' should be one of 'device', 'host', got 'disk'"),
     (lambda o: o.pop("fingerprint"), "plan.json: missing field 'fingerprint'"),
 ])
 def test_corrupt_plan_names_the_field(plan, edit, message):

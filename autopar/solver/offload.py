@@ -1,0 +1,109 @@
+"""The host tier priced: what keeping a parameter's optimizer state on the host saves and costs.
+
+A parameter on the "host" tier (`ParamDecision.tier`, `runtime.offload`) keeps its master, its gradient's
+host copy and its optimizer state in host memory, and is stepped there by the user's optimizer; the device
+keeps the tensor forward and backward compute on and its gradient. Per step it pays:
+
+- its gradient device-to-host and its updated value host-to-device, over the host link
+  (`Mesh.host_link_bytes_per_s`: PCIe 4/5 in the GPU presets);
+- the optimizer's step on the host (`HOST_ADAMW_PARAMS_PER_S`), in place of the device's.
+
+The runtime copies gradients when backward ends and parameters before the next forward, and steps when the
+user calls `opt.step()`, so none of it overlaps compute: the price is the sum (`TierCost.step_s`).
+
+    cost = tier_cost(profile.params[fqn], shard=2, mesh=mesh)   # one parameter's two tiers, per rank
+    profile = offloaded_profile(profile, names)                   # what the solver sees: no device state for them
+    plan = with_offload(solve(traced, profile, mesh), profile_before, names)
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+from typing import AbstractSet
+
+from autopar.profiler.types import GraphProfile, ParamProfile
+from autopar.solver.cost import compute_time_s
+from autopar.solver.mesh import Mesh
+from autopar.solver.plan import Plan
+from autopar.solver.spec import Shard, Spec
+
+# torch.optim.AdamW(foreach=True) on float32 CPU tensors: 2.1e8 parameters a second of one core's CPU time,
+# measured on this project's CI machine (16 tensors of 2**20 elements, torch 2.13, one thread; best of five
+# steps). A training host steps with several cores (torch's CPU ops split large tensors over its intra-op
+# threads): the default assumes 8, about what the copies over the memory bus allow (AdamW reads 4 and writes 3
+# float32 tensors, 28 bytes a parameter: 47 GB/s at this rate).
+HOST_ADAMW_PARAMS_PER_S_PER_CORE = 2.1e8
+HOST_CORES = 8
+HOST_ADAMW_PARAMS_PER_S = HOST_ADAMW_PARAMS_PER_S_PER_CORE * HOST_CORES
+
+
+@dataclass(frozen=True)
+class TierCost:
+    """One parameter's block on one rank (1/`shard` of it) on the host tier, against the device tier."""
+
+    device_bytes_saved: float  # its optimizer state, off the device
+    host_params_bytes: float  # its master
+    host_grads_bytes: float  # its gradient's host copy
+    host_optimizer_bytes: float  # its optimizer state
+    transfer_s: float  # the gradient device-to-host, the updated value host-to-device
+    host_step_s: float  # the optimizer's step on the host
+    device_step_s: float  # the device's optimizer step it replaces
+
+    @property
+    def step_s(self) -> float:
+        """What the host tier adds to a step (the runtime overlaps none of it with compute)."""
+        return self.transfer_s + self.host_step_s
+
+    @property
+    def host_bytes(self) -> float:
+        return self.host_params_bytes + self.host_grads_bytes + self.host_optimizer_bytes
+
+
+def storage_shard(spec: Spec, mesh: Mesh) -> int:
+    """Into how many blocks `spec` splits a parameter over `mesh`: each rank stores one."""
+    return math.prod(n for p, n in zip(spec.placements, mesh.shape) if isinstance(p, Shard))
+
+
+def tier_cost(param: ParamProfile, shard: float, mesh: Mesh, host_params_per_s: float = HOST_ADAMW_PARAMS_PER_S) -> TierCost:
+    """The host tier of `param`'s block of 1/`shard` of it on a rank of `mesh` (a frozen parameter, which the
+    optimizer never steps, saves and costs nothing)."""
+    if not param.optimizer_bytes:
+        return TierCost(0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0)
+    # (under mixed precision param_bytes holds the master and its compute copy, which stays on the device)
+    param_bytes, grad_bytes = (param.param_bytes - param.copy_bytes) / shard, param.grad_bytes / shard
+    device_step_s = param.update_launches * mesh.op_overhead_s + compute_time_s(0.0, param.update_write_bytes / shard, mesh)
+    return TierCost(
+        device_bytes_saved=param.optimizer_bytes / shard,
+        host_params_bytes=param_bytes,
+        host_grads_bytes=grad_bytes,
+        host_optimizer_bytes=param.optimizer_bytes / shard,
+        transfer_s=(grad_bytes + param_bytes) / mesh.host_link_bytes_per_s,
+        host_step_s=param.numel / shard / host_params_per_s,
+        device_step_s=device_step_s,
+    )
+
+
+def offloaded_profile(profile: GraphProfile, names: AbstractSet[str]) -> GraphProfile:
+    """`profile` as the device sees it with `names` on the host tier: no optimizer state and no step for them."""
+    if not names:
+        return profile
+    params = {fqn: replace(p, optimizer_bytes=0, update_launches=0, update_write_bytes=0) if fqn in names else p
+              for fqn, p in profile.params.items()}
+    return replace(profile, params=params)
+
+
+def with_offload(plan: Plan, profile: GraphProfile, names: AbstractSet[str]) -> Plan:
+    """`plan` (solved for `offloaded_profile(profile, names)`) with `names` on the host tier: the parameters'
+    tiers, the host bytes per rank and the tier's time."""
+    if not names:
+        return plan
+    costs = [tier_cost(profile.params[p.fqn], storage_shard(p.storage, plan.mesh), plan.mesh)
+             for p in plan.params if p.fqn in names and p.fqn in profile.params]
+    return replace(
+        plan,
+        params=tuple(replace(p, tier="host") if p.fqn in names else p for p in plan.params),
+        memory=replace(plan.memory, host_params_bytes=sum(c.host_params_bytes for c in costs),
+                       host_grads_bytes=sum(c.host_grads_bytes for c in costs),
+                       host_optimizer_bytes=sum(c.host_optimizer_bytes for c in costs)),
+        time=replace(plan.time, offload_s=sum(c.step_s for c in costs)),
+    )
