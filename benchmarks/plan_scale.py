@@ -12,7 +12,7 @@ on a shared one it is what the work took); the plan's predicted step, the fastes
 mesh shape tried (`ShapeResult.textbook_s`), and their ratio (>= 1: the plan is at least as fast). The zoo rows solve the zoo's
 tight budget on 2x2 (60% of the plan without one, `tests/test_solver_plans_zoo.py`; where that is proven below
 the least need, 1.02x the need, as that test does), planned on the CPU preset.
-Targets (issue 42, a 2-core machine): GPT-2 small 3 s; LLaMA-2-7B on 8 devices 30 s at each budget; the 70B,
+Targets (a 2-core machine): GPT-2 small 3 s; LLaMA-2-7B on 8 devices 30 s at each budget; the 70B,
 175B and Mixtral shapes 60 s; each zoo row 5 s. Prints the table and one JSON line with the torch version and SHA.
 """
 from __future__ import annotations

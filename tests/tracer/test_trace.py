@@ -514,7 +514,7 @@ class HalvedByData(torch.nn.Module):
 ], ids=["tensor-hook", "max-norm", "data-write", "data-dtype"])
 def test_backward_behaviour_the_graph_cannot_hold_is_refused_with_the_line(model, sample, what, fix):
     """A hook on an activation is not an op, and a parameter changed in the forward would be changed on a
-    copy: the trace used to drop each silently (a 10x gradient error; an embedding with no gradient; a
+    copy: dropped silently, each would train wrong (a 10x gradient error; an embedding with no gradient; a
     weight never clipped)."""
     with pytest.raises(TraceError) as info:
         trace(model, sample)
