@@ -183,8 +183,10 @@ class _Field:
 
 
 def _axis_from(a: _Field) -> MeshAxis:
-    return MeshAxis(a["name"].of(str), a["size"].count(1), a["alpha_s"].num(), a["beta_bytes_per_s"].num(positive=True),
-                    tuple(LinkCost(c["kind"].of(str), c["alpha_s"].num(), c["beta_bytes_per_s"].num(positive=True))
+    # an infinite bandwidth is a link of no cost (a mesh that prices compute alone, as the baselines' benchmark does)
+    return MeshAxis(a["name"].of(str), a["size"].count(1), a["alpha_s"].num(),
+                    a["beta_bytes_per_s"].num(positive=True, infinite=True),
+                    tuple(LinkCost(c["kind"].of(str), c["alpha_s"].num(), c["beta_bytes_per_s"].num(positive=True, infinite=True))
                           for c in a.get("per_kind", []).items()),
                     a.get("scalar_alpha_s", None).opt_num())
 
@@ -276,7 +278,7 @@ def plan_from_dict(obj: Any, source: str = "plan") -> Plan:
     root.of(dict)
     version = root["schema_version"].of(int)
     if version != SCHEMA_VERSION:
-        raise root.fail(f"schema version {version} is not supported (this autopar reads version {SCHEMA_VERSION}); re-plan with this version")
+        raise root.fail(f"field 'schema_version' is {version}, a version not supported (this autopar reads version {SCHEMA_VERSION}); re-plan with this version")
     fp = root["fingerprint"]
     fingerprint = Fingerprint(
         ops_sha=fp["ops_sha"].of(str),

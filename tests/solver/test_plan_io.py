@@ -96,7 +96,7 @@ def _corrupt(plan, edit) -> str:
     (lambda o: o["params"][0].update(use="S(0"), "plan.json: field 'params[0].use': cannot parse placement string 'S(0'"),
     (lambda o: o["mesh"]["axes"][1].update(size="two"), "plan.json: field 'mesh.axes[1].size' should be int, got \"two\""),
     (lambda o: o["memory"].update(params_bytes=True), "plan.json: field 'memory.params_bytes' should be int or float, got true"),
-    (lambda o: o.update(schema_version=99), "plan.json: schema version 99 is not supported"),
+    (lambda o: o.update(schema_version=99), "plan.json: field 'schema_version' is 99, a version not supported"),
     (lambda o: o["params"][1].update(tier="disk"), "plan.json: field 'params[1].tier' should be one of 'device', 'host', got 'disk'"),
     (lambda o: o.pop("fingerprint"), "plan.json: missing field 'fingerprint'"),
 ])
