@@ -19,7 +19,8 @@ if [ ! -x "$PY" ]; then
 fi
 "$PY" -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__)"
 # tracing the zoo; the numeric strategy checks; random-plan equivalence on 2 ranks; the CLI; the kernels under
-# Triton's interpreter; what differs between the releases (autopar.compat's users). pytest-timeout is left out:
+# Triton's interpreter; what differs between the releases (autopar.compat's users); torch.distributed.pipelining's
+# stages and schedules; mixed precision, host offload and atomic checkpoints (DCP). pytest-timeout is left out:
 # its per-test limits are sized for CI on torch 2.13, and every multi-rank test carries its own timeout.
 PYTHONPATH="$PWD" TRITON_INTERPRET=1 "$PY" -m pytest -p no:cacheprovider -p no:logging -p no:timeout -q -n 2 \
     tests/tracer tests/test_zoo_eager.py \
@@ -28,7 +29,9 @@ PYTHONPATH="$PWD" TRITON_INTERPRET=1 "$PY" -m pytest -p no:cacheprovider -p no:l
     tests/cli \
     tests/kernels --deselect tests/kernels/test_compile_kernels.py \
     tests/test_compat.py tests/test_import.py tests/runtime/test_launch.py tests/runtime/test_rng.py \
-    tests/profiler/test_causal_attention.py tests/solver/test_optimizer_step_memory.py
+    tests/profiler/test_causal_attention.py tests/solver/test_optimizer_step_memory.py \
+    tests/pipeline/test_train.py tests/runtime/test_mixed_precision.py tests/runtime/test_offload.py \
+    tests/runtime/test_checkpoint_faults.py
 # Compiling the kernels for sm_80 and sm_90 in a process of its own: Triton 3.6 cannot import its compiler's
 # gluon layer once triton.language was decorated under TRITON_INTERPRET in the same process (3.9 can)
 PYTHONPATH="$PWD" "$PY" -m pytest -p no:cacheprovider -p no:logging -q -n 0 tests/kernels/test_compile_kernels.py
