@@ -22,7 +22,7 @@ fi
 # Triton's interpreter; what differs between the releases (autopar.compat's users); torch.distributed.pipelining's
 # stages and schedules; mixed precision, host offload and atomic checkpoints (DCP). pytest-timeout is left out:
 # its per-test limits are sized for CI on torch 2.13, and every multi-rank test carries its own timeout.
-PYTHONPATH="$PWD" TRITON_INTERPRET=1 "$PY" -m pytest -p no:cacheprovider -p no:logging -p no:timeout -q -n 2 \
+PYTHONPATH="$PWD" TRITON_INTERPRET=1 "$PY" -m pytest -p no:cacheprovider -p no:timeout -q -n 2 \
     tests/tracer tests/test_zoo_eager.py \
     tests/solver/test_strategies_numeric.py \
     "tests/test_equivalence.py::test_random_plans_match_single_device[2]" \
@@ -34,4 +34,4 @@ PYTHONPATH="$PWD" TRITON_INTERPRET=1 "$PY" -m pytest -p no:cacheprovider -p no:l
     tests/runtime/test_checkpoint_faults.py
 # Compiling the kernels for sm_80 and sm_90 in a process of its own: Triton 3.6 cannot import its compiler's
 # gluon layer once triton.language was decorated under TRITON_INTERPRET in the same process (3.9 can)
-PYTHONPATH="$PWD" "$PY" -m pytest -p no:cacheprovider -p no:logging -q -n 0 tests/kernels/test_compile_kernels.py
+PYTHONPATH="$PWD" "$PY" -m pytest -p no:cacheprovider -q -n 0 tests/kernels/test_compile_kernels.py

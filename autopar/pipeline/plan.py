@@ -18,13 +18,17 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
+import torch
+
+from autopar.compat import ZERO_BUBBLE_EXACT
 from autopar.errors import PlanFormatError
 from autopar.solver.mesh import Mesh, MeshAxis
 from autopar.solver.plan import Plan, PlanSource
 # plan_io's reader of JSON fields: a format error names the field, as in single-mesh plan files
 from autopar.solver.plan_io import _Field, _mesh_from, _source_from, plan_from_dict, plan_to_dict
 
-SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zero_bubble")
+# zero bubble only where torch's schedule trains tied weights as one device does (`compat.ZERO_BUBBLE_EXACT`)
+SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b") + (("zero_bubble",) if ZERO_BUBBLE_EXACT else ())
 PIPELINE_SCHEMA_VERSION = 1
 
 
@@ -69,6 +73,9 @@ class PipelinePlan:
     schema_version: int = PIPELINE_SCHEMA_VERSION
 
     def __post_init__(self) -> None:
+        if self.schedule == "zero_bubble" and not ZERO_BUBBLE_EXACT:
+            raise ValueError(f"schedule 'zero_bubble': torch {torch.__version__}'s zero-bubble schedule gives weights tied "
+                             f"across stages wrong gradients; use one of {SCHEDULES}, or torch 2.13")
         if self.schedule not in SCHEDULES:
             raise ValueError(f"schedule {self.schedule!r}: choose one of {SCHEDULES}")
         if self.mesh.axes[0].name != "pp":

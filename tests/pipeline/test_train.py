@@ -13,7 +13,7 @@ import pytest
 from autopar.runtime.launch import run_ranks
 from tests.pipeline.harness import random_case, run_cases
 
-SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zero_bubble")
+from autopar.pipeline.plan import SCHEDULES  # zero bubble where this torch's schedule is exact
 
 
 def _check(cases) -> None:
