@@ -26,6 +26,7 @@ from typing import Any, Callable, Iterator
 
 import torch
 from torch import fx, nn
+from torch.multiprocessing.reductions import StorageWeakRef
 from torch.export.graph_signature import InputKind, InputSpec, OutputSpec, TensorArgument
 from torch.utils import _pytree as pytree
 
@@ -140,7 +141,9 @@ class _Calls:
             if spec != spec1 or (j >= 1 and leaves[slot] is not self.returned[j - 1]):
                 raise _NotRepeated(f"block {j} is called unlike block 1")
             for i, (x, y) in enumerate(zip(leaves, leaves1)):
-                same = (_tensor_meta(x) == _tensor_meta(y) if i == slot else
+                # the stack's input may not need a gradient; blocks 0 and 1 are compared node by node below
+                same = (_tensor_meta(x)[:3] == _tensor_meta(y)[:3] if i == slot and j == 0 else
+                        _tensor_meta(x) == _tensor_meta(y) if i == slot else
                         x is y if isinstance(y, torch.Tensor) else _equal(x, y))
                 if not same:
                     raise _NotRepeated(f"block {j} gets argument {i} unlike block 1")
@@ -291,6 +294,7 @@ def _grown(exported: Exported, before: list[fx.Node], segs: list[list[fx.Node]],
     ones = {kind: [n for n in before if param_of.get(n.name, (None,))[0] == 1 and spec_of[n.name].kind == kind]
             for kind in (InputKind.PARAMETER, InputKind.BUFFER)}  # block 1's parameters, then its buffers
     copies: dict[int, dict[fx.Node, fx.Node]] = {j: {} for j in range(2, n_blocks)}  # block -> block 1's -> its
+    storages = _block_storages(before, segs, ones, param_of, n_blocks)
     for node in before:
         env[node] = _copy(graph, node, env.__getitem__, node.name)
         if node.op != "placeholder":
@@ -301,6 +305,7 @@ def _grown(exported: Exported, before: list[fx.Node], segs: list[list[fx.Node]],
             for j in range(2, n_blocks):
                 for one in ones[kind]:
                     copies[j][one] = _copy(graph, one, env.__getitem__, one.name.replace(f"_{flat}_1_", f"_{flat}_{j}_", 1))
+                    copies[j][one].meta["val"] = storages[j].val(one.meta["val"])
                     s = spec_of[one.name]
                     specs.append(InputSpec(s.kind, TensorArgument(copies[j][one].name),
                                            f"{stack}.{j}.{param_of[one.name][1]}", s.persistent))
@@ -321,6 +326,7 @@ def _grown(exported: Exported, before: list[fx.Node], segs: list[list[fx.Node]],
         for node in segs[1]:
             base, number = _split_name(node.name)
             new = _copy(graph, node, read, _join_name(base, number + (j - 1) * steps[base]))
+            new.meta["val"] = storages[j].val(node.meta.get("val"))
             new.meta["nn_module_stack"] = _moved(node.meta.get("nn_module_stack") or {}, f"{stack}.1", f"{stack}.{j}")
             by_position[j].append(new)
     last = {n: by_position[n_blocks - 1][position[n]] for n in segs[1]}
@@ -328,11 +334,81 @@ def _grown(exported: Exported, before: list[fx.Node], segs: list[list[fx.Node]],
         base, number = _split_name(node.name)
         env[node] = _copy(graph, node, lambda x: last.get(x) or env[x],
                           node.name if node.op == "output" else _join_name(base, number + (n_blocks - 2) * steps.get(base, 0)))
+        if "val" in node.meta:
+            env[node].meta["val"] = storages[n_blocks].val(node.meta["val"])
     out_args = env[after[-1]].args[0]
     outputs = [replace(s, arg=TensorArgument(a.name)) if isinstance(a, fx.Node) else s
                for s, a in zip(exported.output_specs, out_args)]
     gm = fx.GraphModule(exported.gm, graph)
     return replace(exported, gm=gm, input_specs=tuple(specs), output_specs=tuple(outputs))
+
+
+class _Storages:
+    """Fake tensors for one copy of block 1. The graph's later stages tell aliasing by storage (a view
+    shares its input's), so each copy gets storages of its own for what block 1 made (`own`); a tensor of
+    block 1 in the storage of something block 0 made (`carried`, block 0's storage -> block 1's) takes the
+    storage of that thing's copy in the block before (`before`); anything else (shared inputs) is kept."""
+
+    def __init__(self, own: set, carried: dict, before: "_Storages | None", template: dict) -> None:
+        self.own, self.carried, self.before, self.template = own, carried, before, template
+        self.owners: dict = {}  # template storage -> this copy's tensor owning the storage standing for it
+
+    def owner(self, sid: Any, like: torch.Tensor) -> torch.Tensor | None:
+        if self.before is None:  # block 1 itself
+            return self.template.get(sid)
+        if sid in self.own:
+            if sid not in self.owners:
+                with like.fake_mode:
+                    self.owners[sid] = torch.empty(like.untyped_storage().nbytes() // like.element_size(),
+                                                   dtype=like.dtype, device=like.device)
+            return self.owners[sid]
+        if sid in self.carried:
+            return self.before.owner(self.carried[sid], like)
+        return None
+
+    def val(self, val: Any) -> Any:
+        def fresh(t: Any) -> Any:
+            if not isinstance(t, torch.Tensor):
+                return t
+            owner = self.owner(_sid(t), t)
+            if owner is None:
+                return t
+            if owner.dtype != t.dtype:
+                raise _NotRepeated("a storage read as two dtypes")
+            with t.fake_mode:
+                new = owner.as_strided(t.shape, t.stride(), t.storage_offset()).detach()
+            return new.requires_grad_(t.requires_grad)
+        return pytree.tree_map(fresh, val)
+
+
+def _sid(t: torch.Tensor) -> StorageWeakRef:
+    return StorageWeakRef(t.untyped_storage())
+
+
+def _sids(node: fx.Node) -> list:
+    return [_sid(t) for t in pytree.tree_leaves(node.meta.get("val")) if isinstance(t, torch.Tensor)]
+
+
+def _block_storages(before: list[fx.Node], segs: list[list[fx.Node]], ones: dict, param_of: dict,
+                    n_blocks: int) -> dict[int, _Storages]:
+    """Block j -> the storages of its copy; at n_blocks, what the nodes after the stack read of the last copy."""
+    params = [[n for n in before if param_of.get(n.name, (None,))[0] == i] for i in (0, 1)]
+    shared = {sid for n in before if param_of.get(n.name) is None for sid in _sids(n)}
+    firsts = segs[0] + params[0]
+    seconds = segs[1] + [next(m for m in params[1] if param_of[m.name][1] == param_of[n.name][1]) for n in params[0]]
+    carried, template = {}, {}
+    for a, b in zip(firsts, seconds):
+        for x, y in zip(pytree.tree_leaves(a.meta.get("val")), pytree.tree_leaves(b.meta.get("val"))):
+            if isinstance(x, torch.Tensor) and isinstance(y, torch.Tensor):
+                carried.setdefault(_sid(x), _sid(y))
+                template.setdefault(_sid(y), y)
+    own = set(template) - shared - set(carried)
+    carried = {a: b for a, b in carried.items() if a not in shared}
+    storages = {1: _Storages(own, carried, None, template)}
+    for j in range(2, n_blocks):
+        storages[j] = _Storages(own, carried, storages[j - 1], template)
+    storages[n_blocks] = _Storages(set(), {sid: sid for sid in own}, storages[n_blocks - 1], template)
+    return storages
 
 
 def _copy(graph: fx.Graph, node: fx.Node, read: Callable[[fx.Node], fx.Node], name: str) -> fx.Node:
