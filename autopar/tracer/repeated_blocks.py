@@ -101,15 +101,15 @@ def _reads_recorded(block: nn.Module, attributes: set[tuple[str, str]], reads: s
     by_path: dict[str, list[str]] = {}
     for path, attr in attributes:
         by_path.setdefault(path, []).append(attr)
-    for path, attrs in by_path.items():
-        module = block.get_submodule(path)
-        cls = type(module)
-        props = {a: property(lambda self, a=a, p=path: (reads.add((p, a)), self.__dict__[a])[1],
-                             lambda self, v, a=a: self.__dict__.__setitem__(a, v)) for a in attrs}
-        look_alike = type(cls.__name__, (cls,), {**props, "__module__": cls.__module__, "__qualname__": cls.__qualname__})
-        module.__class__ = look_alike
-        swapped.append((module, cls))
     try:
+        for path, attrs in by_path.items():
+            module = block.get_submodule(path)
+            cls = type(module)
+            props = {a: property(lambda self, a=a, p=path: (reads.add((p, a)), self.__dict__[a])[1],
+                                 lambda self, v, a=a: self.__dict__.__setitem__(a, v)) for a in attrs}
+            names = {"__module__": cls.__module__, "__qualname__": cls.__qualname__}  # nn_module_stack names the class
+            module.__class__ = type(cls.__name__, (cls,), {**props, **names})
+            swapped.append((module, cls))
         yield
     finally:
         for module, cls in swapped:
