@@ -26,6 +26,7 @@ from typing import Any, Callable, Iterator
 
 import torch
 from torch import fx, nn
+from torch._subclasses.fake_tensor import FakeTensor
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.export.graph_signature import InputKind, InputSpec, OutputSpec, TensorArgument
 from torch.utils import _pytree as pytree
@@ -358,9 +359,12 @@ class _Storages:
             return self.template.get(sid)
         if sid in self.own:
             if sid not in self.owners:
-                with like.fake_mode:
-                    self.owners[sid] = torch.empty(like.untyped_storage().nbytes() // like.element_size(),
-                                                   dtype=like.dtype, device=like.device)
+                numel = like.untyped_storage().nbytes() // like.element_size()
+                if isinstance(numel, int):  # a plain meta tensor: views of it are made without the fake mode
+                    self.owners[sid] = torch.empty(numel, dtype=like.dtype, device="meta")
+                else:
+                    with like.fake_mode:
+                        self.owners[sid] = torch.empty(numel, dtype=like.dtype, device=like.device)
             return self.owners[sid]
         if sid in self.carried:
             return self.before.owner(self.carried[sid], like)
@@ -375,9 +379,12 @@ class _Storages:
                 return t
             if owner.dtype != t.dtype:
                 raise _NotRepeated("a storage read as two dtypes")
-            with t.fake_mode:
-                new = owner.as_strided(t.shape, t.stride(), t.storage_offset()).detach()
-            return new.requires_grad_(t.requires_grad)
+            if isinstance(owner, FakeTensor):
+                with t.fake_mode:
+                    return owner.as_strided(t.shape, t.stride(), t.storage_offset()).detach().requires_grad_(t.requires_grad)
+            # made directly, not through the fake mode's dispatch (a tenth of the time)
+            view = owner.as_strided(t.shape, t.stride(), t.storage_offset()).requires_grad_(t.requires_grad)
+            return FakeTensor(t.fake_mode, view, t.device)
         return pytree.tree_map(fresh, val)
 
 
