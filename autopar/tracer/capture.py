@@ -232,7 +232,8 @@ def without_kv_cache(model: nn.Module) -> Iterator[None]:
     The cache is for generation: a training step never reads it, and returned as an output it is
     an object torch.export cannot capture (`DynamicCache`). The parallel module's outputs therefore
     carry `past_key_values=None`. Every submodule's config is switched (T5's decoder stack holds a
-    copy of its own) and restored afterwards, whatever happens."""
+    copy of its own) and restored afterwards, whatever happens. The profiler's reference measurement
+    (`benchmarks/profiler_accuracy.py --hf`) runs the eager model under it too, as traced."""
     configs = {id(c): c for m in model.modules() if getattr(c := getattr(m, "config", None), "use_cache", None) is True}
     for config in configs.values():
         config.use_cache = False

@@ -3,6 +3,8 @@
 - Recompute: a Llama with its KV cache on by default, every decoder layer checkpointed; the
   measured step runs as the tracer captures it, cache off (`without_kv_cache`): recomputing a
   layer would otherwise append its keys and values to the cache a second time.
+- A layer shared across depth (ALBERT): each call of a checkpointed block is its own region
+  (`block_call_of`), as eager checkpointing of the block's forward makes it.
 - Mixture of experts: eager transformers runs the experts with `torch._grouped_mm`, which
   torch's FlopCounterMode counts as 0 unless `register_flop_formulas` gives it a formula.
 """
@@ -13,7 +15,7 @@ import transformers as hf
 from torch.utils.flop_counter import FlopCounterMode
 
 from autopar.api import capture_copy
-from autopar.profiler import block_of, peak_memory, profile
+from autopar.profiler import block_call_of, block_of, peak_memory, profile
 from autopar.profiler.flops import register_flop_formulas
 from autopar.profiler.measure import block_paths, checkpoint_modules, measure_flops, measure_step
 from autopar.tracer import trace
@@ -45,6 +47,23 @@ def test_recomputed_hf_llama_peak_matches_the_measured_peak():
     assert abs(predicted - measured) <= 0.05 * measured, (predicted, measured)
     # Recompute is what lowers it: the same prediction without it is clearly above.
     assert peak_memory(traced, cost).peak_bytes > 1.1 * measured
+
+
+def test_a_shared_layer_checkpointed_per_call_matches_the_measured_peak():
+    torch.manual_seed(0)
+    model = hf.AlbertForMaskedLM(hf.AlbertConfig(vocab_size=128, embedding_size=16, hidden_size=32, num_hidden_layers=3,
+                                                 num_attention_heads=4, intermediate_size=64)).train()
+    sample = _sample(8)
+    traced = trace(*capture_copy(model, sample, "cpu"))
+    cost = profile(traced).evaluate()
+    blocks = block_paths(model)
+    assert blocks == ["albert.encoder.albert_layer_groups.0"]  # one module, run at each of the 3 depths
+    checkpoint_modules(model, blocks)
+    recompute = frozenset(n.name for n in traced.graph.nodes if block_of(n) in blocks)
+    assert len({block_call_of(n) for n in traced.graph.nodes if n.name in recompute}) == 3  # three regions
+    measured = measure_step(model, sample).peak_bytes
+    predicted = peak_memory(traced, cost, recompute, region_of=block_call_of).peak_bytes
+    assert abs(predicted - measured) <= 0.05 * measured, (predicted, measured)
 
 
 def test_grouped_mm_flops_match_a_hand_count():
