@@ -1,0 +1,77 @@
+"""The solver's own tier choice (`Restrictions.offload="free"`, `solver.offload`): the host tier only where the
+device budget binds (never when the fastest plan fits, always when no device plan fits), priced as `tier_cost`
+counts it, within the host budget."""
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from autopar.errors import InfeasibleError
+from autopar.profiler import profile
+from autopar.solver import solve
+from autopar.solver.mesh import make_mesh
+from autopar.solver.offload import storage_shard, tier_cost
+from autopar.tracer import trace
+
+HOST = 1e12  # a host budget that never binds
+
+
+class Wide(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(512, 1024), nn.Linear(1024, 8)
+
+    def forward(self, x):
+        return self.fc2(torch.relu(self.fc1(x))).square().mean()
+
+
+@pytest.fixture(scope="module")
+def case():
+    with torch.device("meta"):
+        traced = trace(Wide(), torch.randn(4, 512, device="meta"))
+    return traced, profile(traced, optimizer="adamw")
+
+
+def _least_bytes(traced, prof, mesh, host_budget_bytes=None) -> float:
+    """The least device memory any plan needs (the infeasible report of a 1-byte budget)."""
+    with pytest.raises(InfeasibleError) as err:
+        solve(traced, prof, mesh, memory_budget_bytes=1, time_limit_s=5, host_budget_bytes=host_budget_bytes)
+    return err.value.min_memory_bytes
+
+
+@pytest.mark.parametrize("gpus", [1, 2])
+def test_host_tier_exactly_when_the_device_budget_forces_it(case, gpus):
+    traced, prof = case
+    mesh = make_mesh(gpus, hardware="l4")
+    roomy = solve(traced, prof, mesh, time_limit_s=5, host_budget_bytes=HOST)
+    assert roomy.offloaded() == ()  # everything fits: the host tier only adds time
+    device_least = _least_bytes(traced, prof, mesh)
+    host_least = _least_bytes(traced, prof, mesh, HOST)
+    assert host_least < device_least  # the host tier frees device memory no device plan can
+    # where a device plan fits but little else does, a tier is chosen only when it is faster than that plan
+    edge = device_least * 1.001
+    device_only = solve(traced, prof, mesh, memory_budget_bytes=edge, time_limit_s=5)
+    either = solve(traced, prof, mesh, memory_budget_bytes=edge, time_limit_s=5, host_budget_bytes=HOST)
+    assert either.time.total_s <= device_only.time.total_s * (1 + 1e-6)
+    assert either.offloaded() == () or either.time.total_s < device_only.time.total_s
+    budget = (host_least + device_least) / 2
+    tight = solve(traced, prof, mesh, memory_budget_bytes=budget, time_limit_s=5, host_budget_bytes=HOST)
+    assert tight.offloaded() and tight.memory.total_bytes <= budget
+    costs = [tier_cost(prof.params[p.fqn], storage_shard(p.storage, mesh), mesh) for p in tight.params if p.tier == "host"]
+    assert tight.time.offload_s == pytest.approx(sum(c.step_s for c in costs))
+    assert tight.memory.host_bytes == pytest.approx(sum(c.host_bytes for c in costs))
+    stepped_on_device = [p for p in tight.params if p.tier == "device" and prof.params[p.fqn].optimizer_bytes]
+    assert tight.memory.optimizer_bytes == pytest.approx(
+        sum(prof.params[p.fqn].optimizer_bytes / storage_shard(p.storage, mesh) for p in stepped_on_device))
+
+
+def test_host_budget_bounds_the_tier(case):
+    traced, prof = case
+    mesh = make_mesh(1, hardware="l4")
+    device_least = _least_bytes(traced, prof, mesh)
+    budget = (_least_bytes(traced, prof, mesh, HOST) + device_least) / 2
+    need = solve(traced, prof, mesh, memory_budget_bytes=budget, time_limit_s=5, host_budget_bytes=HOST).memory.host_bytes
+    with pytest.raises(InfeasibleError):  # the host cannot hold what the device must give up
+        solve(traced, prof, mesh, memory_budget_bytes=budget, time_limit_s=5, host_budget_bytes=need / 2)
+    assert _least_bytes(traced, prof, mesh, host_budget_bytes=0.0) == pytest.approx(device_least)
