@@ -9,9 +9,10 @@ from torch import nn
 
 from autopar.errors import InfeasibleError
 from autopar.profiler import profile
-from autopar.solver import solve
+from autopar.report.explain import explain, make_context
+from autopar.solver import fixed_plan, solve
 from autopar.solver.mesh import make_mesh
-from autopar.solver.offload import storage_shard, tier_cost
+from autopar.solver.offload import offloaded_profile, storage_shard, tier_cost, with_offload
 from autopar.tracer import trace
 
 HOST = 1e12  # a host budget that never binds
@@ -75,3 +76,25 @@ def test_host_budget_bounds_the_tier(case):
     with pytest.raises(InfeasibleError):  # the host cannot hold what the device must give up
         solve(traced, prof, mesh, memory_budget_bytes=budget, time_limit_s=5, host_budget_bytes=need / 2)
     assert _least_bytes(traced, prof, mesh, host_budget_bytes=0.0) == pytest.approx(device_least)
+
+
+def test_explain_prices_the_other_tier_as_the_forced_tier_does(case):
+    """`autopar explain` on a parameter: the plan with that parameter on the other tier, priced as `fixed_plan`
+    prices the plan solved for the remaining host-tier parameters (`offloaded_profile`, `with_offload`)."""
+    traced, prof = case
+    mesh = make_mesh(1, hardware="l4")
+    budget = (_least_bytes(traced, prof, mesh, HOST) + _least_bytes(traced, prof, mesh)) / 2
+    plan = solve(traced, prof, mesh, memory_budget_bytes=budget, time_limit_s=5, host_budget_bytes=HOST)
+    host = set(plan.offloaded())
+    fqn = sorted(host)[0]
+    result = explain(plan, fqn, make_context(plan, traced, prof.evaluate()))
+    other = result["nodes"][0]["other_tier"]
+    assert result["nodes"][0]["tier"] == "host" and other["tier"] == "device"
+    rest = host - {fqn}
+    choices = {d.node: d.strategy for d in plan.nodes if d.op != "output"}
+    recompute = frozenset(d.node for d in plan.nodes if d.recompute)
+    alone = with_offload(fixed_plan(traced, offloaded_profile(prof, rest), mesh, choices, recompute), prof, rest)
+    assert other["step_s"] == pytest.approx(alone.time.total_s, rel=1e-9)
+    assert other["peak_bytes"] == pytest.approx(alone.memory.total_bytes, rel=1e-9)
+    assert other["host_bytes"] == pytest.approx(alone.memory.host_bytes, rel=1e-9)
+    assert other["fits"] == (other["peak_bytes"] <= budget)
