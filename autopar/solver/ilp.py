@@ -69,6 +69,15 @@ Constraint families (each PuLP constraint is named after its family):
                       inputs v saved again, and the gradients of the step: the one arriving and those v makes for
                       its activation inputs (a gated MLP's product makes two of its own size beside the one arriving)
   rebuild_{r}         T >= C_last: the whole rebuilt layer
+  host_{v}_{g}        h[v,g] <= sum_{s in g} x[v,s]: v's parameter keeps its optimizer state on the host and is
+                      stepped there (`_add_host_tier`, where `Problem.host_budget_bytes` offers the tier and
+                      `Restrictions.offload` is "free"); the objective adds its tier's copies and host step less the
+                      device step (`Option.host`, `solver.offload.tier_cost`), the memory row takes its optimizer state
+                      off, the optimizer_step row its scratch
+  host_zero_{v}_{g}   hz[v,g] = h AND "v ZeRO-sharded" (hz <= h, hz <= sum_g z, hz >= h + sum_g z - 1; continuous):
+                      under ZeRO the tier holds, moves and steps 1/factor, the device keeps no state (hz gives back what
+                      z and h took twice)
+  host_memory         sum host_bytes[v,g] h - (1 - 1/f) host_bytes[v,g] hz <= Problem.host_budget_bytes (per rank)
   memory              sum_{v,s} static[v,s] x - sum_g (1 - 1/f[v,g]) static[v,g] z
                       + saved[v,s] x - sum_g (saved[v,g] - held[v,g]) y + sum_k (kept . e - kept . f + r[k]) + T <= budget
                       (`add_memory_limit`; held: a recomputed region's inputs from other layers)

@@ -29,7 +29,7 @@ from typing import AbstractSet, Iterable
 
 from autopar.profiler.types import GraphProfile, ParamCost, ParamProfile
 from autopar.solver.cost import compute_time_s
-from autopar.solver.mesh import Mesh
+from autopar.solver.mesh import HOST_LINKS, Mesh
 from autopar.solver.plan import Plan
 from autopar.solver.spec import Shard, Spec
 
@@ -111,7 +111,8 @@ def tier_cost(param: ParamProfile | ParamCost, shard: float, mesh: Mesh, host_pa
         host_grads_bytes=grad_bytes,
         host_optimizer_bytes=param.optimizer_bytes / shard,
         transfer_s=(grad_bytes + param_bytes) / mesh.host_link_bytes_per_s,
-        host_step_s=param.numel / shard / host_params_per_s,
+        # a mesh without a host link (CPU, hand-made) is its own host: the step runs on the same cores and memory
+        host_step_s=param.numel / shard / host_params_per_s if mesh.hardware in HOST_LINKS else device_step_s,
         device_step_s=device_step_s,
     )
 
