@@ -1,6 +1,6 @@
 """The host tier as the solver chooses it: a LLaMA-2-7B shape on 24 GB cards, against the best plan without it.
 
-    python benchmarks/offload.py                       # 1 and 8 x RTX 4090 (24 GB), 8 x H100 (80 GB)
+    python benchmarks/offload.py                       # 1, 4 and 8 x RTX 4090 (24 GB), 8 x H100 (80 GB)
     python benchmarks/offload.py --meshes rtx4090:4 --host-memory 256GB
 
 For each mesh the solver plans the model (one 2048-token sequence per device, float32 AdamW) under the device's
@@ -44,7 +44,7 @@ def plan_row(traced, prof, hardware: str, gpus: int, host_budget_bytes: float | 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--meshes", default="rtx4090:1,rtx4090:8,h100:8", help="hardware:gpus, comma-separated")
+    parser.add_argument("--meshes", default="rtx4090:1,rtx4090:4,rtx4090:8,h100:8", help="hardware:gpus, comma-separated")
     parser.add_argument("--host-memory", type=float, default=256e9, help="host bytes of one machine (8 devices at most)")
     parser.add_argument("--time-limit", type=float, default=60.0, help="seconds per search (all mesh shapes)")
     args = parser.parse_args()
