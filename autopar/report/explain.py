@@ -89,7 +89,7 @@ def other_tier(plan: Plan, node: str, ctx: ExplainContext) -> dict[str, Any] | N
 
 def _with_option(ctx: ExplainContext, node: str, k: int) -> tuple[MemoryBreakdown, TimeBreakdown]:
     """The plan priced with graph node `node` taking its strategy `k`, every other decision as planned (ZeRO
-    storage kept where strategy `k` has one)."""
+    storage kept where strategy `k` has one; each parameter's tier kept)."""
     from autopar.solver.ilp import evaluate
 
     a = ctx.planned
@@ -97,7 +97,7 @@ def _with_option(ctx: ExplainContext, node: str, k: int) -> tuple[MemoryBreakdow
     v = ctx.built.grouping.cluster_of[node]
     option = ctx.built.problem.nodes[v].options[k]
     changed = Assignment(a.choice[:v] + (k,) + a.choice[v + 1:], a.recompute,
-                         a.zero[:v] + (a.zero[v] and option.zero is not None,) + a.zero[v + 1:])
+                         a.zero[:v] + (a.zero[v] and option.zero is not None,) + a.zero[v + 1:], a.offload)
     return evaluate(ctx.built.problem, changed)
 
 
