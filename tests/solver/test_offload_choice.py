@@ -1,7 +1,12 @@
 """The solver's own tier choice (`Restrictions.offload="free"`, `solver.offload`): the host tier only where the
 device budget binds (never when the fastest plan fits, always when no device plan fits), priced as `tier_cost`
-counts it, within the host budget."""
+counts it, within the host budget; on random problems the ILP's tier is brute force's, and `autopar explain`
+prices the other tier as the forced tier's pricing does."""
 from __future__ import annotations
+
+import itertools
+import random
+from dataclasses import replace
 
 import pytest
 import torch
@@ -12,8 +17,12 @@ from autopar.profiler import profile
 from autopar.report.explain import explain, make_context
 from autopar.solver import fixed_plan, solve
 from autopar.solver.mesh import make_mesh
-from autopar.solver.offload import offloaded_profile, storage_shard, tier_cost, with_offload
+from autopar.solver.anytime import solve_problem
+from autopar.solver.ilp import Restrictions, evaluate
+from autopar.solver.offload import TierCost, offloaded_profile, storage_shard, tier_cost, with_offload
+from autopar.solver.problem import Problem
 from autopar.tracer import trace
+from tests.solver.test_ilp import GIB, every_assignment, random_problem
 
 HOST = 1e12  # a host budget that never binds
 
@@ -98,3 +107,52 @@ def test_explain_prices_the_other_tier_as_the_forced_tier_does(case):
     assert other["peak_bytes"] == pytest.approx(alone.memory.total_bytes, rel=1e-9)
     assert other["host_bytes"] == pytest.approx(alone.memory.host_bytes, rel=1e-9)
     assert other["fits"] == (other["peak_bytes"] <= budget)
+
+
+def _with_host_tier(p: Problem, rng: random.Random) -> Problem:
+    """`p` with a host tier on every option the optimizer steps (random copies, host step and host bytes; a device
+    step within the option's compute, ZeRO saving part of it) and a host budget that binds for some plans."""
+    nodes = []
+    for node in p.nodes:
+        opts = []
+        for o in node.options:
+            if not o.optimizer_bytes:
+                opts.append(o)
+                continue
+            update_s = rng.uniform(0, 1) * o.compute_s
+            zero = o.zero and replace(o.zero, update_saving_s=update_s * (1 - 1 / o.zero.factor))
+            tier = TierCost(o.optimizer_bytes, o.param_bytes, o.grad_bytes, o.optimizer_bytes, rng.uniform(0, 2),
+                            rng.uniform(0, 2), update_s)
+            opts.append(replace(o, update_s=update_s, zero=zero, host=tier))
+        nodes.append(replace(node, options=tuple(opts)))
+    return replace(p, nodes=tuple(nodes), host_budget_bytes=rng.uniform(1, 6) * GIB)
+
+
+def _every_tier(p: Problem):
+    for a in every_assignment(p):
+        hosted = [p.nodes[v].options[c].host is not None for v, c in enumerate(a.choice)]
+        for offload in itertools.product(*([False, True] if ok else [False] for ok in hosted)):
+            yield replace(a, offload=offload if any(offload) else ())
+
+
+def test_random_problems_with_the_host_tier_match_brute_force():
+    """The ILP's tier (h, and h AND z under ZeRO) against every combination of option, recompute, ZeRO and tier,
+    each priced by `evaluate`, within the device and host budgets."""
+    rng = random.Random(3)
+    chosen = both = 0
+    for _ in range(12):
+        p = _with_host_tier(random_problem(rng), rng)
+        fitting = [(t.total_s, a) for a in _every_tier(p) for m, t in [evaluate(p, a)]
+                   if m.total_bytes <= p.budget_bytes * (1 + 1e-9) and m.host_bytes <= p.host_budget_bytes * (1 + 1e-9)]
+        if not fitting:
+            with pytest.raises(InfeasibleError):
+                solve_problem(p, restrictions=Restrictions(offload="free"))
+            continue
+        sol = solve_problem(p, restrictions=Restrictions(offload="free"))
+        assert sol.time.total_s == pytest.approx(min(fitting, key=lambda f: f[0])[0], rel=1e-6, abs=1e-9)
+        assert sol.memory.total_bytes <= p.budget_bytes * (1 + 1e-6)
+        assert sol.memory.host_bytes <= p.host_budget_bytes * (1 + 1e-6)
+        a = sol.assignment
+        chosen += any(a.offload)
+        both += any(a.offloaded(v) and a.zero[v] for v in range(len(a.choice)))
+    assert chosen >= 3 and both >= 2  # the tier was the answer in several problems, with ZeRO storage in some
