@@ -30,7 +30,7 @@ from torch.utils import _pytree as pytree
 from autopar.codegen.module_tree import dress_like
 from autopar.codegen import ParallelModule, lower
 from autopar.codegen.module import Retracer
-from autopar.errors import PARALLELIZE_KNOBS, InfeasibleError, InvalidValueError, TraceError
+from autopar.errors import PARALLELIZE_DEVICE_ONLY_KNOBS, PARALLELIZE_KNOBS, InfeasibleError, InvalidValueError, TraceError
 from autopar.mixed_precision import MixedPrecision
 from autopar.profiler import profile
 from autopar.profiler.types import GraphProfile
@@ -374,8 +374,9 @@ def _solve_on_rank0(traced: TracedGraph, pmesh: ProcessMesh, memory_budget: floa
         try:
             plan = solve(traced, offloaded_profile(prof, offloaded), mesh, memory_budget_bytes=memory_budget,
                          time_limit_s=time_limit_s, host_budget_bytes=host_budget_bytes)
-        except InfeasibleError as err:  # its fix in parallelize's words: memory_budget=
-            raise err.worded_for(PARALLELIZE_KNOBS) from None
+        except InfeasibleError as err:  # its fix in parallelize's words: memory_budget=, offload=
+            device_only = host_budget_bytes is None and not offloaded
+            raise err.worded_for(PARALLELIZE_DEVICE_ONLY_KNOBS if device_only else PARALLELIZE_KNOBS) from None
         return with_offload(plan, prof, offloaded)
     return _on_rank0(solved)
 
