@@ -35,7 +35,8 @@ from autopar.tracer import TracedGraph
 
 # ---------------------------------------------------------------- structure: solve once, rename onto each copy
 def structure_key(traced: TracedGraph) -> str:
-    """The graph up to its names: ops, shapes and wiring (node references by position), how its inputs are fed."""
+    """The graph up to its names: ops, shapes and wiring (node references by position), which inputs are parameters
+    or buffers (by position: a placeholder's target is its name, `transformer.h.3`'s in layer 3), how inputs are fed."""
     index: dict[str, int] = {}
     h = hashlib.sha256()
     for i, node in enumerate(traced.graph.nodes):
@@ -43,7 +44,8 @@ def structure_key(traced: TracedGraph) -> str:
         val = node.meta.get("val")
         shape = (tuple(val.shape), str(val.dtype)) if hasattr(val, "shape") else type(val).__name__
         args = _positional(node.args, index), _positional(node.kwargs, index)
-        h.update(repr((node.op, str(node.target), shape, args, node.name in traced.param_fqns)).encode())
+        what = (node.name in traced.param_fqns, node.name in traced.buffer_fqns) if node.op == "placeholder" else str(node.target)
+        h.update(repr((node.op, what, shape, args)).encode())
     h.update(repr((traced.input_batch_dims, traced.loss_index, len(traced.output_names))).encode())
     return h.hexdigest()
 

@@ -245,7 +245,7 @@ def price_config(
     cache = _cache(trace_at, optimizer, time_limit_s)
     topo = topology or Topology.of(hardware, gpus_per_node)
     budget = topo.base.memory_bytes if memory_budget_bytes is None else float(memory_budget_bytes)
-    first, num_units = _cuttable(cache)
+    first, num_units = _cuttable(cache, config.microbatches)
     what = f"{first.model_name} as pp={config.pp} x {config.stage_shape}, {config.microbatches} micro-batches, {schedule}"
     if schedule not in SCHEDULES or schedule_problem(schedule, config.pp, config.virtual, config.microbatches):
         raise PipelineSearchError(f"{what}: {schedule_problem(schedule, config.pp, config.virtual, config.microbatches) or 'unknown schedule'}")
@@ -275,9 +275,10 @@ def _cache(trace_at: Callable[[int], TracedGraph] | SearchCache, optimizer: str,
     return trace_at
 
 
-def _cuttable(cache: SearchCache) -> tuple[TracedGraph, int]:
-    """The whole-batch trace and its number of units; `PipelineSearchError` with the reason when it cannot be cut."""
-    first, layers = cache.traced(1), cache.layers(1)
+def _cuttable(cache: SearchCache, microbatches: int = 1) -> tuple[TracedGraph, int]:
+    """The trace at `microbatches` and its number of units; `PipelineSearchError` with the reason when it cannot be
+    cut."""
+    first, layers = cache.traced(microbatches), cache.layers(microbatches)
     try:
         if layers.reason:
             raise CutError(layers.reason)
