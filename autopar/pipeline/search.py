@@ -325,7 +325,7 @@ def _exact(e: Estimate, cache: SearchCache, topo: Topology, budget: float) -> Pi
     links = topo.boundary_links(mesh.num_devices, len(stages), config.pp)
     shared = _shared(stages)
     budgets = [budget] * len(stages)
-    for _ in range(3):  # until every rank's stages fit with their micro-batches in flight
+    for _ in range(6):  # until every rank's stages fit with their micro-batches in flight
         plans = [cache.solver(s.traced, mesh, b) for s, b in zip(stages, budgets)]
         costs = [stage_cost(p, s, stages[i + 1] if i + 1 < len(stages) else None, shared)
                  for i, (p, s) in enumerate(zip(plans, stages))]
@@ -333,7 +333,8 @@ def _exact(e: Estimate, cache: SearchCache, topo: Topology, budget: float) -> Pi
         over = [memory[i % config.pp] - budget for i in range(len(stages))]
         if max(over) <= 0:
             break
-        budgets = [b - max(o, 0.0) / config.virtual for b, o in zip(budgets, over)]
+        # from what each plan holds (a plan well under its budget would come back unchanged for a budget cut by less)
+        budgets = [min(b, p.memory.total_bytes) - max(o, 0.0) / config.virtual for b, p, o in zip(budgets, plans, over)]
         if min(budgets) <= 0:
             raise ValueError("the micro-batches in flight alone exceed the budget")
     else:
