@@ -9,7 +9,9 @@ Table 1 of the paper trains GPT models (vocabulary 51,200, sequence 2,048) on Se
 achieved TFLOP/s per GPU, counted by the paper's formula (its eq. 3, activation recomputation included):
 F = 96 B s l h^2 (1 + s / (6 h) + V / (16 l h)) per step.
 
-Each row is priced here with the same configuration forced: the `a100` preset's GPUs, 8 a node on its NVLink
+Each row is priced here with the same configuration forced: the model in bf16 (the paper's 16-bit
+activations and communication; its float32 master weights and optimizer state, 16 bytes a parameter with
+Adam, are 8 here), the `a100` preset's GPUs, 8 a node on its NVLink
 axis and InfiniBand between nodes (25 GB/s per GPU), pp = p ranks each holding l / p layers (the first
 also the embeddings, the last the head and loss), each stage on a (d, t) mesh, 1F1B, micro-batches of one
 sequence per data-parallel rank (the table does not list the micro-batch size; the paper's section 5
@@ -21,6 +23,8 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+
+import torch
 
 from _common import load_example
 from autopar.api import trace_copy
@@ -77,6 +81,7 @@ def predict(row: Row, time_limit_s: float) -> dict:
     example.CONFIGS[row.name] = example.GPTConfig(n_layer=row.layers, n_head=row.heads, n_embd=row.hidden,
                                                   vocab_size=VOCAB, block_size=SEQ)
     model, sample = example.build(row.batch, SEQ, size=row.name, device="meta")
+    model.to(torch.bfloat16)  # the paper's 16-bit activations and communication (its fp16 has bf16's size)
     microbatches = row.batch // row.d  # one sequence per data-parallel rank
     began = time.process_time()
     cache = SearchCache(lambda m: trace_copy(model, microbatch_sample(sample, m), "meta"), time_limit_s=time_limit_s)
