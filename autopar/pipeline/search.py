@@ -205,10 +205,10 @@ def solve_pipeline(
     log.info("pipeline: %d configurations estimated in %.1f s (%d solves)", len(estimates), time.perf_counter() - began,
              cache.solver.solves)
     best: PipelinePlan | None = None
-    tried = set()
-    for e in estimates:
+    tried, fitted = set(), 0
+    for e in estimates:  # the best `candidates` that fit (an estimate's memory is rough: some do not)
         key = (e.config, e.schedule)
-        if len(tried) >= candidates or key in tried:
+        if fitted >= candidates or len(tried) >= 4 * candidates or key in tried:
             continue
         tried.add(key)
         try:
@@ -216,6 +216,7 @@ def solve_pipeline(
         except (InfeasibleError, ValueError) as err:
             log.info("pipeline: %s %s does not fit: %s", e.config, e.schedule, err)
             continue
+        fitted += 1
         if best is None or plan.time.step_s < best.time.step_s:
             best = plan
     if best is None:
