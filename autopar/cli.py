@@ -59,27 +59,26 @@ def mesh_shape(text: str) -> tuple[int, ...]:
         raise argparse.ArgumentTypeError(str(err)) from None
 
 
-def _positive(text: str) -> int:
+def _whole_number(text: str, at_least: int, too_small: str) -> int:
+    """A whole number of at least `at_least`; `too_small` names the fix, with `{n}` for the number given."""
     try:
         n = int(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
-    if n < 1:
-        raise argparse.ArgumentTypeError(f"{n} must be at least 1")
+    if n < at_least:
+        raise argparse.ArgumentTypeError(too_small.format(n=n))
     return n
+
+
+def _positive(text: str) -> int:
+    return _whole_number(text, 1, "{n} must be at least 1")
 
 
 def _pp(text: str) -> str | int:
     """An argparse type: 'auto' or a number of pp ranks (at least 2)."""
     if text == "auto":
         return text
-    try:
-        n = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is neither 'auto' nor a whole number") from None
-    if n < 2:
-        raise argparse.ArgumentTypeError(f"{n} pp ranks is no pipeline: give at least 2, or 'auto'")
-    return n
+    return _whole_number(text, 2, "{n} pp ranks is no pipeline: give at least 2, or 'auto'")
 
 
 def _add_model_args(p: argparse.ArgumentParser) -> None:
@@ -113,7 +112,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "(torch.backends.cuda.matmul.allow_tf32); bf16: mixed precision, bf16 compute on float32 masters "
                         "(parallelize(..., mixed_precision=autopar.MixedPrecision(torch.bfloat16)))")
     p.add_argument("--offload", help="keep optimizer state on the host and step it there (parallelize(..., offload=...)): "
-                   "'optimizer' for every parameter, or parameter names separated by commas")
+                   "'auto' lets the solver choose each parameter's tier within --host-memory; 'optimizer' for every "
+                   "parameter, or parameter names separated by commas")
+    p.add_argument("--host-memory", type=_memory, help="with --offload auto: host memory of each machine the host tier may "
+                   "use, shared by its devices (min(--gpus, --gpus-per-node)); default: 3/4 of this machine's memory")
     p.add_argument("--time-limit", type=_seconds, default=30.0,
                    help="seconds the search may take in all, over every mesh shape it tries (stopped there, it answers with "
                         "the best plan found, never slower than the fastest textbook plan that fits)")

@@ -144,7 +144,7 @@ def trace(
         model.train(training)
     start = time.perf_counter()
     try:
-        with _without_kv_cache(model), custom_backward.recorded(type(model).__name__) as functions, known_noise_filtered():
+        with without_kv_cache(model), custom_backward.recorded(type(model).__name__) as functions, known_noise_filtered():
             ep = _export(model, args, kwargs, dynamic_dims)
     except TraceError:  # refused by a check of ours while export ran: it names the line already
         raise
@@ -226,13 +226,14 @@ def _sync_batch_norm_as_batch_norm() -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def _without_kv_cache(model: nn.Module) -> Iterator[None]:
+def without_kv_cache(model: nn.Module) -> Iterator[None]:
     """A Hugging Face model with its KV cache off (`config.use_cache`, on by default) while it is captured.
 
     The cache is for generation: a training step never reads it, and returned as an output it is
     an object torch.export cannot capture (`DynamicCache`). The parallel module's outputs therefore
     carry `past_key_values=None`. Every submodule's config is switched (T5's decoder stack holds a
-    copy of its own) and restored afterwards, whatever happens."""
+    copy of its own) and restored afterwards, whatever happens. The profiler's reference measurement
+    (`benchmarks/profiler_accuracy.py --hf`) runs the eager model under it too, as traced."""
     configs = {id(c): c for m in model.modules() if getattr(c := getattr(m, "config", None), "use_cache", None) is True}
     for config in configs.values():
         config.use_cache = False
