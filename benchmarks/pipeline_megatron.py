@@ -96,8 +96,9 @@ def predict(row: Row, time_limit_s: float) -> dict:
         out.update(step_s=plan.time.step_s, tflops=row.flops() / (plan.time.step_s * row.gpus) / 1e12,
                    bubble=plan.time.bubble_fraction, sync_s=plan.time.sync_s, p2p_s=plan.time.p2p_s,
                    recomputed=sum(len(s.plan.recomputed()) > 0 for s in plan.stages),
-                   zero_params=sum(p.zero for p in plan.stages[1].plan.params), stage_s=plan.time.stage_s[1],
-                   stage_time=str(plan.stages[1].plan.time),
+                   # the second stage (the last when p = 2): its ZeRO parameters, micro-batch time and its plan's breakdown
+                   stage1_zero_params=sum(p.zero for p in plan.stages[1].plan.params), stage1_s=plan.time.stage_s[1],
+                   stage1_time=str(plan.stages[1].plan.time),
                    mem_gib=max(plan.memory_bytes) / 2**30)
     except AutoparError as err:
         out["error"] = str(err).splitlines()[0]
