@@ -46,6 +46,15 @@ def check_torch(version: str = torch.__version__) -> None:
                            f"<{high[0]}.{high[1] + 1}')")
 
 
+# The words of fake tensor's refusal of an op on tensors of two devices (a real tensor the traced forward reaches past
+# the model's copy), which the tracer turns into its own error: torch 2.11 raises a RuntimeError "Unhandled
+# FakeTensor Device Propagation for aten.mm.default, found two different devices meta, cpu"; torch 2.13 a
+# FakeTensorDeviceMismatchError "Expected all tensors to be on the same device, but found at least two devices,
+# meta and cpu!".
+FAKE_DEVICE_MISMATCH = ("found two different devices",  # torch 2.11
+                        "found at least two devices")  # torch 2.13
+
+
 # torch 2.13 renamed the single-tensor collectives (`all_gather_into_tensor` -> `all_gather_single`,
 # `reduce_scatter_tensor` -> `reduce_scatter_single`) and deprecated the old names; 2.11 has only the old ones.
 all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
