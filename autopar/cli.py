@@ -59,27 +59,26 @@ def mesh_shape(text: str) -> tuple[int, ...]:
         raise argparse.ArgumentTypeError(str(err)) from None
 
 
-def _positive(text: str) -> int:
+def _whole_number(text: str, at_least: int, too_small: str) -> int:
+    """A whole number of at least `at_least`; `too_small` names the fix, with `{n}` for the number given."""
     try:
         n = int(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
-    if n < 1:
-        raise argparse.ArgumentTypeError(f"{n} must be at least 1")
+    if n < at_least:
+        raise argparse.ArgumentTypeError(too_small.format(n=n))
     return n
+
+
+def _positive(text: str) -> int:
+    return _whole_number(text, 1, "{n} must be at least 1")
 
 
 def _pp(text: str) -> str | int:
     """An argparse type: 'auto' or a number of pp ranks (at least 2)."""
     if text == "auto":
         return text
-    try:
-        n = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is neither 'auto' nor a whole number") from None
-    if n < 2:
-        raise argparse.ArgumentTypeError(f"{n} pp ranks is no pipeline: give at least 2, or 'auto'")
-    return n
+    return _whole_number(text, 2, "{n} pp ranks is no pipeline: give at least 2, or 'auto'")
 
 
 def _add_model_args(p: argparse.ArgumentParser) -> None:

@@ -25,7 +25,7 @@ from autopar.errors import PlanFormatError
 from autopar.solver.mesh import Mesh, MeshAxis
 from autopar.solver.plan import Plan, PlanSource
 # plan_io's reader of JSON fields: a format error names the field, as in single-mesh plan files
-from autopar.solver.plan_io import _Field, _mesh_from, _source_from, plan_from_dict, plan_to_dict
+from autopar.solver.plan_io import JsonField, mesh_from, source_from, plan_from_dict, plan_to_dict
 
 # zero bubble only where torch's schedule trains tied weights as one device does (`compat.ZERO_BUBBLE_EXACT`)
 SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b") + (("zero_bubble",) if ZERO_BUBBLE_EXACT else ())
@@ -155,7 +155,7 @@ def is_pipeline_dict(obj: Any) -> bool:
 
 
 def pipeline_from_dict(obj: Any, source: str = "plan") -> PipelinePlan:
-    root = _Field(obj, "", source)
+    root = JsonField(obj, "", source)
     root.of(dict)
     if root["kind"].of(str) != "pipeline":
         raise root.fail("not a pipeline plan (field 'kind' is not \"pipeline\")")
@@ -171,10 +171,10 @@ def pipeline_from_dict(obj: Any, source: str = "plan") -> PipelinePlan:
                              s.get("has_head", False).of(bool))
                    for s in root["stages"].items())
     try:
-        return PipelinePlan(_mesh_from(root["mesh"]), root["schedule"].of(str), root["microbatches"].of(int), stages, time,
+        return PipelinePlan(mesh_from(root["mesh"]), root["schedule"].of(str), root["microbatches"].of(int), stages, time,
                             tuple(x.num() for x in root["memory_bytes"].items()), root.get("budget_bytes", None).opt_num(),
                             root.get("model", "").of(str), tuple(n.of(str) for n in root.get("notes", []).items()),
-                            None if root.get("source", None).value is None else _source_from(root["source"]), version)
+                            None if root.get("source", None).value is None else source_from(root["source"]), version)
     except ValueError as err:
         raise root.fail(str(err)) from None
 

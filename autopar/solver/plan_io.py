@@ -114,7 +114,7 @@ def plan_to_json(plan: Plan) -> str:
 
 
 # ---------------------------------------------------------------- from JSON
-class _Field:
+class JsonField:
     """A JSON value plus its path, so every format error names the exact field."""
 
     def __init__(self, value: Any, path: str, source: str):
@@ -123,20 +123,20 @@ class _Field:
     def fail(self, what: str) -> PlanFormatError:
         return PlanFormatError(f"{self.source}: {what}")
 
-    def __getitem__(self, key: str | int) -> "_Field":
+    def __getitem__(self, key: str | int) -> "JsonField":
         path = f"{self.path}[{key}]" if isinstance(key, int) else (f"{self.path}.{key}" if self.path else key)
         if isinstance(key, int):
             if len(self.of(list)) <= key:
                 raise self.fail(f"field '{self.path}' should have at least {key + 1} items, got {len(self.value)}")
-            return _Field(self.value[key], path, self.source)
+            return JsonField(self.value[key], path, self.source)
         if not isinstance(self.value, dict):
             raise self.fail(f"field '{self.path}' should be an object, got {type(self.value).__name__}")
         if key not in self.value:
             raise self.fail(f"missing field '{path}'")
-        return _Field(self.value[key], path, self.source)
+        return JsonField(self.value[key], path, self.source)
 
-    def get(self, key: str, default: Any) -> "_Field":
-        return self[key] if isinstance(self.value, dict) and key in self.value else _Field(default, key, self.source)
+    def get(self, key: str, default: Any) -> "JsonField":
+        return self[key] if isinstance(self.value, dict) and key in self.value else JsonField(default, key, self.source)
 
     def of(self, *types: type) -> Any:
         # bool is an int in Python; a count or size must not be accepted as true/false (or vice versa).
@@ -165,10 +165,10 @@ class _Field:
             raise self.fail(f"field '{self.path}' should be a whole number of at least {least}, got {value}")
         return value
 
-    def items(self) -> list["_Field"]:
+    def items(self) -> list["JsonField"]:
         return [self[i] for i in range(len(self.of(list)))]
 
-    def entries(self) -> list[tuple[str, "_Field"]]:
+    def entries(self) -> list[tuple[str, "JsonField"]]:
         """An object's keys and values."""
         return [(key, self[key]) for key in self.of(dict)]
 
@@ -182,7 +182,7 @@ class _Field:
         return None if self.value is None else self.spec()
 
 
-def _axis_from(a: _Field) -> MeshAxis:
+def _axis_from(a: JsonField) -> MeshAxis:
     # an infinite bandwidth is a link of no cost (a mesh that prices compute alone, as the baselines' benchmark does)
     return MeshAxis(a["name"].of(str), a["size"].count(1), a["alpha_s"].num(),
                     a["beta_bytes_per_s"].num(positive=True, infinite=True),
@@ -191,7 +191,7 @@ def _axis_from(a: _Field) -> MeshAxis:
                     a.get("scalar_alpha_s", None).opt_num())
 
 
-def _mesh_from(f: _Field) -> Mesh:
+def mesh_from(f: JsonField) -> Mesh:
     try:
         axes = tuple(_axis_from(a) for a in f["axes"].items())
         groups = tuple(AxisGroup(tuple(i.count() for i in g["axes"].items()), _axis_from(g))
@@ -205,7 +205,7 @@ def _mesh_from(f: _Field) -> Mesh:
         raise f.fail(f"field '{f.path}': {err}") from None
 
 
-def _device_fields_from(f: _Field) -> dict:
+def _device_fields_from(f: JsonField) -> dict:
     """A mesh's GPU preset fields (`device_fields_from_json`), each checked first: rates above zero, overheads
     at least zero."""
     rates = f.get("rates", None)
@@ -223,29 +223,29 @@ def _device_fields_from(f: _Field) -> dict:
     return device_fields_from_json(f.value)
 
 
-def _memory_from(f: _Field) -> MemoryBreakdown:
+def _memory_from(f: JsonField) -> MemoryBreakdown:
     return MemoryBreakdown(*(f[k].num() for k in ("params_bytes", "grads_bytes", "optimizer_bytes", "activations_bytes", "temp_bytes")),
                            f["budget_bytes"].opt_num(positive=True),  # the host tier's: 0 when nothing is offloaded
                            *(f.get(k, 0.0).num() for k in ("host_params_bytes", "host_grads_bytes", "host_optimizer_bytes")))
 
 
-def _time_from(f: _Field) -> TimeBreakdown:
+def _time_from(f: JsonField) -> TimeBreakdown:
     # files written before the optimizer's step was priced have no update_s: none of their compute was
     return TimeBreakdown(f["compute_s"].num(), f["comm_s"].num(), f["recompute_s"].num(), f.get("update_s", 0.0).num(),
                          f.get("offload_s", 0.0).num())  # 0: nothing offloaded
 
 
-def _optional(f: _Field, read: Callable[[_Field], Any]) -> Any:
+def _optional(f: JsonField, read: Callable[[JsonField], Any]) -> Any:
     return None if f.value is None else read(f)
 
 
-def _node_from(f: _Field) -> NodeDecision:
+def _node_from(f: JsonField) -> NodeDecision:
     s = f["strategy"]
     strategy = Strategy(tuple(x.opt_spec() for x in s["inputs"].items()), tuple(x.opt_spec() for x in s["outputs"].items()))
     return NodeDecision(f["node"].of(str), f["op"].of(str), strategy, f.get("recompute", False).of(bool), f.get("module", "").of(str))
 
 
-def _layout_from(f: _Field) -> Layout:
+def _layout_from(f: JsonField) -> Layout:
     """A parameter's layout; "" (unknown) in files written before layouts were recorded."""
     layout = f.of(str)
     if layout not in get_args(Layout):
@@ -253,7 +253,7 @@ def _layout_from(f: _Field) -> Layout:
     return layout  # type: ignore[return-value]
 
 
-def _tier_from(f: _Field) -> Tier:
+def _tier_from(f: JsonField) -> Tier:
     """Where a parameter's optimizer state lives; "device" in files written before tiers were recorded."""
     tier = f.of(str)
     if tier not in TIERS:
@@ -261,7 +261,7 @@ def _tier_from(f: _Field) -> Tier:
     return tier  # type: ignore[return-value]
 
 
-def _source_from(f: _Field) -> PlanSource:
+def source_from(f: JsonField) -> PlanSource:
     return PlanSource(
         model_file=f.get("model_file", "").of(str),
         hf_config=f.get("hf_config", "").of(str),
@@ -274,7 +274,7 @@ def _source_from(f: _Field) -> PlanSource:
 
 
 def plan_from_dict(obj: Any, source: str = "plan") -> Plan:
-    root = _Field(obj, "", source)
+    root = JsonField(obj, "", source)
     root.of(dict)
     version = root["schema_version"].of(int)
     if version != SCHEMA_VERSION:
@@ -302,7 +302,7 @@ def plan_from_dict(obj: Any, source: str = "plan") -> Plan:
     )
     return Plan(
         fingerprint=fingerprint,
-        mesh=_mesh_from(root["mesh"]),
+        mesh=mesh_from(root["mesh"]),
         nodes=tuple(_node_from(n) for n in root["nodes"].items()),
         params=params,
         memory=_memory_from(root["memory"]),
@@ -310,7 +310,7 @@ def plan_from_dict(obj: Any, source: str = "plan") -> Plan:
         solver=solver,
         schema_version=version,
         notes=tuple(n.of(str) for n in root.get("notes", []).items()),
-        source=_optional(root.get("source", None), _source_from),
+        source=_optional(root.get("source", None), source_from),
         comm_bytes_by_kind=tuple((k, v.num()) for k, v in root.get("comm_bytes_by_kind", {}).entries()),
         baselines=baselines,
         memory_timeline=tuple((pt[0].of(str), pt[1].num()) for pt in root.get("memory_timeline", []).items()),
@@ -530,5 +530,5 @@ def load_mesh(path: str | Path) -> Mesh:
         obj = json.loads(p.read_text())
     except json.JSONDecodeError as err:
         raise PlanFormatError(f"{p.name}: not valid JSON ({err.msg} at line {err.lineno}, column {err.colno})") from None
-    root = _Field(obj, "", p.name)
-    return _mesh_from(root["mesh"] if isinstance(obj, dict) and "mesh" in obj else root)
+    root = JsonField(obj, "", p.name)
+    return mesh_from(root["mesh"] if isinstance(obj, dict) and "mesh" in obj else root)

@@ -17,6 +17,8 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
 import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
 
 from autopar.api import make_retracer, trace_copy
 from autopar.codegen import ParallelModule, lower
@@ -191,6 +193,31 @@ def check_steps(pm: ParallelModule, opt: torch.optim.Optimizer, ref: Reference, 
 def _compare(got: torch.Tensor, want: torch.Tensor, atol: float, what: str) -> float:
     torch.testing.assert_close(got, want, rtol=1e-4, atol=atol, msg=lambda m: f"{what}: {m}")
     return (got - want).abs().max().item()
+
+
+def load_on_one_device(model: torch.nn.Module, checkpoint: str) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    """A copy of `model` and its AdamW, loaded from a DCP checkpoint with torch alone: the checkpoint's keys
+    are torch's `get_state_dict` layout, whatever plan or pipeline saved it."""
+    fresh = copy.deepcopy(model)
+    opt = torch.optim.AdamW(fresh.parameters(), lr=LR, eps=EPS)
+    state = {"model": fresh.state_dict(), "optim": get_optimizer_state_dict(fresh, opt)}
+    dcp.load(state, checkpoint_id=checkpoint, no_dist=True)
+    fresh.load_state_dict(state["model"])
+    set_optimizer_state_dict(fresh, opt, state["optim"])
+    return fresh, opt
+
+
+def train_on_one_device(model: torch.nn.Module, opt: torch.optim.Optimizer, sample: Any, ref: Reference,
+                        steps: range, atol: float) -> None:
+    """Train `model` eagerly for the reference's `steps`, asserting each loss and the final parameters."""
+    for step in steps:
+        opt.zero_grad()
+        loss = loss_of(call(model, sample))
+        loss.backward()
+        opt.step()
+        assert abs(loss.item() - ref.losses[step]) <= 1e-5 * abs(ref.losses[step]), step
+    for fqn, p in model.named_parameters():
+        torch.testing.assert_close(p.detach(), ref.params[steps[-1]][fqn], rtol=1e-4, atol=atol, msg=lambda m: f"{fqn}: {m}")
 
 
 def run_plans(rank: int, world: int, mesh_shape: tuple[int, ...], cases: Sequence[tuple]) -> list[tuple[str, dict]]:

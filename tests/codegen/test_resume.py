@@ -13,9 +13,10 @@ import random
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
+from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
-from tests.codegen.harness import EPS, LR, LogRecords, call, check_steps, loss_of, parallel_module, reference, trace_model
+from tests.codegen.harness import (EPS, LR, LogRecords, call, check_steps, load_on_one_device, loss_of, parallel_module, reference,
+                                   trace_model, train_on_one_device)
 from tests.codegen.plans import cpu_mesh, greedy_plan, load_zoo, random_plan
 
 import autopar
@@ -102,22 +103,9 @@ def test_resume_under_another_plan_and_mesh_trains_like_one_device(tmp_path):
     for osd in resumed:
         _assert_same_optimizer_state(osd, one_osd)
 
-    # one device, torch alone: the checkpoint's keys are torch's get_state_dict layout
-    fresh = copy.deepcopy(model)
-    opt = torch.optim.AdamW(fresh.parameters(), lr=LR, eps=EPS)
-    state = {"model": fresh.state_dict(), "optim": get_optimizer_state_dict(fresh, opt)}
-    dcp.load(state, checkpoint_id=latest_checkpoint(path), no_dist=True)
-    fresh.load_state_dict(state["model"])
-    set_optimizer_state_dict(fresh, opt, state["optim"])
+    fresh, opt = load_on_one_device(model, latest_checkpoint(path))
     _assert_same_optimizer_state(get_optimizer_state_dict(fresh, opt), one_osd)
-    for step in range(STOP, STEPS):
-        opt.zero_grad()
-        loss = loss_of(call(fresh, sample))
-        loss.backward()
-        opt.step()
-        assert abs(loss.item() - ref.losses[step]) <= 1e-5 * abs(ref.losses[step]), step
-    for fqn, p in fresh.named_parameters():
-        torch.testing.assert_close(p.detach(), ref.params[STEPS - 1][fqn], rtol=1e-4, atol=1e-4, msg=lambda m: f"{fqn}: {m}")
+    train_on_one_device(fresh, opt, sample, ref, range(STOP, STEPS), atol=1e-4)
 
 
 def _load_mismatched(rank, world, model, sample, traced, plan, path, other_path):

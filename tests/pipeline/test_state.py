@@ -12,14 +12,12 @@ import random
 
 import pytest
 import torch
-import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
 
 from autopar.pipeline.api import build_pipeline
 from autopar.runtime.checkpoints import latest_checkpoint
 from autopar.runtime.launch import run_ranks
 from autopar.runtime.mesh import ProcessMesh
-from tests.codegen.harness import EPS, LR, call, loss_of, parallel_module, trace_model
+from tests.codegen.harness import EPS, LR, call, load_on_one_device, loss_of, parallel_module, trace_model, train_on_one_device
 from tests.codegen.harness import check_steps as check_parallel_steps
 from tests.codegen.plans import cpu_mesh, random_plan
 from tests.pipeline.harness import STEPS, check_steps, micro_trace, random_case, zoo_model
@@ -77,17 +75,5 @@ def test_checkpoint_of_pp2_dp2_resumes_under_dp4_another_pipeline_and_one_device
     run_ranks(_resume_data_parallel, 4, random_plan(traced, cpu_mesh((4,)), random.Random(12)), path, timeout_s=300)
     run_ranks(_resume_pipeline, 4, random_case("gpt2", 4, (1,), random.Random(13), ("gpipe", "1f1b")), path, timeout_s=300)
 
-    fresh = copy.deepcopy(model)  # one device, torch alone: torch's get_state_dict layout
-    opt = torch.optim.AdamW(fresh.parameters(), lr=LR, eps=EPS)
-    state = {"model": fresh.state_dict(), "optim": get_optimizer_state_dict(fresh, opt)}
-    dcp.load(state, checkpoint_id=latest_checkpoint(path), no_dist=True)  # the newest published save
-    fresh.load_state_dict(state["model"])
-    set_optimizer_state_dict(fresh, opt, state["optim"])
-    for step in range(STOP, STEPS):
-        opt.zero_grad()
-        loss = loss_of(call(fresh, sample))
-        loss.backward()
-        opt.step()
-        assert abs(loss.item() - ref.losses[step]) <= 1e-5 * abs(ref.losses[step]), step
-    for fqn, p in fresh.named_parameters():
-        torch.testing.assert_close(p.detach(), ref.params[STEPS - 1][fqn], rtol=1e-4, atol=1e-5, msg=lambda m: f"{fqn}: {m}")
+    fresh, opt = load_on_one_device(model, latest_checkpoint(path))  # the newest published save
+    train_on_one_device(fresh, opt, sample, ref, range(STOP, STEPS), atol=1e-5)
