@@ -13,6 +13,7 @@ from __future__ import annotations
 import copy
 import logging
 import math
+import os
 import time
 import weakref
 from pathlib import Path
@@ -29,7 +30,7 @@ from torch.utils import _pytree as pytree
 from autopar.codegen.module_tree import dress_like
 from autopar.codegen import ParallelModule, lower
 from autopar.codegen.module import Retracer
-from autopar.errors import PARALLELIZE_KNOBS, InfeasibleError, InvalidValueError, TraceError
+from autopar.errors import PARALLELIZE_DEVICE_ONLY_KNOBS, PARALLELIZE_KNOBS, InfeasibleError, InvalidValueError, TraceError
 from autopar.mixed_precision import MixedPrecision
 from autopar.profiler import profile
 from autopar.profiler.types import GraphProfile
@@ -40,7 +41,7 @@ from autopar.runtime.offload import offloaded_names
 from autopar.runtime.optimizers import alike_by_design, replaced
 from autopar.solver import solve, solve_keeping_params
 from autopar.solver.mesh import Mesh, Precision, make_mesh, preset_for_device
-from autopar.solver.offload import offloaded_profile, with_offload
+from autopar.solver.offload import host_budget_per_rank, offloaded_profile, with_offload
 from autopar.solver.plan import Plan
 from autopar.solver.plan_io import check_plan, load_plan, plan_from_json, plan_to_json
 from autopar.tracer import TracedGraph, trace
@@ -149,6 +150,7 @@ def parallelize(
     drift_check_every: int = 100,
     pp: Literal["auto"] | int | None = None,
     offload: str | Iterable[str] | None = None,
+    host_memory_bytes: float | None = None,
 ) -> ParallelModule:
     """Return `model` parallelized over `device_mesh` as a `ParallelModule` (local shards, same FQNs).
 
@@ -187,8 +189,12 @@ def parallelize(
 
     offload: keep optimizer state on the host and step it there (`runtime.offload`): "optimizer" for every
       parameter, or the FQNs of some; the optimizer made over `pm.parameters()` then holds host tensors for them
-      (pinned where CUDA is), and the plan's device memory leaves their optimizer state out. With `plan` given,
-      the plan's tiers are used (`autopar plan --offload`).
+      (pinned where CUDA is), and the plan's device memory leaves their optimizer state out. "auto": the solver
+      chooses each parameter's tier with its sharding, ZeRO and recompute, where the host tier makes a plan fit or
+      faster (`solver.offload`); None (the default): every optimizer state on the device, and `pm.parameters()`
+      the device tensors. With `plan` given, the plan's tiers are used (`autopar plan --offload`).
+    host_memory_bytes: with offload="auto", the host memory of this machine the host tier may use, shared by
+      its ranks (LOCAL_WORLD_SIZE, else the world); default: 3/4 of the machine's physical memory.
 
     Errors are raised on every rank alike: one raised while tracing or checking a plan on any rank, or while
     solving on rank 0, so that a loop catching it and calling `parallelize` again does so on every rank.
@@ -219,7 +225,13 @@ def parallelize(
                                 "100, or 0 to compare replicated parameters only before each save")
     if not isinstance(device_mesh, DeviceMesh):
         device_mesh = mesh_shape("device_mesh", device_mesh)
-    offloaded = offloaded_names(offload, dict(model.named_parameters()))
+    auto = offload == "auto"
+    if host_memory_bytes is not None:
+        if not auto:
+            raise InvalidValueError(f"host_memory_bytes={host_memory_bytes!r} bounds the host tier the solver chooses; "
+                                    "pass offload='auto' with it, or leave it out")
+        host_memory_bytes = positive("host_memory_bytes", host_memory_bytes, "bytes of host memory, e.g. 256e9")
+    offloaded = frozenset() if auto else offloaded_names(offload, dict(model.named_parameters()))
     start = time.perf_counter()
     pmesh = ProcessMesh(device_mesh)
     device = _capture_device(pmesh)
@@ -233,7 +245,7 @@ def parallelize(
         # made for another device count fails here, naming the mesh, rather than somewhere in lowering.
         running = given.mesh.with_shape(pmesh.shape, pmesh.axis_names)
         check_plan(given, traced, running, given.fingerprint.budget_bytes)
-        if offload is not None and offloaded != set(given.offloaded()):
+        if offload is not None and not auto and offloaded != set(given.offloaded()):
             raise InvalidValueError(f"offload={offload!r}, but the plan given keeps {len(given.offloaded())} parameters' "
                                     "optimizer state on the host: a plan records each parameter's tier. Leave offload "
                                     "out to use the plan's, or plan again with `autopar plan --offload`")
@@ -242,8 +254,10 @@ def parallelize(
     # an error on any rank (a trace that fails, a plan that does not match) is raised on every rank, as is the
     # solver's on rank 0: a loop that catches it and tries again starts again on every rank at once
     traced, given = on_every_rank(traced_and_checked)
+    host_budget = host_budget_per_rank(host_memory_bytes, int(os.environ.get("LOCAL_WORLD_SIZE", dist.get_world_size()))) \
+        if auto else None
     plan = given or _solve_on_rank0(traced, pmesh, memory_budget, hardware, optimizer, time_limit_s, model, mixed_precision,
-                                    offloaded)
+                                    offloaded, host_budget)
     gm = lower(
         traced, plan, pmesh,
         params=dict(model.named_parameters(remove_duplicate=False)),
@@ -347,8 +361,9 @@ def profiled(traced: TracedGraph, optimizer: str, model: nn.Module, mixed_precis
 
 def _solve_on_rank0(traced: TracedGraph, pmesh: ProcessMesh, memory_budget: float | None, hardware: str | Mesh | None,
                     optimizer: str, time_limit_s: float, model: nn.Module, mixed_precision: MixedPrecision | None,
-                    offloaded: AbstractSet[str] = frozenset()) -> Plan:
-    """Rank 0 solves and broadcasts the plan (with `offloaded` on the host tier: their state off the device)."""
+                    offloaded: AbstractSet[str] = frozenset(), host_budget_bytes: float | None = None) -> Plan:
+    """Rank 0 solves and broadcasts the plan (with `offloaded` on the host tier: their state off the device; with
+    `host_budget_bytes`, each parameter's tier chosen by the solver)."""
     def solved() -> Plan:
         if isinstance(hardware, Mesh):
             mesh = hardware.with_shape(pmesh.shape, pmesh.axis_names)
@@ -358,9 +373,10 @@ def _solve_on_rank0(traced: TracedGraph, pmesh: ProcessMesh, memory_budget: floa
         prof = profiled(traced, optimizer, model, mixed_precision)
         try:
             plan = solve(traced, offloaded_profile(prof, offloaded), mesh, memory_budget_bytes=memory_budget,
-                         time_limit_s=time_limit_s)
-        except InfeasibleError as err:  # its fix in parallelize's words: memory_budget=
-            raise err.worded_for(PARALLELIZE_KNOBS) from None
+                         time_limit_s=time_limit_s, host_budget_bytes=host_budget_bytes)
+        except InfeasibleError as err:  # its fix in parallelize's words: memory_budget=, offload=
+            device_only = host_budget_bytes is None and not offloaded
+            raise err.worded_for(PARALLELIZE_DEVICE_ONLY_KNOBS if device_only else PARALLELIZE_KNOBS) from None
         return with_offload(plan, prof, offloaded)
     return _on_rank0(solved)
 

@@ -112,7 +112,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "(torch.backends.cuda.matmul.allow_tf32); bf16: mixed precision, bf16 compute on float32 masters "
                         "(parallelize(..., mixed_precision=autopar.MixedPrecision(torch.bfloat16)))")
     p.add_argument("--offload", help="keep optimizer state on the host and step it there (parallelize(..., offload=...)): "
-                   "'optimizer' for every parameter, or parameter names separated by commas")
+                   "'auto' lets the solver choose each parameter's tier within --host-memory; 'optimizer' for every "
+                   "parameter, or parameter names separated by commas")
+    p.add_argument("--host-memory", type=_memory, help="with --offload auto: host memory of each machine the host tier may "
+                   "use, shared by its devices (min(--gpus, --gpus-per-node)); default: 3/4 of this machine's memory")
     p.add_argument("--time-limit", type=_seconds, default=30.0,
                    help="seconds the search may take in all, over every mesh shape it tries (stopped there, it answers with "
                         "the best plan found, never slower than the fastest textbook plan that fits)")

@@ -35,6 +35,10 @@ def bytes_up(n: float) -> str:
 # `autopar.solver.solve` / `solve_for_devices` (the default wording); `parallelize` and the CLI re-word
 SOLVER_KNOBS = Knobs(lambda b: f"memory_budget_bytes={bytes_up(b)}", lambda s: f"time_limit_s={s:g}", "use more devices")
 PARALLELIZE_KNOBS = Knobs(lambda b: f"memory_budget={bytes_up(b)}", lambda s: f"time_limit_s={s:g}", "use more devices")
+# ... where every optimizer state was kept on the device: the host tier is one more way out
+PARALLELIZE_DEVICE_ONLY_KNOBS = Knobs(PARALLELIZE_KNOBS.memory, PARALLELIZE_KNOBS.time_limit,
+                                      "use more devices, or pass offload='auto' to let the solver keep optimizer state "
+                                      "in host memory")
 
 
 class InfeasibleError(AutoparError):

@@ -1,11 +1,12 @@
-"""The host tier priced: a LLaMA-2-7B shape on 24 GB cards with AdamW's state on the host, against without.
+"""The host tier as the solver chooses it: a LLaMA-2-7B shape on 24 GB cards, against the best plan without it.
 
-    python benchmarks/offload.py                       # 1, 2, 4 and 8 x RTX 4090 (24 GB), 8 x H100 (80 GB)
-    python benchmarks/offload.py --meshes rtx4090:4
+    python benchmarks/offload.py                       # 1, 4 and 8 x RTX 4090 (24 GB), 8 x H100 (80 GB)
+    python benchmarks/offload.py --meshes rtx4090:4 --host-memory 256GB
 
-For each mesh the solver plans the model (one 2048-token sequence per device, float32 AdamW) twice under the
-device's memory: with every parameter's optimizer state on the host (`parallelize(..., offload="optimizer")`,
-`solver.offload`) and without; each row gives the predicted step, device and host bytes per rank, or
+For each mesh the solver plans the model (one 2048-token sequence per device, float32 AdamW) under the device's
+memory twice: with each parameter's tier its own choice (`parallelize(..., offload="auto")`, `solver.offload`:
+the host tier within `--host-memory` of one machine, shared by its devices) and without the host tier. Each row
+gives the predicted step, device and host bytes per rank and how many parameters the solver put on the host, or
 "infeasible" with the least device memory any plan needs. The host tier's time is its own column: the
 gradients' and parameters' copies over PCIe (`Mesh.host_link_bytes_per_s`) and the host's AdamW step
 (`solver.offload.HOST_ADAMW_PARAMS_PER_S`), none of it overlapped with compute (as the runtime runs it).
@@ -19,32 +20,33 @@ from _common import load_example, provenance_line
 
 from autopar.errors import InfeasibleError
 from autopar.profiler import profile
-from autopar.solver import solve
-from autopar.solver.mesh import make_mesh
-from autopar.solver.offload import HOST_ADAMW_PARAMS_PER_S, offloaded_profile, with_offload
+from autopar.solver import solve_for_devices
+from autopar.solver.offload import HOST_ADAMW_PARAMS_PER_S, host_budget_per_rank
 from autopar.tracer import trace
 
 GIB = 2**30
+GPUS_PER_MACHINE = 8
 
 
-def plan_row(traced, prof, hardware: str, gpus: int, offload: bool, time_limit_s: float) -> dict:
-    mesh = make_mesh(gpus, hardware=hardware)
-    names = frozenset(prof.params) if offload else frozenset()
-    row = {"mesh": f"{gpus} x {hardware}", "offload": offload}
+def plan_row(traced, prof, hardware: str, gpus: int, host_budget_bytes: float | None, time_limit_s: float) -> dict:
+    row = {"mesh": f"{gpus} x {hardware}", "tier": "solver's choice" if host_budget_bytes is not None else "device only"}
     try:
-        plan = with_offload(solve(traced, offloaded_profile(prof, names), mesh, time_limit_s=time_limit_s), prof, names)
+        plan, _ = solve_for_devices(traced, prof, gpus, hardware=hardware, time_limit_s=time_limit_s,
+                                    host_budget_bytes=host_budget_bytes)
     except InfeasibleError as err:
         return {**row, "fits": False, "error": str(err).split(";")[0]}
     m = plan.memory
     return {**row, "fits": True, "step_s": plan.time.total_s, "offload_s": plan.time.offload_s,
-            "device_gib": m.total_bytes / GIB, "host_gib": m.host_bytes / GIB,
-            "zero": sum(p.zero for p in plan.params), "recomputed": len(plan.recomputed()), "shape": plan.mesh.shape}
+            "device_gib": m.total_bytes / GIB, "host_gib": m.host_bytes / GIB, "hosted": len(plan.offloaded()),
+            "params": len(plan.params), "zero": sum(p.zero for p in plan.params), "recomputed": len(plan.recomputed()),
+            "shape": plan.mesh.shape}
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--meshes", default="rtx4090:1,rtx4090:2,rtx4090:4,rtx4090:8,h100:8", help="hardware:gpus, comma-separated")
-    parser.add_argument("--time-limit", type=float, default=60.0, help="seconds per ILP search")
+    parser.add_argument("--meshes", default="rtx4090:1,rtx4090:4,rtx4090:8,h100:8", help="hardware:gpus, comma-separated")
+    parser.add_argument("--host-memory", type=float, default=256e9, help="host bytes of one machine (8 devices at most)")
+    parser.add_argument("--time-limit", type=float, default=60.0, help="seconds per search (all mesh shapes)")
     args = parser.parse_args()
     zoo = load_example("llama")
     rows = []
@@ -53,21 +55,25 @@ def main() -> None:
         model, sample = zoo.build(batch_size=int(gpus), seq_len=2048, size="7b", device="meta")
         traced = trace(model, sample)
         prof = profile(traced, optimizer="adamw")
-        for offload in (False, True):
-            rows.append(plan_row(traced, prof, hardware, int(gpus), offload, args.time_limit))
+        host = host_budget_per_rank(args.host_memory, min(int(gpus), GPUS_PER_MACHINE))
+        for budget in (None, host):
+            rows.append(plan_row(traced, prof, hardware, int(gpus), budget, args.time_limit))
             print(rows[-1], flush=True)
     print(f"\nLLaMA-2-7B shape, float32 AdamW, one 2048-token sequence per device; host AdamW at "
-          f"{HOST_ADAMW_PARAMS_PER_S:.2g} parameters/s")
-    print(f"| {'mesh':<12} | {'optimizer state':<15} | {'step':>8} | {'of it host tier':>15} | {'device GiB':>10} | "
-          f"{'host GiB':>8} | plan |")
-    print(f"|{'-' * 14}|{'-' * 17}|{'-' * 10}|{'-' * 17}|{'-' * 12}|{'-' * 10}|------|")
-    for r in rows:
-        where = "host" if r["offload"] else "device"
-        if not r["fits"]:
-            print(f"| {r['mesh']:<12} | {where:<15} | infeasible: {r['error']} |")
-            continue
-        print(f"| {r['mesh']:<12} | {where:<15} | {r['step_s']:>6.2f} s | {r['offload_s']:>13.2f} s | {r['device_gib']:>10.2f} | "
-              f"{r['host_gib']:>8.2f} | {r['zero']} ZeRO, {r['recomputed']} recomputed, mesh {r['shape']} |")
+          f"{HOST_ADAMW_PARAMS_PER_S:.2g} parameters/s; {args.host_memory / 1e9:.0f} GB of host memory per machine")
+    print(f"| {'mesh':<12} | {'tier':<15} | {'step':>8} | {'vs device only':>14} | {'of it host tier':>15} | "
+          f"{'device GiB':>10} | {'host GiB':>8} | {'on host':>9} | plan |")
+    print(f"|{'-' * 14}|{'-' * 17}|{'-' * 10}|{'-' * 16}|{'-' * 17}|{'-' * 12}|{'-' * 10}|{'-' * 11}|------|")
+    for base, r in zip(rows[::2], rows[1::2]):
+        for row in (base, r):
+            if not row["fits"]:
+                print(f"| {row['mesh']:<12} | {row['tier']:<15} | infeasible: {row['error']} |")
+                continue
+            ratio = f"{row['step_s'] / base['step_s']:.2f}x" if base["fits"] else "(infeasible)"
+            print(f"| {row['mesh']:<12} | {row['tier']:<15} | {row['step_s']:>6.2f} s | {ratio:>14} | "
+                  f"{row['offload_s']:>13.2f} s | {row['device_gib']:>10.2f} | {row['host_gib']:>8.2f} | "
+                  f"{row['hosted']:>3} of {row['params']:<3} | {row['zero']} ZeRO, {row['recomputed']} recomputed, "
+                  f"mesh {row['shape']} |")
     print(provenance_line("offload", rows=rows))
 
 

@@ -8,11 +8,12 @@
 FLOPs are compared with FlopCounterMode (CPU SDPA formulas registered, see
 autopar/profiler/flops.py); memory with the peak of live tensor storage of one
 AdamW step (autopar/profiler/measure.py), without recomputation and with every
-transformer block checkpointed. "profile s" is `profile(traced)` from a cold
+transformer block checkpointed (each call of a block its own region, `block_call_of`: ALBERT runs
+one shared layer at every depth). "profile s" is `profile(traced)` from a cold
 probe cache; "step s" is one real training step. `--speed` times GPT-2 small in a
 fresh process (wall and CPU seconds: CPU time is what a loaded machine does not inflate).
 `--hf` does the same for the Hugging Face families, each traced at each batch size (16 tokens a row,
-the families' own sample, its rows repeated), with its config's dropout off.
+the families' own sample, its rows repeated), with its config's dropout off, and measured as traced: KV cache off.
 """
 from __future__ import annotations
 
@@ -26,10 +27,11 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from autopar.profiler import block_of, peak_memory, profile  # noqa: E402
+from autopar.profiler import block_call_of, block_of, peak_memory, profile  # noqa: E402
 from autopar.profiler import probe as probe_mod  # noqa: E402
 from autopar.profiler.measure import block_paths, checkpoint_modules, measure_flops, measure_step, time_step  # noqa: E402
 from autopar.tracer import trace  # noqa: E402
+from autopar.tracer.capture import without_kv_cache  # noqa: E402
 from tests.profiler.zoo import DYNAMIC, load_example  # noqa: E402
 
 BATCHES = {"mlp": (64, 512), "vit": (4, 16)}
@@ -64,7 +66,7 @@ def run_model(name: str, seq: int) -> list[dict]:
                 blocks = block_paths(real)
                 checkpoint_modules(real, blocks)
                 recompute = frozenset(n.name for n in traced.graph.nodes if block_of(n) in blocks)
-            pred = peak_memory(traced, cost, recompute).peak_bytes
+            pred = peak_memory(traced, cost, recompute, region_of=block_call_of).peak_bytes
             meas = measure_step(real, real_in).peak_bytes
             row.update({f"{label}_pred": pred, f"{label}_meas": meas, f"{label}_err": _err(pred, meas)})
         rows.append(row)
@@ -93,7 +95,11 @@ def _hf_row(name: str, build, kind: str, batch: int) -> dict:
             blocks = block_paths(model)
             checkpoint_modules(model, blocks)
             recompute = frozenset(n.name for n in traced.graph.nodes if block_of(n) in blocks)
-        pred, meas = peak_memory(traced, cost, recompute).peak_bytes, measure_step(model, sample).peak_bytes
+        # Measured as traced: with the KV cache off. A checkpointed block would otherwise append its keys and
+        # values to the cache again when it is recomputed, and the cache would keep both alive through backward.
+        with without_kv_cache(model):
+            meas = measure_step(model, sample).peak_bytes
+        pred = peak_memory(traced, cost, recompute, region_of=block_call_of).peak_bytes
         row.update({f"{label}_pred": pred, f"{label}_meas": meas, f"{label}_err": _err(pred, meas)})
     return row
 

@@ -6,7 +6,8 @@ flash-attention kernel that `scaled_dot_product_attention` dispatches to on CPU
 (`_scaled_dot_product_flash_attention_for_cpu` and its backward), so
 `FlopCounterMode` silently counts 0 for attention on CPU. `register_flop_formulas()`
 registers torch's own `sdpa_flop` / `sdpa_backward_flop` formulas for those two
-kernels (same argument layout as the CUDA flash kernels), and formulas for the
+kernels (same argument layout as the CUDA flash kernels), one for `torch._grouped_mm` (which
+torch counts as 0; eager transformers runs its mixtures of experts with it), and formulas for the
 custom ops transformers runs a mixture of experts with, where they are loaded
 (`transformers::grouped_mm_fallback` and its backward: one matmul per expert over
 its tokens). The profiler calls it, and so does the reference measurement
@@ -14,6 +15,7 @@ its tokens). The profiler calls it, and so does the reference measurement
 """
 from __future__ import annotations
 
+import math
 import sys
 
 import torch
@@ -57,6 +59,8 @@ def register_flop_formulas() -> None:
         flop_counter.register_flop_formula(_CPU_SDPA_FWD, get_raw=True)(flop_counter.sdpa_flop)
     if _CPU_SDPA_BWD not in flop_counter.flop_registry:
         flop_counter.register_flop_formula(_CPU_SDPA_BWD, get_raw=True)(flop_counter.sdpa_backward_flop)
+    if aten._grouped_mm not in flop_counter.flop_registry:  # torch 2.13 has no formula for it and counts 0
+        flop_counter.register_flop_formula(aten._grouped_mm)(aten_grouped_mm_flop)
     if "transformers.integrations.moe" not in sys.modules:  # what registers the MoE ops, on import
         return
     # transformers 5.17 (the GPU machines' release) differentiates the op in Python: it has no backward op
@@ -75,6 +79,16 @@ def grouped_mm_flop(input_shape, weight_shape, offs_shape, out_shape=None, **kwa
 def grouped_mm_backward_flop(input_shape, weight_shape, offs_shape, grad_shape, out_shape=None, **kwargs) -> int:
     """The gradients of the input and of the weights: two matmuls of the forward's size."""
     return 2 * grouped_mm_flop(input_shape, weight_shape, offs_shape)
+
+
+def aten_grouped_mm_flop(a_shape, b_shape, offs_shape=None, bias_shape=None, out_dtype=None, out_shape=None,
+                         **kwargs) -> int:
+    """`torch._grouped_mm(a, b, offs)`, what transformers' eager mixture of experts runs: one matmul per group. The
+    ragged dimension (`offs` splits it) is counted once in all: the rows of a 2-D `a` times a 3-D `b` (G, K, N),
+    the shared K of two 2-D operands (the weights' gradient), the columns of a 2-D `b` after a 3-D `a` (G, M, K);
+    two 3-D operands are G plain matmuls."""
+    flops = 2 * math.prod(a_shape) * b_shape[-1]
+    return flops // a_shape[0] if len(a_shape) == 3 and len(b_shape) == 2 else flops
 
 
 def op_flops(func, args: tuple, kwargs: dict, out) -> object:

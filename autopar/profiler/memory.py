@@ -16,7 +16,9 @@ Recomputation follows `torch.utils.checkpoint(use_reentrant=False)` per region:
 tensors saved by recomputed ops are not kept; the region's inputs are; when
 backward reaches a region its saved tensors are rebuilt at once. Recomputed
 nodes are grouped into regions by `region_of` (default: the transformer block,
-i.e. the module path up to its first numeric component, `transformer.h.3`).
+i.e. the module path up to its first numeric component, `transformer.h.3`, as codegen's regions
+are cut; `block_call_of` makes each call of a block its own region, as checkpointing a block's
+forward in eager does).
 """
 from __future__ import annotations
 
@@ -33,6 +35,7 @@ from autopar.profiler.graph import GraphFacts, Ref, analyze
 from autopar.profiler.profile import optimizer_key
 from autopar.profiler.types import ConcreteProfile
 from autopar.tracer import TracedGraph, module_path, tensor_args
+from autopar.tracer.nodes import fqn
 
 log = logging.getLogger(__name__)
 
@@ -53,6 +56,17 @@ def block_of(node: fx.Node) -> str:
     """The enclosing repeated block of a node: its module path up to the first numeric component."""
     m = re.match(r"^(.*?\.\d+)(\.|$)", module_path(node))
     return m.group(1) if m else ""
+
+
+def block_call_of(node: fx.Node) -> str:
+    """`block_of`, told apart per call: a block run twice (ALBERT runs its one shared layer at every depth) is two
+    regions, as `torch.utils.checkpoint` around the block's forward makes it. torch.export numbers a module's
+    later calls in the keys of `nn_module_stack` ("...albert_layer_groups.0@1")."""
+    block = block_of(node)
+    for key, (path, _cls) in (node.meta.get("nn_module_stack") or {}).items():
+        if block and fqn(path) == block:
+            return block + key[key.index("@"):] if "@" in key else block
+    return block
 
 
 def optimizer_step_temp_bytes(optimizer: str, param_bytes: list[float], foreach: bool = False) -> float:

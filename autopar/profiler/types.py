@@ -89,6 +89,7 @@ class ParamCost:
     update_write_bytes: float = 0.0
     copy_bytes: float = 0.0
     reduce_bytes: float | None = None
+    numel: float = 0.0  # elements (what a host optimizer step's time goes by, `solver.offload`)
 
     @property
     def compute_bytes(self) -> float:
@@ -137,7 +138,7 @@ class GraphProfile:
         params = {
             fqn: ParamCost(fqn, p.node, float(p.param_bytes), float(p.grad_bytes), float(p.optimizer_bytes),
                            p.update_launches, float(p.update_write_bytes), float(p.copy_bytes),
-                           None if p.reduce_bytes is None else float(p.reduce_bytes))
+                           None if p.reduce_bytes is None else float(p.reduce_bytes), float(p.numel))
             for fqn, p in self.params.items()
         }
         return ConcreteProfile(nodes=nodes, params=params, optimizer=self.optimizer)

@@ -96,20 +96,26 @@ def _mesh(hardware: str, gpus: int, shape: tuple[int, ...] | None, precision: st
 # ---------------------------------------------------------------- plan
 def _solve(args: Any, traced, prof, budget: float | None) -> tuple[Plan, list]:
     """The plan with the textbook baselines priced on its mesh, and what each mesh shape tried would give
-    (empty when --mesh or a mesh file fixes the shape); --offload's parameters on the host tier."""
+    (empty when --mesh or a mesh file fixes the shape); --offload's parameters on the host tier, or with --offload
+    auto each parameter's tier chosen by the solver within --host-memory."""
     from autopar.solver import solve, solve_for_devices
-    from autopar.solver.offload import offloaded_profile, with_offload
+    from autopar.solver.offload import host_budget_per_rank, offloaded_profile, with_offload
 
-    offloaded = _offloaded(args, prof)
+    auto = getattr(args, "offload", None) == "auto"
+    if getattr(args, "host_memory", None) is not None and not auto:
+        raise UsageError(f"--host-memory {args.host_memory:g} bounds the tier the solver chooses: add --offload auto")
+    host_budget = host_budget_per_rank(args.host_memory, min(args.gpus, args.gpus_per_node)) if auto else None
+    offloaded = frozenset() if auto else _offloaded(args, prof)
     device_prof = offloaded_profile(prof, offloaded)
     with phase("solving and pricing baselines") as progress:
         if args.mesh or args.hardware.endswith(".json") or Path(args.hardware).is_file():
             plan, shapes = solve(traced, device_prof, _mesh(args.hardware, args.gpus, args.mesh, args.precision),
-                                 memory_budget_bytes=budget, time_limit_s=args.time_limit, baselines=True, progress=progress), []
+                                 memory_budget_bytes=budget, time_limit_s=args.time_limit, baselines=True, progress=progress,
+                                 host_budget_bytes=host_budget), []
         else:
             plan, shapes = solve_for_devices(traced, device_prof, args.gpus, hardware=args.hardware, memory_budget_bytes=budget,
                                              time_limit_s=args.time_limit, baselines=True, precision=args.precision,
-                                             progress=progress)
+                                             progress=progress, host_budget_bytes=host_budget)
     return with_offload(plan, prof, offloaded), shapes
 
 

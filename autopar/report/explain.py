@@ -14,7 +14,7 @@ it costs more elsewhere than it saves at the node).
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Mapping
 
 import torch
@@ -66,12 +66,30 @@ def _planned(plan: Plan, built: BuiltProblem) -> Assignment | None:
             return None
         choice.append(options.index(d.strategy))
         recompute.append(d.recompute)
-    return Assignment(tuple(choice), tuple(recompute), tuple(n.name in zero for n in built.problem.nodes))
+    host = {p.node for p in plan.params if p.tier == "host"}
+    return Assignment(tuple(choice), tuple(recompute), tuple(n.name in zero for n in built.problem.nodes),
+                      tuple(n.name in host for n in built.problem.nodes) if host else ())
+
+
+def other_tier(plan: Plan, node: str, ctx: ExplainContext) -> dict[str, Any] | None:
+    """The plan priced with parameter node `node` on the other tier (`solver.offload`), every other decision as
+    planned: its step, device peak and host bytes; None for a parameter the optimizer does not step."""
+    from autopar.solver.ilp import evaluate
+
+    a = ctx.planned
+    v = ctx.built.grouping.cluster_of[node]
+    if a is None or ctx.built.problem.nodes[v].options[a.choice[v]].host is None:
+        return None
+    flags = list(a.offload or (False,) * len(a.choice))
+    flags[v] = not flags[v]
+    memory, time = evaluate(ctx.built.problem, replace(a, offload=tuple(flags)))
+    return {"tier": "host" if flags[v] else "device", "step_s": time.total_s, "peak_bytes": memory.total_bytes,
+            "host_bytes": memory.host_bytes, "fits": plan.memory.budget_bytes is None or memory.total_bytes <= plan.memory.budget_bytes}
 
 
 def _with_option(ctx: ExplainContext, node: str, k: int) -> tuple[MemoryBreakdown, TimeBreakdown]:
     """The plan priced with graph node `node` taking its strategy `k`, every other decision as planned (ZeRO
-    storage kept where strategy `k` has one)."""
+    storage kept where strategy `k` has one; each parameter's tier kept)."""
     from autopar.solver.ilp import evaluate
 
     a = ctx.planned
@@ -79,7 +97,7 @@ def _with_option(ctx: ExplainContext, node: str, k: int) -> tuple[MemoryBreakdow
     v = ctx.built.grouping.cluster_of[node]
     option = ctx.built.problem.nodes[v].options[k]
     changed = Assignment(a.choice[:v] + (k,) + a.choice[v + 1:], a.recompute,
-                         a.zero[:v] + (a.zero[v] and option.zero is not None,) + a.zero[v + 1:])
+                         a.zero[:v] + (a.zero[v] and option.zero is not None,) + a.zero[v + 1:], a.offload)
     return evaluate(ctx.built.problem, changed)
 
 
@@ -223,6 +241,8 @@ def explain(plan: Plan, query: str, ctx: ExplainContext | None = None) -> dict[s
                          words=param_words(p, axis_names, ndims.get(p.fqn)))
         if ctx is not None:
             entry["alternatives"] = alternatives(plan, d, ctx)
+            if p is not None and (other := other_tier(plan, d.node, ctx)) is not None:
+                entry["other_tier"] = other
         out.append(entry)
     s = summarize(plan)
     return {"query": query, "mesh": mesh_line(s), "headline": headline(s), "legend": LEGEND.format(axes=", ".join(axis_names)),

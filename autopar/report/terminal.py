@@ -36,6 +36,11 @@ def explain_report(result: dict[str, Any]) -> list:
                        else "its compute is the optimizer's step on each device's block")
             parts.append(Text(f"  parameter {n['parameter']} ({n['layout']}): {n['words']} (use {n['use']}, storage {n['storage']}); "
                               f"{stepped}"))
+            if (other := n.get("other_tier")) is not None:
+                where = "on the host tier" if other["tier"] == "host" else "with its optimizer state on the device"
+                parts.append(Text(f"  {where} the plan's step would be {fmt_seconds(other['step_s'])} and its device peak "
+                                  f"{fmt_bytes(other['peak_bytes'])} (host {fmt_bytes(other['host_bytes'])})"
+                                  f"{'' if other['fits'] else ', over the budget'}"))
         parts.append(Text(f"  output: {n['output']}; recomputed in backward: {'yes' if n['recompute'] else 'no'}"))
         alts = n.get("alternatives")
         if alts:

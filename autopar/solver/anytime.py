@@ -54,7 +54,10 @@ class _Clock:
 
 
 def fits(problem: Problem, sol: Solution) -> bool:
-    return problem.budget_bytes is None or sol.memory.total_bytes <= problem.budget_bytes
+    """Within the device budget, and the host tier within the host budget."""
+    host_ok = not sol.memory.host_bytes or (problem.host_budget_bytes is not None
+                                            and sol.memory.host_bytes <= problem.host_budget_bytes)
+    return host_ok and (problem.budget_bytes is None or sol.memory.total_bytes <= problem.budget_bytes)
 
 
 def priced(problem: Problem, a: Assignment, status: str = "start", backend: str = "none") -> Solution:
@@ -183,8 +186,7 @@ def fit_memory(problem: Problem, choice: Sequence[int], restrictions: Restrictio
                backend: Backend = "highs", time_limit_s: float = 30.0) -> Solution | None:
     """The fastest recompute and ZeRO decisions within the budget for the options `choice` (each node held to its
     own); None when none fit, or none was found in time."""
-    held = Restrictions({v: frozenset({c}) for v, c in enumerate(choice)}, restrictions.zero, restrictions.recompute,
-                        restrictions.zero_nodes)
+    held = replace(restrictions, allowed={v: frozenset({c}) for v, c in enumerate(choice)})
     began = cpu_s()
     model = _Model(problem, held, "time")
     model.add_memory_limit()

@@ -28,11 +28,12 @@ def concrete(profile: GraphProfile | ConcreteProfile, sizes: Mapping[str, int] |
 
 
 def build_for(traced: TracedGraph, profile: GraphProfile | ConcreteProfile, mesh: Mesh, budget_bytes: float | None,
-              sizes: Mapping[str, int] | None = None, grouped: bool = True, per_layer: bool = False) -> BuiltProblem:
-    """The problem of `traced` on `mesh` (`grouped`, `per_layer`: see `build_problem`)."""
+              sizes: Mapping[str, int] | None = None, grouped: bool = True, per_layer: bool = False,
+              host_budget_bytes: float | None = None) -> BuiltProblem:
+    """The problem of `traced` on `mesh` (`grouped`, `per_layer`, `host_budget_bytes`: see `build_problem`)."""
     strategies = enumerate_strategies(traced, mesh)
     return build_problem(traced, concrete(profile, sizes), mesh, strategies, budget_bytes, grouped=grouped,
-                         per_layer=per_layer)
+                         per_layer=per_layer, host_budget_bytes=host_budget_bytes)
 
 
 def budget_of(mesh: Mesh, memory_budget_bytes: float | None) -> float:
@@ -62,7 +63,7 @@ def to_plan(traced: TracedGraph, mesh: Mesh, built: BuiltProblem, sol: Solution)
             use = strat.output_specs[0]
             storage = built.storage[node.name, k] if a.zero[cls] else use
             fqn = traced.param_fqns[node.name]
-            params.append(ParamDecision(fqn, node.name, use, storage, layouts[fqn]))
+            params.append(ParamDecision(fqn, node.name, use, storage, layouts[fqn], "host" if a.offloaded(cls) else "device"))
     plan = Plan(fingerprint(traced, mesh, built.problem.budget_bytes), mesh, tuple(nodes), tuple(params),
                 sol.memory, sol.time, sol.report, notes=plan_notes(traced, mesh),
                 memory_timeline=memory_timeline(traced, built, a, sol.memory))

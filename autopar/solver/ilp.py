@@ -69,6 +69,15 @@ Constraint families (each PuLP constraint is named after its family):
                       inputs v saved again, and the gradients of the step: the one arriving and those v makes for
                       its activation inputs (a gated MLP's product makes two of its own size beside the one arriving)
   rebuild_{r}         T >= C_last: the whole rebuilt layer
+  host_{v}_{g}        h[v,g] <= sum_{s in g} x[v,s]: v's parameter keeps its optimizer state on the host and is
+                      stepped there (`_add_host_tier`, where `Problem.host_budget_bytes` offers the tier and
+                      `Restrictions.offload` is "free"); the objective adds its tier's copies and host step less the
+                      device step (`Option.host`, `solver.offload.tier_cost`), the memory row takes its optimizer state
+                      off, the optimizer_step row its scratch
+  host_zero_{v}_{g}   hz[v,g] = h AND "v ZeRO-sharded" (hz <= h, hz <= sum_g z, hz >= h + sum_g z - 1; continuous):
+                      under ZeRO the tier holds, moves and steps 1/factor, the device keeps no state (hz gives back what
+                      z and h took twice)
+  host_memory         sum host_bytes[v,g] h - (1 - 1/f) host_bytes[v,g] hz <= Problem.host_budget_bytes (per rank)
   memory              sum_{v,s} static[v,s] x - sum_g (1 - 1/f[v,g]) static[v,g] z
                       + saved[v,s] x - sum_g (saved[v,g] - held[v,g]) y + sum_k (kept . e - kept . f + r[k]) + T <= budget
                       (`add_memory_limit`; held: a recomputed region's inputs from other layers)
@@ -140,6 +149,8 @@ class Restrictions:
     zero: Literal["free", "never", "always"] = "free"  # "always": every param with a ZeRO option uses it
     recompute: Literal["free", "never"] = "free"
     zero_nodes: Mapping[int, bool] = field(default_factory=dict)  # node -> its ZeRO storage forced on or off
+    # "free": each parameter's tier decided where the problem offers the host tier (`Problem.host_budget_bytes`)
+    offload: Literal["never", "free"] = "never"
 
 
 @dataclass(frozen=True)
@@ -154,8 +165,9 @@ def evaluate(problem: Problem, a: Assignment, saved_by_node: list[float] | None 
     """Price an assignment with the same model the ILP optimises (independent of PuLP). `saved_by_node`: a list
     of one zero per problem node, to which each node's part of the saved activations is added (the resharded
     inputs a consumer keeps are the consumer's part): what `solver.timeline` draws."""
-    compute_s = comm_s = recompute_s = update_s = 0.0
+    compute_s = comm_s = recompute_s = update_s = offload_s = 0.0
     params = grads = opt = act = temp = 0.0
+    host = [0.0, 0.0, 0.0]  # the host tier's masters, gradients, optimizer state
     saved = saved_by_node if saved_by_node is not None else [0.0] * len(problem.nodes)
     # backward rebuilds a recomputed layer in graph order: per recomputed node what it rebuilds (its saved bytes, the
     # resharded inputs it saves again) and the largest buffers of a reshard of its inputs run again before it
@@ -184,7 +196,17 @@ def evaluate(problem: Problem, a: Assignment, saved_by_node: list[float] | None 
                 regathered[node.region] = regathered.get(node.region, 0.0) + o.zero.gathered_bytes
         params += o.param_bytes / factor
         grads += o.grad_bytes / factor
-        opt += o.optimizer_bytes / factor
+        if a.offloaded(v):  # its state on the host, stepped there instead of on the device
+            if o.host is None:
+                raise ValueError(f"node {node.name!r} option {o.label} has no host tier (nothing the optimizer steps)")
+            tier = o.host.scaled(factor)
+            device_step_s = o.update_s - (o.zero.update_saving_s if a.zero[v] else 0.0)
+            compute_s -= device_step_s
+            update_s -= device_step_s
+            offload_s += tier.step_s
+            host = [h + b for h, b in zip(host, (tier.host_params_bytes, tier.host_grads_bytes, tier.host_optimizer_bytes))]
+        else:
+            opt += o.optimizer_bytes / factor
         if a.recompute[v]:
             if not node.recomputable:
                 raise ValueError(f"node {node.name!r} cannot be recomputed (a placeholder, or it saves nothing)")
@@ -232,7 +254,8 @@ def evaluate(problem: Problem, a: Assignment, saved_by_node: list[float] | None 
         held[region] += rebuilds[v] + resaved[v]
     temp = max([temp, *held.values()])  # the whole layer rebuilt
     stepped = [node.options[c].param_bytes / (node.options[c].zero.factor if z else 1)
-               for node, c, z in zip(problem.nodes, a.choice, a.zero) if node.options[c].optimizer_bytes > 0]
+               for v, (node, c, z) in enumerate(zip(problem.nodes, a.choice, a.zero))
+               if node.options[c].optimizer_bytes > 0 and not a.offloaded(v)]
     # the optimizer step's scratch, of every parameter at once under foreach, else of the largest alone (`_add_optimizer_step`)
     step_bytes = problem.step_scratch_per_param_byte * (sum(stepped) if problem.step_scratch_foreach else max(stepped, default=0.0))
     temp = max(temp, step_bytes)
@@ -243,8 +266,8 @@ def evaluate(problem: Problem, a: Assignment, saved_by_node: list[float] | None 
         charged = [seconds[a.choice[v]] for v, seconds in shared.terms]
         comm_s += max(charged) - sum(charged)
     return (
-        MemoryBreakdown(params, grads, opt, act, temp, problem.budget_bytes),
-        TimeBreakdown(compute_s, comm_s, recompute_s, update_s),
+        MemoryBreakdown(params, grads, opt, act, temp, problem.budget_bytes, *host),
+        TimeBreakdown(compute_s, comm_s, recompute_s, update_s, offload_s),
     )
 
 
@@ -310,6 +333,7 @@ class _Model:
         self._add_recomputed_edges()
         self._add_replaced_outputs()
         self._add_zero()
+        self._add_host_tier()
         self._add_zero_savings()
         self._add_sync_groups()
         self._add_shared_syncs()
@@ -511,6 +535,47 @@ class _Model:
                 self.memory_terms.append((z, -saving * self.per_byte))
                 self.gathered.setdefault(v, []).append((z, gathered * self.per_byte))
 
+    def _add_host_tier(self) -> None:
+        """h[v,g]: v's parameter (an option of group g) keeps its optimizer state on the host and is stepped there
+        (`solver.offload`): the device holds no optimizer state for it and runs no step; the step pays the host
+        tier's copies and host step (`TierCost.step_s`). Under ZeRO storage every part of that is 1/factor, so
+        hz[v,g] = h AND "v ZeRO-sharded" (continuous, exact at integral points by its three rows) carries the
+        difference: the device keeps the 1/factor of the state ZeRO would have kept, the tier moves and steps
+        1/factor, and the device step ZeRO saved is not saved twice. host_memory: the tier's host bytes per rank
+        within `Problem.host_budget_bytes`."""
+        self.h: dict[tuple[int, int], pulp.LpVariable] = {}
+        self.host_terms: list[tuple[pulp.LpVariable, float]] = []
+        self.unstepped: dict[int, list[tuple[pulp.LpVariable, float]]] = {}  # node -> its step scratch taken off
+        if self.restrictions.offload == "never" or self.problem.host_budget_bytes is None:
+            return
+        for v, node in enumerate(self.problem.nodes):
+            def key(o: Option):
+                if o.host is None:
+                    return None
+                return o.host, o.update_s, o.optimizer_bytes, o.param_bytes, o.zero
+            zs = _node_vars(self.z, v)
+            for g, ((tier, update_s, optimizer_bytes, param_bytes, zero), members) in enumerate(self._groups(v, key).items()):
+                h = pulp.LpVariable(f"h_{v}_{g}", cat=pulp.LpBinary)
+                self.prob += h <= pulp.lpSum(self.x[v][s] for s in members), f"host_{v}_{g}"
+                self.h.update(((v, s), h) for s in members)
+                self.time_terms.append((h, (tier.step_s - update_s) * _MS))
+                self.memory_terms.append((h, -optimizer_bytes * self.per_byte))
+                self.host_terms.append((h, tier.host_bytes * self.per_byte))
+                self.unstepped.setdefault(v, []).append((h, -param_bytes))
+                if zero is None or zero.factor <= 1 or not zs:
+                    continue
+                both = pulp.LpVariable(f"hz_{v}_{g}", lowBound=0, upBound=1)
+                self.prob += both <= h, f"host_zero_{v}_{g}_h"
+                self.prob += both <= pulp.lpSum(zs), f"host_zero_{v}_{g}_z"
+                self.prob += both >= h + pulp.lpSum(zs) - 1, f"host_zero_{v}_{g}"
+                rest = 1 - 1 / zero.factor
+                self.time_terms.append((both, (zero.update_saving_s - rest * tier.step_s) * _MS))
+                self.memory_terms.append((both, rest * optimizer_bytes * self.per_byte))
+                self.host_terms.append((both, -rest * tier.host_bytes * self.per_byte))
+                self.unstepped[v].append((both, rest * param_bytes))
+        if self.host_terms:
+            self.prob += _affine(self.host_terms) <= self.problem.host_budget_bytes * self.per_byte, "host_memory"
+
     def _add_zero_savings(self) -> None:
         """A ZeRO parameter's reduce-scatter takes over the bucketed all-reduce of its gradient that a consumer
         split over its ZeRO axes pays (`Edge.zero_saving_s`): a saving on the edge, gated by the parameter's z."""
@@ -583,6 +648,8 @@ class _Model:
             o = self.problem.nodes[v].options[s]
             if o.optimizer_bytes > 0 and o.zero is not None:
                 terms[v].append((z, -(1 - 1 / o.zero.factor) * o.param_bytes * per_byte))
+        for v, taken in self.unstepped.items():  # a parameter on the host tier is stepped there
+            terms[v].extend((var, b * per_byte) for var, b in taken)
         if self.problem.step_scratch_foreach:
             rows = {"optimizer_step": [t for v_terms in terms.values() for t in v_terms]}
         else:
@@ -654,7 +721,8 @@ class _Model:
                 continue
             for s, var in enumerate(xs):
                 var.setInitialValue(1 if s == a.choice[v] else 0)
-        for table, flags in ((self.y, a.recompute), (self.z, a.zero)):
+        offload = a.offload or (False,) * len(a.choice)
+        for table, flags in ((self.y, a.recompute), (self.z, a.zero), (self.h, offload)):
             for (v, _), var in table.items():
                 var.setInitialValue(0)
             for (v, s), var in table.items():
@@ -665,7 +733,8 @@ class _Model:
         choice = tuple(max(range(len(xs)), key=lambda s: xs[s].varValue or 0.0) for xs in self.x)
         recompute = tuple((self.y.get((v, c)) is not None and (self.y[v, c].varValue or 0) > 0.5) for v, c in enumerate(choice))
         zero = tuple((self.z.get((v, c)) is not None and (self.z[v, c].varValue or 0) > 0.5) for v, c in enumerate(choice))
-        return Assignment(choice, recompute, zero)
+        offload = tuple((self.h.get((v, c)) is not None and (self.h[v, c].varValue or 0) > 0.5) for v, c in enumerate(choice))
+        return Assignment(choice, recompute, zero, offload if any(offload) else ())
 
 
 @dataclass(frozen=True)

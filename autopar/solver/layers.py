@@ -30,13 +30,14 @@ def mixable(built: BuiltProblem, sol: Solution) -> bool:
     """Whether deciding per layer can beat `sol`: a class standing for several layers is recomputed or ZeRO-sharded
     (some of its layers might do without)."""
     a = sol.assignment
-    return any(node.copies > 1 and (a.recompute[v] or a.zero[v]) for v, node in enumerate(built.problem.nodes))
+    return any(node.copies > 1 and (a.recompute[v] or a.zero[v] or a.offloaded(v)) for v, node in enumerate(built.problem.nodes))
 
 
 def spread(tied: BuiltProblem, runs: BuiltProblem, a: Assignment) -> Assignment:
     """`a` (on the tied problem) on the problem tied in runs: every run of a family decides as the family did."""
     of = [tied.grouping.class_of[runs.grouping.classes[v][0]] for v in range(len(runs.problem.nodes))]
-    return Assignment(tuple(a.choice[c] for c in of), tuple(a.recompute[c] for c in of), tuple(a.zero[c] for c in of))
+    return Assignment(tuple(a.choice[c] for c in of), tuple(a.recompute[c] for c in of), tuple(a.zero[c] for c in of),
+                      tuple(a.offload[c] for c in of) if a.offload else ())
 
 
 def per_layer(traced: TracedGraph, profile: GraphProfile | ConcreteProfile, mesh: Mesh, tied: BuiltProblem, sol: Solution,
@@ -48,13 +49,14 @@ def per_layer(traced: TracedGraph, profile: GraphProfile | ConcreteProfile, mesh
     if not mixable(tied, sol) or not fits(tied.problem, sol):
         return tied, sol
     began = cpu_s()
-    runs = build_for(traced, profile, mesh, tied.problem.budget_bytes, sizes, per_layer=True)
+    runs = build_for(traced, profile, mesh, tied.problem.budget_bytes, sizes, per_layer=True,
+                     host_budget_bytes=tied.problem.host_budget_bytes)
     start = spread(tied, runs, sol.assignment)
     if not fits(runs.problem, priced(runs.problem, start)):  # priced alike on both problems; a hair over: keep `sol`
         return tied, sol
     left_s = max(0.0, time_limit_s - (cpu_s() - began))
     # held to `sol`'s options, with the search's recompute and ZeRO rules (its per-node options are held anyway)
-    rules = Restrictions(zero=restrictions.zero, recompute=restrictions.recompute)
+    rules = Restrictions(zero=restrictions.zero, recompute=restrictions.recompute, offload=restrictions.offload)
     mixed = solve_problem(runs.problem, left_s, backend, held(start.choice, rules), mip_rel_gap, starts=[start])
     if mixed.time.total_s >= sol.time.total_s * (1 - 1e-9):
         return tied, sol

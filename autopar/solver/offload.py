@@ -11,6 +11,11 @@ keeps the tensor forward and backward compute on and its gradient. Per step it p
 The runtime copies gradients when backward ends and parameters before the next forward, and steps when the
 user calls `opt.step()`, so none of it overlaps compute: the price is the sum (`TierCost.step_s`).
 
+The solver weighs the tier per parameter (`parallelize(offload="auto")`, `autopar plan --offload auto`): each
+parameter option carries its `TierCost` (`problem.Option.host`) and the ILP decides the tier beside sharding,
+ZeRO and recompute, under a host-memory budget per rank (`host_budget_per_rank`). A forced tier
+(`offload="optimizer"` or names) is solved for the profile without the named parameters' device state:
+
     cost = tier_cost(profile.params[fqn], shard=2, mesh=mesh)   # one parameter's two tiers, per rank
     profile = offloaded_profile(profile, names)                   # what the solver sees: no device state for them
     plan = with_offload(solve(traced, profile, mesh), profile_before, names)
@@ -18,12 +23,13 @@ user calls `opt.step()`, so none of it overlaps compute: the price is the sum (`
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, replace
-from typing import AbstractSet
+import os
+from dataclasses import dataclass, fields, replace
+from typing import AbstractSet, Iterable
 
-from autopar.profiler.types import GraphProfile, ParamProfile
+from autopar.profiler.types import GraphProfile, ParamCost, ParamProfile
 from autopar.solver.cost import compute_time_s
-from autopar.solver.mesh import Mesh
+from autopar.solver.mesh import HOST_LINKS, Mesh
 from autopar.solver.plan import Plan
 from autopar.solver.spec import Shard, Spec
 
@@ -58,13 +64,40 @@ class TierCost:
     def host_bytes(self) -> float:
         return self.host_params_bytes + self.host_grads_bytes + self.host_optimizer_bytes
 
+    def scaled(self, factor: float) -> TierCost:
+        """The same parameter's block of 1/`factor` of this one (ZeRO storage over `factor` more ranks)."""
+        return TierCost(*(getattr(self, f.name) / factor for f in fields(self)))
+
+
+def summed(costs: Iterable[TierCost]) -> TierCost:
+    """The tier of several parameters at once (a tied class of layers: `problem._sum`)."""
+    costs = list(costs)
+    return TierCost(*(sum(getattr(c, f.name) for c in costs) for f in fields(TierCost)))
+
+
+# Of the machine's physical memory, what the host tier may take by default: the rest is the OS's, the data
+# loaders' and the process's own (the model's host copy while it is parallelized, pinned staging buffers).
+HOST_MEMORY_SHARE = 0.75
+
+
+def machine_memory_bytes() -> float:
+    """This machine's physical memory (`os.sysconf`)."""
+    return float(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+
+
+def host_budget_per_rank(host_memory_bytes: float | None, ranks_per_host: int) -> float:
+    """Host bytes each of `ranks_per_host` ranks may keep on the host tier: `host_memory_bytes` of the machine
+    (default: `HOST_MEMORY_SHARE` of this machine's physical memory) split evenly between them."""
+    total = HOST_MEMORY_SHARE * machine_memory_bytes() if host_memory_bytes is None else float(host_memory_bytes)
+    return total / max(1, ranks_per_host)
+
 
 def storage_shard(spec: Spec, mesh: Mesh) -> int:
     """Into how many blocks `spec` splits a parameter over `mesh`: each rank stores one."""
     return math.prod(n for p, n in zip(spec.placements, mesh.shape) if isinstance(p, Shard))
 
 
-def tier_cost(param: ParamProfile, shard: float, mesh: Mesh, host_params_per_s: float = HOST_ADAMW_PARAMS_PER_S) -> TierCost:
+def tier_cost(param: ParamProfile | ParamCost, shard: float, mesh: Mesh, host_params_per_s: float = HOST_ADAMW_PARAMS_PER_S) -> TierCost:
     """The host tier of `param`'s block of 1/`shard` of it on a rank of `mesh` (a frozen parameter, which the
     optimizer never steps, saves and costs nothing)."""
     if not param.optimizer_bytes:
@@ -78,7 +111,8 @@ def tier_cost(param: ParamProfile, shard: float, mesh: Mesh, host_params_per_s: 
         host_grads_bytes=grad_bytes,
         host_optimizer_bytes=param.optimizer_bytes / shard,
         transfer_s=(grad_bytes + param_bytes) / mesh.host_link_bytes_per_s,
-        host_step_s=param.numel / shard / host_params_per_s,
+        # a mesh without a host link (CPU, hand-made) is its own host: the step runs on the same cores and memory
+        host_step_s=param.numel / shard / host_params_per_s if mesh.hardware in HOST_LINKS else device_step_s,
         device_step_s=device_step_s,
     )
 

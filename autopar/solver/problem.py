@@ -27,6 +27,7 @@ from autopar.solver.cost import (bucketed_all_reduce_s, bucketed_sync_s, collect
                                  recompute_time_s, split_axes, split_factor, strategy_cost, sync_latency_s)
 from autopar.gc_pause import gc_paused
 from autopar.solver.mesh import Mesh
+from autopar.solver.offload import TierCost, summed, tier_cost
 from autopar.solver.regions import layer_key, region_cuts
 from autopar.solver.reshard import reshard_buffer_bytes, reshard_cost
 from autopar.solver.spec import Replicate, Shard, Spec, Strategy
@@ -75,6 +76,9 @@ class Option:
     # mesh-axis groups the bucketed sync all-reduces its parameter gradients over: each group a plan
     # uses pays one bucket's latency once (`Problem.sync_latency_s`, `cost.sync_latency_s`)
     sync_groups: frozenset[tuple[int, ...]] = frozenset()
+    # a stepped parameter's block on the host tier (`solver.offload`): what it keeps on the host and costs a step
+    # under the use spec (1/`zero.factor` of it under ZeRO storage); None: nothing the optimizer steps
+    host: TierCost | None = None
 
     @property
     def static_bytes(self) -> float:
@@ -201,6 +205,9 @@ class Problem:
     # parameter at once under foreach (`Mesh.optimizer_foreach`, CUDA's default) or for one at a time (CPU's)
     step_scratch_per_param_byte: float = 0.0
     step_scratch_foreach: bool = False
+    # host bytes per rank the host tier may hold (`solver.offload`); None: the tier is not offered, every
+    # parameter's optimizer state stays on the device
+    host_budget_bytes: float | None = None
 
     def __post_init__(self) -> None:
         for e in self.edges:
@@ -215,17 +222,23 @@ class Problem:
 
 @dataclass(frozen=True)
 class Assignment:
-    """One decision per problem node: option index, recompute flag, ZeRO flag."""
+    """One decision per problem node: option index, recompute flag, ZeRO flag, host-tier flag."""
 
     choice: tuple[int, ...]
     recompute: tuple[bool, ...]
     zero: tuple[bool, ...]
+    offload: tuple[bool, ...] = ()  # per node: its parameter on the host tier (empty: none is)
 
     @staticmethod
-    def of(choice: tuple[int, ...] | list[int], recompute=(), zero=()) -> "Assignment":
-        """Choices by index; `recompute` / `zero` are the node indices with the flag set."""
+    def of(choice: tuple[int, ...] | list[int], recompute=(), zero=(), offload=()) -> "Assignment":
+        """Choices by index; `recompute` / `zero` / `offload` are the node indices with the flag set."""
         n = len(choice)
-        return Assignment(tuple(choice), tuple(i in set(recompute) for i in range(n)), tuple(i in set(zero) for i in range(n)))
+        return Assignment(tuple(choice), tuple(i in set(recompute) for i in range(n)), tuple(i in set(zero) for i in range(n)),
+                          tuple(i in set(offload) for i in range(n)) if offload else ())
+
+    def offloaded(self, v: int) -> bool:
+        """Whether node v's parameter is on the host tier."""
+        return bool(self.offload) and self.offload[v]
 
 
 # ---------------------------------------------------------------- building a Problem from a traced graph
@@ -457,7 +470,8 @@ class _Pricer:
                 if found:
                     zero = replace(found[1], update_saving_s=update_s - optimizer_step_s(param, shard * found[1].factor, mesh))
                 return Option(str(spec), compute_s=update_s, update_s=update_s, param_bytes=param.param_bytes / shard,
-                              grad_bytes=param.grad_bytes / shard, optimizer_bytes=param.optimizer_bytes / shard, zero=zero)
+                              grad_bytes=param.grad_bytes / shard, optimizer_bytes=param.optimizer_bytes / shard, zero=zero,
+                              host=tier_cost(param, shard, mesh) if param.optimizer_bytes else None)
             if role == "buffer":
                 return Option(str(spec), param_bytes=sum(cost.output_bytes) / shard)
             saved = sum(b for b, s in zip(cost.output_bytes, cost.saved_outputs) if s) / shard
@@ -513,6 +527,7 @@ def _sum(options: list[Option], label: str) -> Option:
     if zeros:  # the parameter member of a cluster (its views have none)
         zero = ZeroOption(zeros[0].factor, sum(z.comm_s for z in zeros), max(z.gathered_bytes for z in zeros),
                           sum(z.update_saving_s for z in zeros))
+    hosts = [o.host for o in options if o.host is not None]
     return Option(
         label,
         compute_s=sum(o.compute_s for o in options), update_s=sum(o.update_s for o in options), comm_s=sum(o.comm_s for o in options),
@@ -521,7 +536,7 @@ def _sum(options: list[Option], label: str) -> Option:
         held_input_bytes=sum(o.held_input_bytes for o in options),
         param_bytes=sum(o.param_bytes for o in options),
         grad_bytes=sum(o.grad_bytes for o in options), optimizer_bytes=sum(o.optimizer_bytes for o in options), zero=zero,
-        sync_groups=frozenset().union(*(o.sync_groups for o in options)),
+        sync_groups=frozenset().union(*(o.sync_groups for o in options)), host=summed(hosts) if hosts else None,
     )
 
 
@@ -548,9 +563,11 @@ def build_problem(
     budget_bytes: float | None,
     grouped: bool = True,
     per_layer: bool = False,
+    host_budget_bytes: float | None = None,
 ) -> BuiltProblem:
     """grouped=False keeps one problem node per graph node (for pricing arbitrary per-node plans); per_layer ties
-    repeated blocks in runs of layers that may decide recompute and ZeRO apart (`cluster.group`)."""
+    repeated blocks in runs of layers that may decide recompute and ZeRO apart (`cluster.group`); host_budget_bytes:
+    the host tier offered with that many host bytes per rank (`Problem.host_budget_bytes`)."""
     grouping = group(traced, strategies, per_layer) if grouped else singletons(traced, strategies)
     pricer = _Pricer(traced, profile, mesh, strategies)
     clusters = grouping.clusters
@@ -719,7 +736,7 @@ def build_problem(
     step_scratch = optimizer_step_temp_bytes(profile.optimizer, [1.0], foreach=mesh.optimizer_foreach) * _master_share(profile)
     problem = Problem(tuple(nodes), tuple(edges), budget_bytes, tuple((g, sync_latency_s(mesh, g)) for g in groups),
                       tuple(sorted(together)), tuple(sorted(crossing)), _cuts(traced, nodes, cls, together), mesh.recompute_region_s,
-                      shared, step_scratch, mesh.optimizer_foreach)
+                      shared, step_scratch, mesh.optimizer_foreach, host_budget_bytes)
     wire = {p.node: _summed_per_computed(p) for p in profile.params.values() if _summed_per_computed(p) != 1.0}
     return BuiltProblem(problem, grouping, strategies, dict(pricer.storage), len(grouping.cluster_of), wire)
 

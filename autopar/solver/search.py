@@ -76,18 +76,22 @@ class MeshSearch:
 
 
 def _restrictions(traced: TracedGraph, profile: GraphProfile | ConcreteProfile, built: BuiltProblem) -> Restrictions:
+    """The search's: the host tier decided per parameter where the problem offers it."""
     if optimizer_cost(profile.optimizer).whole_params:
         # its update reads whole parameters (`OptimizerCost.whole_params`): each is used and stored whole, so
         # its gradient is summed whole on every rank; activations may still be split
-        return Restrictions(params_allowed(traced, built, Spec.is_replicate), zero="never")
-    return Restrictions()
+        return Restrictions(params_allowed(traced, built, Spec.is_replicate), zero="never", offload="free")
+    return Restrictions(offload="free")
 
 
 def search_mesh(traced: TracedGraph, profile: GraphProfile | ConcreteProfile, mesh: Mesh, budget_bytes: float,
                 time_limit_s: float = 30.0, backend: Literal["highs", "cbc"] = "highs",
-                sizes: Mapping[str, int] | None = None, progress: Progress = _quiet) -> MeshSearch:
+                sizes: Mapping[str, int] | None = None, progress: Progress = _quiet,
+                host_budget_bytes: float | None = None) -> MeshSearch:
     """The fastest plan on `mesh` within `budget_bytes` found in `time_limit_s` (see the module docstring);
     InfeasibleError when none fits (SearchTimeoutError when that is not proven). `progress` is told each step.
+    `host_budget_bytes`: each parameter's tier decided too, the host tier holding this much per rank at most
+    (`solver.offload`; None: every parameter's optimizer state on the device).
 
     1. The problem, tied (`build_for`), and the textbook plans on it (`textbook.textbooks`).
     2. The anytime search (`anytime.solve_problem`) from the textbook plans and the leanest plan by construction;
@@ -97,7 +101,7 @@ def search_mesh(traced: TracedGraph, profile: GraphProfile | ConcreteProfile, me
     left_s = lambda until: time_limit_s * until - (cpu_s() - began)  # noqa: E731
     shape = "x".join(map(str, mesh.shape))
     progress(f"mesh {shape}: building the problem")
-    tied = build_for(traced, profile, mesh, budget_bytes, sizes)
+    tied = build_for(traced, profile, mesh, budget_bytes, sizes, host_budget_bytes=host_budget_bytes)
     log.debug("solver: %s: problem built in %.2f s (%d graph nodes -> %d problem nodes)", mesh,
               cpu_s() - began, tied.num_graph_nodes, len(tied.problem.nodes))
     problem, restrictions = tied.problem, _restrictions(traced, profile, tied)
@@ -145,12 +149,14 @@ def solve(
     baselines: bool = False,
     margin: float = ROBUST_MARGIN,
     progress: Progress = _quiet,
+    host_budget_bytes: float | None = None,
 ) -> Plan:
     """The fastest plan on `mesh` within the budget (default: the device memory), or the simplest within `margin`
     of it (`robust.py`; 0: the fastest); with `baselines`, the textbook plans priced on the same problem too
-    (`Plan.baselines`). `progress` is told each step (`report.console.phase`)."""
+    (`Plan.baselines`). `progress` is told each step (`report.console.phase`). `host_budget_bytes`: the host
+    tier offered, this many bytes per rank (`search_mesh`)."""
     found = search_mesh(traced, profile, mesh, budget_of(mesh, memory_budget_bytes), time_limit_s, backend, sizes,
-                        progress)
+                        progress, host_budget_bytes)
     return _chosen(traced, [found], baselines, margin)
 
 
@@ -167,6 +173,7 @@ def solve_for_devices(
     margin: float = ROBUST_MARGIN,
     progress: Progress = _quiet,
     precision: Precision | None = None,
+    host_budget_bytes: float | None = None,
 ) -> tuple[Plan, list[ShapeResult]]:
     """Try every logical shape of `num_devices` devices within `time_limit_s` in all (each shape gets an equal
     share of what is left); keep the fastest plan, or the simplest within `margin` of it (`baselines`: priced on
@@ -181,7 +188,7 @@ def solve_for_devices(
         mesh = make_mesh(num_devices, shape, hardware, precision=precision)
         try:
             search = search_mesh(traced, profile, mesh, budget_of(mesh, memory_budget_bytes), share_s, backend, sizes,
-                                 lambda step: progress(f"{step} ({k + 1} of {len(shapes)} shapes)"))
+                                 lambda step: progress(f"{step} ({k + 1} of {len(shapes)} shapes)"), host_budget_bytes)
         except InfeasibleError as err:
             results.append(ShapeResult(shape, None, err.min_memory_bytes, str(err)))
             errors.append(err)

@@ -23,7 +23,7 @@ from autopar.solver.anytime import PRICING_GAP, fits, fit_memory, min_memory, pr
 from autopar.solver.assemble import budget_of, build_for, to_plan
 from autopar.solver.backends import Backend
 from autopar.solver.descent import descend
-from autopar.solver.ilp import Restrictions, Solution, recomputable_options
+from autopar.solver.ilp import Restrictions, Solution, evaluate, recomputable_options
 from autopar.solver.mesh import Mesh
 from autopar.solver.plan import BaselineResult, Plan
 from autopar.solver.problem import Assignment, BuiltProblem, Problem
@@ -146,9 +146,8 @@ def allows(restrictions: Restrictions, a: Assignment) -> bool:
 
 
 def held(choice: tuple[int, ...], restrictions: Restrictions) -> Restrictions:
-    """`restrictions` with every node held to its option in `choice` (recompute and ZeRO left to decide)."""
-    return Restrictions({v: frozenset({c}) for v, c in enumerate(choice)}, restrictions.zero, restrictions.recompute,
-                        restrictions.zero_nodes)
+    """`restrictions` with every node held to its option in `choice` (recompute, ZeRO and tier left to decide)."""
+    return replace(restrictions, allowed={v: frozenset({c}) for v, c in enumerate(choice)})
 
 
 def all_on(problem: Problem, a: Assignment, restrictions: Restrictions = Restrictions(), recompute: bool = True) -> Assignment:
@@ -172,8 +171,15 @@ def all_on(problem: Problem, a: Assignment, restrictions: Restrictions = Restric
 def leanest_start(problem: Problem, zero3: Solution, restrictions: Restrictions = Restrictions()) -> Assignment:
     """The leanest plan by construction: ZeRO-3's sharding (parameters used whole, the batch split over every
     axis it divides), with every parameter ZeRO-sharded over every axis and every layer recomputed, as far as
-    `restrictions` (the search's) allow."""
-    return all_on(problem, zero3.assignment, restrictions)
+    `restrictions` (the search's) allow; and with the host tier free, every parameter's optimizer state on the host
+    where the host budget holds it."""
+    lean = all_on(problem, zero3.assignment, restrictions)
+    if restrictions.offload == "never" or problem.host_budget_bytes is None:
+        return lean
+    # and every parameter on the host tier, where the host budget holds them all
+    offload = tuple(node.options[c].host is not None for node, c in zip(problem.nodes, lean.choice))
+    on_host = replace(lean, offload=offload)
+    return on_host if evaluate(problem, on_host)[0].host_bytes <= problem.host_budget_bytes else lean
 
 
 def baseline_plan(

@@ -57,8 +57,12 @@ def module_path(node: fx.Node) -> str:
     if not stack:
         return ""
     path, _cls = list(stack.values())[-1]
-    # export records paths like "L['self'].transformer.h[0].attn" in some versions; normalise to FQN style.
-    path = path.replace("L['self'].", "").replace("L['self']", "")
+    return fqn(path)
+
+
+def fqn(stack_path: str) -> str:
+    """A path of `nn_module_stack` in FQN style: export records "L['self'].transformer.h[0].attn" in some versions."""
+    path = stack_path.replace("L['self'].", "").replace("L['self']", "")
     return path.replace("[", ".").replace("]", "")
 
 

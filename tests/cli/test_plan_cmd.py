@@ -124,6 +124,13 @@ def test_offload_puts_the_optimizer_state_in_the_host_column(capsys):
     assert "host bytes" in out and "host tier (copies, host optimizer step)" in out
     code, _, err = run(capsys, *mlp, "--offload", "layers.0.fc1.weight,nosuch")
     assert code != 0 and "['nosuch'] are not parameters of the model" in err
+    # --offload auto: the solver's own tier, within the device budget the forced plan needs
+    need = int(offloaded["total_bytes"]) + 1
+    code, out, _ = run(capsys, *mlp, "--offload", "auto", "--host-memory", "1GB", "--memory", str(need), "--json")
+    chosen = json.loads(out)["memory"]
+    assert code == 0 and chosen["host_bytes"] > 0 and chosen["total_bytes"] <= need
+    code, _, err = run(capsys, *mlp, "--host-memory", "1GB")
+    assert code != 0 and "add --offload auto" in err
 
 
 def test_profile_command(capsys):

@@ -16,10 +16,12 @@ import torch
 from torch.utils import _pytree as pytree
 
 import autopar
-from autopar.errors import InvalidValueError
+from autopar.errors import InfeasibleError, InvalidValueError
 from autopar.profiler import profile
 from autopar.runtime.launch import run_ranks
 from autopar.runtime.mesh import ProcessMesh
+from autopar.solver import solve
+from autopar.solver.mesh import make_mesh
 from autopar.solver.offload import offloaded_profile, with_offload
 from autopar.solver.plan import Plan
 from autopar.solver.pinned import fixed_plan
@@ -142,6 +144,34 @@ def test_parallelize_offload_optimizer_trains_as_one_device():
             torch.testing.assert_close(state[name], want, rtol=1e-4, atol=1e-5)
     with pytest.raises(InvalidValueError, match="not parameters of the model"):
         autopar.parallelize(model, sample, (1,), offload=["fc1.weight", "fc3.weight"])
+
+
+def _auto(rank: int, world: int, model, sample, budget: float) -> tuple[tuple[str, ...], list[float], dict[str, torch.Tensor]]:
+    pm = autopar.parallelize(model, sample, (2,), memory_budget=budget, hardware="cpu", offload="auto",
+                             host_memory_bytes=1e9, time_limit_s=5)
+    losses = train(pm, sample, STEPS)
+    return pm.plan.offloaded(), losses, pm.state_dict()
+
+
+def _least_bytes(traced, prof, host_budget_bytes: float | None) -> float:
+    with pytest.raises(InfeasibleError) as err:
+        solve(traced, prof, make_mesh(2, hardware="cpu"), memory_budget_bytes=1, time_limit_s=5,
+              host_budget_bytes=host_budget_bytes)
+    return err.value.min_memory_bytes
+
+
+def test_parallelize_offload_auto_under_a_tight_budget_trains_as_one_device():
+    """offload="auto" with a budget no device plan fits: the solver puts some parameters on the host tier, and the
+    run matches one device."""
+    model, sample, traced = classifier_case()[:3]
+    prof = profile(traced, optimizer="adamw")
+    budget = (_least_bytes(traced, prof, 1e9 / 2) + _least_bytes(traced, prof, None)) / 2
+    ref = reference(model, sample, STEPS)
+    for offloaded, losses, state in run_ranks(_auto, 2, model, sample, budget, timeout_s=120):
+        assert offloaded
+        assert losses == pytest.approx(ref.losses, rel=1e-5)
+        for name, want in ref.params[-1].items():
+            torch.testing.assert_close(state[name], want, rtol=1e-4, atol=1e-5)
 
 
 def _accumulated(rank: int, world: int, model, sample, traced, plan) -> dict[str, torch.Tensor]:
