@@ -30,6 +30,7 @@ from torch.export import Dim
 from torch.export.graph_signature import InputKind, OutputKind
 from torch.utils import _pytree as pytree
 
+from autopar.compat import FAKE_DEVICE_MISMATCH
 from autopar.errors import TraceError
 from autopar.gc_pause import gc_paused
 from autopar.tracer import custom_backward, data_sizes
@@ -461,6 +462,7 @@ def _in_torch_function(err: BaseException, name: str) -> bool:
     return any(fs.name == name for e in _chain(err) for fs in traceback.extract_tb(e.__traceback__))
 
 
+# (words of torch's error, one string or several, any of which names it; the construct; its fix)
 _KNOWN_FIXES = (
     ("you need to register a pytree", "an output of a type torch cannot take apart",
      "return tensors, or tuples, lists, dicts and dataclasses of them; turn off what returns the object "
@@ -473,7 +475,7 @@ _KNOWN_FIXES = (
      "keep it a tensor and index with it, e.g. `queue.index_copy_(1, (ptr + torch.arange(n)) % size, keys.T)` "
      "and `ptr.add_(n).remainder_(size)`, so the graph computes it at every step"),
     # the copy the tracer runs is on meta or fake tensors; a real tensor it reaches past the copy is on another device
-    ("found at least two devices", "a tensor the forward reaches outside the model's own parameters and buffers (a "
+    (FAKE_DEVICE_MISMATCH, "a tensor the forward reaches outside the model's own parameters and buffers (a "
      "module or tensor kept in a global or a class attribute) or makes on a fixed device",
      "reach parameters and buffers through the model's attributes (`self.mlp(x)`), and make new tensors on an "
      "input's device (`torch.zeros(n, device=x.device)`)"),
@@ -487,8 +489,8 @@ _KNOWN_FIXES = (
 def _trace_error(model: nn.Module, err: BaseException) -> TraceError:
     message = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
     construct, fix = "a construct torch.export cannot capture", "see the torch message above; simplify that line"
-    for needle, what, how in _KNOWN_FIXES:
-        if needle in str(err):
+    for needles, what, how in _KNOWN_FIXES:
+        if any(needle in str(err) for needle in ((needles,) if isinstance(needles, str) else needles)):
             construct, fix = what, how
             break
     if any(isinstance(e, DynamicOutputShapeException) for e in _chain(err)):  # export cannot size its output (ctc_loss)
