@@ -100,7 +100,9 @@ def _sum(costs: Sequence[StageCost]) -> StageCost:
 def balanced_cuts(units: Sequence[StageCost], num_stages: int, pp: int, schedule: str, microbatches: int,
                   budget_bytes: float) -> tuple[int, ...] | None:
     """Unit indices where stages 1.. start: the slowest stage as fast as possible with every stage's memory (its
-    micro-batches in flight included) within the budget; None when no cut fits."""
+    micro-batches in flight included) within its share of the budget; None when no cut fits. With `virtual` stages a
+    pp rank, the rank's memory is its stages' sum: each stage is held to budget / virtual, which keeps every rank
+    within the budget (`_estimates` checks the rank's sum as priced)."""
     n = len(units)
     if num_stages > n:
         return None
@@ -108,6 +110,7 @@ def balanced_cuts(units: Sequence[StageCost], num_stages: int, pp: int, schedule
     for c in units:
         prefix.append(_sum([prefix[-1], c]))
     virtual = num_stages // pp
+    stage_budget = budget_bytes / virtual
 
     def span(i: int, j: int) -> tuple[float, float, float]:  # time, static and activation bytes of units [i, j)
         a, b = prefix[i], prefix[j]
@@ -124,7 +127,7 @@ def balanced_cuts(units: Sequence[StageCost], num_stages: int, pp: int, schedule
                 if best[s - 1][i] == inf:
                     continue
                 t, static, act = span(i, j)
-                if virtual == 1 and static + held * act > budget_bytes:
+                if static + held * act > stage_budget:
                     continue
                 cand = (max(best[s - 1][i][0], t), best[s - 1][i][1] + t)
                 if cand < best[s][j]:
@@ -309,7 +312,7 @@ def _estimates(config: Config, cache: SearchCache, topo: Topology, budget: float
         costs = [replace(c, receive_bytes=costs[i - 1].send_bytes if i else 0.0) for i, c in enumerate(costs)]
         links = topo.boundary_links(math.prod(config.stage_shape), num, config.pp)
         step, memory = price(costs, schedule, with_pp(mesh, config.pp, topo.inter), config.microbatches, links)
-        if max(memory) <= budget or config.virtual > 1:
+        if max(memory) <= budget:
             out.append(Estimate(config, schedule, step.step_s, starts))
     return out
 
