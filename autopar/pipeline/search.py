@@ -294,11 +294,31 @@ def _cuttable(cache: SearchCache, microbatches: int = 1) -> tuple[TracedGraph, i
 
 def _estimates(config: Config, cache: SearchCache, topo: Topology, budget: float,
                schedules: Sequence[str]) -> list[Estimate]:
+    """The configuration's estimate under each schedule whose balanced cut fits the budget. The units are solved
+    alone at the whole budget, where the ILP recomputes nothing; when no schedule fits so, they are estimated again
+    recomputed (`_recomputed`), as the exact round's lowered budgets make the stages' plans recompute."""
     mesh = topo.stage_mesh(config.stage_shape)
     try:
         units = cache.unit_costs(config.microbatches, mesh, budget)
     except InfeasibleError:
         return []
+    out = _fitting(config, units, topo, budget, schedules)
+    if not out:  # (zero bubble is solved without recompute: `_exact`)
+        out = _fitting(config, [_recomputed(u) for u in units], topo, budget,
+                       [s for s in schedules if s != "zero_bubble"])
+    return out
+
+
+def _recomputed(unit: StageCost) -> StageCost:
+    """A unit's price with its forward run again in backward, as activation checkpointing does: it keeps only the
+    activation it receives a micro-batch, and its forward, about a third of forward and backward (Narayanan et al.
+    2021, section 3.5: recomputation costs 33% more compute), runs twice."""
+    return replace(unit, micro_s=unit.micro_s * 4 / 3, activation_bytes=min(unit.activation_bytes, unit.receive_bytes))
+
+
+def _fitting(config: Config, units: Sequence[StageCost], topo: Topology, budget: float,
+             schedules: Sequence[str]) -> list[Estimate]:
+    mesh = topo.stage_mesh(config.stage_shape)
     num = config.pp * config.virtual
     out = []
     for schedule in schedules:

@@ -7,13 +7,14 @@ holds a micro-batch's activations until its backward), built for stand-in stages
 """
 from __future__ import annotations
 
+import math
 from types import SimpleNamespace
 
 import pytest
 from torch.distributed.pipelining import ScheduleInterleaved1F1B, ScheduleInterleavedZeroBubble
 
 from autopar.pipeline.cost import StageCost, bubble_fraction, in_flight, price, send_s
-from autopar.pipeline.search import balanced_cuts
+from autopar.pipeline.search import Config, Topology, _estimates, balanced_cuts
 from autopar.solver.mesh import Mesh, MeshAxis
 
 
@@ -83,3 +84,20 @@ def test_two_stages_a_rank_are_cut_within_the_budget_their_micro_batches_in_flig
     # and 2 micro-batches of 2 units' activations, 2 * 10 + 2 * 2 = 24
     assert balanced_cuts(units, 2, 2, "1f1b", 4, budget_bytes=24.0) == (2,)
     assert balanced_cuts(units, 2, 2, "1f1b", 4, budget_bytes=23.0) is None
+
+
+def test_units_that_fit_only_recomputed_are_estimated_recomputed():
+    # 4 equal layers on pp=2 ranks, 1F1B, 4 micro-batches, a link of no cost: a layer keeps 8 bytes a micro-batch,
+    # recomputed only the 1 byte it receives. Rank 0 (2 layers, 2 micro-batches in flight) needs 20 + 2 * 16 bytes
+    # as solved, 20 + 2 * 2 recomputed, beside torch's receive buffers (4 micro-batches of 1 byte sent)
+    layer = StageCost(micro_s=1.0, sync_s=0.0, update_s=0.0, static_bytes=10.0, activation_bytes=8.0, send_bytes=1.0,
+                      receive_bytes=1.0)
+    cache = SimpleNamespace(unit_costs=lambda microbatches, mesh, budget: [layer] * 4)
+    free = MeshAxis("link", 1, 0.0, math.inf)
+    topology = Topology(free, free, 8, Mesh((free,), 1e12, 1e12, 80e9))
+    config = Config(2, (1,), 4)
+    [solved] = _estimates(config, cache, topology, 60.0, ("1f1b",))
+    assert (solved.starts, solved.step_s) == ((2,), (4 - 1) * 2.0 + 2 * 2.0)  # 2 layers of 1 s a stage
+    [recomputed] = _estimates(config, cache, topology, 40.0, ("1f1b",))
+    assert (recomputed.starts, recomputed.step_s) == ((2,), pytest.approx(5 * 2 * 4 / 3))  # forward run twice: 4/3
+    assert _estimates(config, cache, topology, 27.0, ("1f1b",)) == []  # 20 + 2 * 2 + 4 receive buffers = 28
