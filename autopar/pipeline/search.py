@@ -357,8 +357,13 @@ def _exact(e: Estimate, cache: SearchCache, topo: Topology, budget: float) -> Pi
         over = [memory[i % config.pp] - budget for i in range(len(stages))]
         if max(over) <= 0:
             break
-        # from what each plan holds (a plan well under its budget would come back unchanged for a budget cut by less)
-        budgets = [min(b, p.memory.total_bytes) - max(o, 0.0) / config.virtual for b, p, o in zip(budgets, plans, over)]
+        # from what each plan holds (a plan well under its budget would come back unchanged for a budget cut by less);
+        # a plan is made for one micro-batch and its rank holds `held` of them, so a byte of activations the lower
+        # budget makes it recompute is `held` bytes off the rank: the excess is shared by its stages and divided so
+        held = [max(in_flight(e.schedule, config.pp, config.virtual, config.microbatches, i % config.pp), 1.0)
+                for i in range(len(stages))]
+        budgets = [min(b, p.memory.total_bytes) - max(o, 0.0) / (config.virtual * h)
+                   for b, p, o, h in zip(budgets, plans, over, held)]
         if min(budgets) <= 0:
             raise ValueError("the micro-batches in flight alone exceed the budget")
     else:
