@@ -2,6 +2,7 @@
 
     from autopar.compat import all_gather_single
     check_torch()   # AutoparError on a torch outside SUPPORTED_TORCH, naming the release and the range
+    check_triton(triton.__version__)   # the same for Triton and SUPPORTED_TRITON
 
 Every name below says which release it concerns. Code elsewhere imports the name from here and never
 asks for torch's version itself, so that dropping a release is deleting its lines in this file.
@@ -17,8 +18,10 @@ import torch.distributed as dist
 
 from autopar.errors import AutoparError
 
-# (major, minor) of the oldest and newest torch releases the suite is run on; pyproject.toml declares the same
+# (major, minor) of the oldest and newest torch and Triton releases the suite is run on (the newest in CI, the oldest
+# by benchmarks/compat.sh); pyproject.toml declares the same
 SUPPORTED_TORCH = ((2, 11), (2, 13))
+SUPPORTED_TRITON = ((3, 6), (3, 9))
 
 
 def release(version: str) -> tuple[int, int]:
@@ -39,11 +42,29 @@ ZERO_BUBBLE_EXACT = TORCH_RELEASE >= (2, 13)
 
 def check_torch(version: str = torch.__version__) -> None:
     """Raise, naming the release and the supported range, when `version` is outside `SUPPORTED_TORCH`."""
-    low, high = SUPPORTED_TORCH
+    _check_release("torch", version, SUPPORTED_TORCH)
+
+
+def check_triton(version: str) -> None:
+    """Raise, naming the release and the supported range, when Triton's `version` is outside `SUPPORTED_TRITON`."""
+    _check_release("triton", version, SUPPORTED_TRITON)
+
+
+def _check_release(package: str, version: str, supported: tuple[tuple[int, int], tuple[int, int]]) -> None:
+    low, high = supported
     if not low <= release(version) <= high:
-        raise AutoparError(f"torch {version} is outside the releases autopar supports, {low[0]}.{low[1]} through "
-                           f"{high[0]}.{high[1]}: install one of those (pip install 'torch>={low[0]}.{low[1]},"
+        raise AutoparError(f"{package} {version} is outside the releases autopar supports, {low[0]}.{low[1]} through "
+                           f"{high[0]}.{high[1]}: install one of those (pip install '{package}>={low[0]}.{low[1]},"
                            f"<{high[0]}.{high[1] + 1}')")
+
+
+# The words of fake tensor's refusal of an op on tensors of two devices (a real tensor the traced forward reaches past
+# the model's copy), which the tracer turns into its own error: torch 2.11 raises a RuntimeError "Unhandled
+# FakeTensor Device Propagation for aten.mm.default, found two different devices meta, cpu"; torch 2.13 a
+# FakeTensorDeviceMismatchError "Expected all tensors to be on the same device, but found at least two devices,
+# meta and cpu!".
+FAKE_DEVICE_MISMATCH = ("found two different devices",  # torch 2.11
+                        "found at least two devices")  # torch 2.13
 
 
 # torch 2.13 renamed the single-tensor collectives (`all_gather_into_tensor` -> `all_gather_single`,

@@ -18,13 +18,13 @@ if [ ! -x "$PY" ]; then
         networkx pulp highspy sympy numpy rich pytest pytest-timeout pytest-xdist hypothesis
 fi
 "$PY" -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__)"
-# tracing the zoo; the numeric strategy checks; random-plan equivalence on 2 ranks; the CLI; the kernels under
+# tracing the zoo; the strategies DTensor's rules give and their numeric checks; random-plan equivalence on 2 ranks; the CLI; the kernels under
 # Triton's interpreter; what differs between the releases (autopar.compat's users); torch.distributed.pipelining's
 # stages and schedules; mixed precision, host offload and atomic checkpoints (DCP). pytest-timeout is left out:
 # its per-test limits are sized for CI on torch 2.13, and every multi-rank test carries its own timeout.
 PYTHONPATH="$PWD" TRITON_INTERPRET=1 "$PY" -m pytest -p no:cacheprovider -p no:timeout -q -n 2 \
     tests/tracer tests/test_zoo_eager.py \
-    tests/solver/test_strategies_numeric.py \
+    tests/solver/test_strategies.py tests/solver/test_strategies_numeric.py \
     "tests/test_equivalence.py::test_random_plans_match_single_device[2]" \
     tests/cli \
     tests/kernels --deselect tests/kernels/test_compile_kernels.py \

@@ -8,9 +8,10 @@ Every stage runs in a subprocess of its own with its own timeout, so a stage tha
 line with "ok": false and its error, and the next stage runs. The parent never touches CUDA: each stage's
 process is fresh, so `run_ranks` may fork there. Stages:
 
-  versions       Python, torch, Triton, transformers, the device; fails fast on a torch outside
-                 `autopar.compat.SUPPORTED_TORCH`. On a GPU, `pip install --no-deps -e .` (the image's packages
-                 stand in for the pins; the stages import the repository directly if that fails).
+  versions       Python, torch, Triton, transformers, the device; fails fast on a torch or Triton outside
+                 `autopar.compat.SUPPORTED_TORCH` / `SUPPORTED_TRITON`, naming this machine's versions. On a
+                 GPU, `pip install --no-deps -e .` (the image's packages stand in for the pins; the stages
+                 import the repository directly if that fails).
   kernels        every Triton kernel against its torch fallback, bit for bit (compiled on CUDA; the
                  interpreter on CPU).
   world_of_one   a world of one rank (NCCL on a GPU): every collective autopar issues, GradSync, and
@@ -74,7 +75,8 @@ def stage_versions(cpu: bool) -> dict:
     import platform
 
     import torch
-    from autopar.compat import check_torch
+    from autopar.compat import check_torch, check_triton
+    from autopar.errors import AutoparError
 
     out: dict[str, Any] = {"python": platform.python_version(), "torch": torch.__version__}
     for name in ("triton", "transformers"):
@@ -91,7 +93,12 @@ def stage_versions(cpu: bool) -> dict:
         pip = subprocess.run([sys.executable, "-m", "pip", "install", "--no-deps", "--no-build-isolation", "-e", str(ROOT)],
                              capture_output=True, text=True, timeout=30)
         out["pip_install"] = "ok" if pip.returncode == 0 else pip.stderr.strip().splitlines()[-1:]
-    check_torch()
+    try:  # first thing after the versions are known: the other stages would only fail on an unsupported release
+        check_torch()
+        if out["triton"] is not None:  # (without Triton the kernels stage says so)
+            check_triton(out["triton"])
+    except AutoparError as err:
+        raise AutoparError(f"{err}. This machine: {json.dumps(out)}") from None
     return out
 
 

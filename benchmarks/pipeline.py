@@ -8,24 +8,30 @@ The hardware is `h100-ib`: nodes of 8 H100s on NVLink (450 GB/s), InfiniBand NDR
 - "no pp": the solver's plan on the (nodes, 8) mesh, the node axis over InfiniBand and the inner
   axis on NVLink (data, tensor, sequence parallelism, ZeRO and recompute chosen by the ILP);
 - "pp": the pipeline search's plan (`autopar.pipeline.search.solve_pipeline`) for each pp degree
-  in --pp (stages, cuts, micro-batches, schedule and each stage's plan), the fastest kept.
-Both are predictions (no GPU runs here). The traces are on the meta device and cached per
-micro-batch count, so a degree costs its ILP solves and the traces it adds.
+  in `PP` (stages, cuts, micro-batches, schedule and each stage's plan), the fastest kept.
+Both are predictions (no GPU runs here). One `SearchCache` a model holds its traces (on the meta
+device, one per micro-batch size), profiles and plans (one per structure and stage mesh) across pp
+degrees and device counts; a row's CPU seconds are what it added to the cache.
 Prints a table and one JSON line with the torch version and git SHA.
+
+    python benchmarks/pipeline.py --megatron    # the cost model against Megatron-LM's Table 1 (pipeline_megatron.py)
+    python benchmarks/pipeline.py --gloo        # pp=2 x dp=2 measured on 4 gloo ranks (pipeline_gloo.py)
 """
 from __future__ import annotations
 
 import argparse
-import functools
 import json
 import logging
 import time
 
+import pipeline_gloo
+import pipeline_megatron
 from _common import load_example, provenance_line
 from autopar.api import trace_copy
 from autopar.errors import AutoparError
 from autopar.pipeline.api import microbatch_sample
 from autopar.pipeline.choose import describe
+from autopar.pipeline.cache import SearchCache
 from autopar.pipeline.search import solve_pipeline
 from autopar.profiler import profile
 from autopar.solver import solve
@@ -40,68 +46,87 @@ MODELS = {
     "llama2-70b": ("llama", "70b", 4096, 1024),
 }
 DEVICES = (64, 512, 1024)
-# pp degrees tried per device count: the solver's search per degree (each degree's traces and solves cost minutes
-# on 2 cores at these sizes; `solve_pipeline(pp=None)` tries every divisor)
+# pp degrees tried per device count (`solve_pipeline(pp=None)` tries every divisor: at these sizes each degree adds
+# traces and solves of minutes on 2 cores)
 PP = {64: (4, 8), 512: (8, 16), 1024: (8, 16)}
 
 
-def run(name: str, devices: int, time_limit_s: float, degrees: tuple[int, ...]) -> dict:
+def run(name: str, devices: tuple[int, ...], time_limit_s: float) -> list[dict]:
+    """One model's rows: one trace per micro-batch size and one profile and plan per structure and stage mesh,
+    reused for every pp degree and device count (`SearchCache`)."""
     example, size, seq, batch = MODELS[name]
     model, sample = load_example(example).build(batch, seq, size=size, device="meta")
     began = time.process_time()
-
-    @functools.lru_cache(maxsize=None)
-    def trace_at(m: int):
-        return trace_copy(model, microbatch_sample(sample, m), "meta")
-
-    row: dict = {"model": name, "devices": devices, "batch": batch, "seq": seq}
-    whole = trace_at(1)
-    mesh = make_mesh(devices, (devices // GPUS_PER_NODE, GPUS_PER_NODE), HARDWARE)
-    try:
-        flat = solve(whole, profile(whole), mesh, time_limit_s=time_limit_s)
-        row.update(flat_s=flat.time.total_s, flat_mem_gib=flat.memory.total_bytes / 2**30)
-    except AutoparError as err:
-        row.update(flat_s=None, flat_error=str(err).splitlines()[0])
-    best = None
-    for pp in degrees:
+    cache = SearchCache(lambda m: trace_copy(model, microbatch_sample(sample, m), "meta"), time_limit_s=time_limit_s)
+    whole = cache.traced(1)
+    whole_profile = profile(whole)
+    rows = []
+    for n in devices:
+        row: dict = {"model": name, "devices": n, "batch": batch, "seq": seq}
+        shape = (n // GPUS_PER_NODE, GPUS_PER_NODE)
         try:
-            plan = solve_pipeline(trace_at, batch, devices, HARDWARE, time_limit_s=time_limit_s,
-                                  gpus_per_node=GPUS_PER_NODE, candidates=2, pp=pp)
+            flat = solve(whole, whole_profile, make_mesh(n, shape, HARDWARE), time_limit_s=time_limit_s)
+            row.update(flat_s=flat.time.total_s, flat_mesh="x".join(map(str, shape)),
+                       flat_mem_gib=flat.memory.total_bytes / 2**30)
         except AutoparError as err:
-            logging.info("%s on %d, pp=%d: %s", name, devices, pp, err)
-            continue
-        if best is None or plan.time.step_s < best.time.step_s:
-            best = plan
-    if best is not None:
-        row.update(pp_s=best.time.step_s, pp_layout=describe(best), bubble=best.time.bubble_fraction,
-                   pp_mem_gib=max(best.memory_bytes) / 2**30)
-    row["cpu_s"] = time.process_time() - began
-    return row
+            row.update(flat_s=None, flat_error=str(err).splitlines()[0])
+        best = None
+        for pp in PP.get(n, (4, 8)):
+            try:
+                plan = solve_pipeline(cache, batch, n, HARDWARE, time_limit_s=time_limit_s, gpus_per_node=GPUS_PER_NODE,
+                                      candidates=2, pp=pp)
+            except AutoparError as err:
+                logging.info("%s on %d, pp=%d: %s", name, n, pp, err)
+                continue
+            if best is None or plan.time.step_s < best.time.step_s:
+                best = plan
+        if best is not None:
+            row.update(pp_s=best.time.step_s, pp=best.pp, schedule=best.schedule, microbatches=best.microbatches,
+                       pp_layout=describe(best), bubble=best.time.bubble_fraction, pp_mem_gib=max(best.memory_bytes) / 2**30)
+        row.update(cpu_s=time.process_time() - began, traces=cache.traces, solves=cache.solver.solves)
+        began = time.process_time()
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+    return rows
 
 
 def _s(x: float | None) -> str:
     return "-" if x is None else f"{x:.3f}"
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--only", choices=sorted(MODELS), action="append", help="run only these models")
-    parser.add_argument("--devices", type=int, action="append", help="run only these device counts")
-    parser.add_argument("--time-limit", type=float, default=20.0, help="seconds per ILP solve")
-    args = parser.parse_args()
-    rows = []
-    for name in args.only or list(MODELS):
-        for n in args.devices or DEVICES:
-            rows.append(run(name, n, args.time_limit, PP.get(n, (4, 8))))
-            r = rows[-1]
-            print(json.dumps(r), flush=True)
-    print(f"{'model':11} {'GPUs':>5} {'no pp s':>8} {'mem GiB':>7} {'pp s':>8} {'mem GiB':>7} {'no pp/pp':>8} "
-          f"{'bubble':>6}  pipeline")
+def print_table(rows: list[dict]) -> None:
+    print(f"{'model':10} {'GPUs':>5} {'no pp s':>8} {'mesh':>6} {'pp':>3} {'schedule':>16} {'m':>4} {'bubble':>6} "
+          f"{'pp s':>8} {'no pp/pp':>8} {'CPU s':>6}  pipeline")
     for r in rows:
         ratio = r["flat_s"] / r["pp_s"] if r.get("flat_s") and r.get("pp_s") else None
-        print(f"{r['model']:11} {r['devices']:5d} {_s(r.get('flat_s')):>8} {r.get('flat_mem_gib', 0):7.1f} "
-              f"{_s(r.get('pp_s')):>8} {r.get('pp_mem_gib', 0):7.1f} {_s(ratio):>8} {r.get('bubble', 0):6.1%}  "
+        print(f"{r['model']:10} {r['devices']:5d} {_s(r.get('flat_s')):>8} {r.get('flat_mesh', '-'):>6} "
+              f"{r.get('pp', '-'):>3} {r.get('schedule', '-'):>16} {r.get('microbatches', '-'):>4} "
+              f"{r.get('bubble', 0):6.1%} {_s(r.get('pp_s')):>8} {_s(ratio):>8} {r['cpu_s']:6.0f}  "
               f"{r.get('pp_layout', r.get('flat_error', ''))}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--only", action="append", help="run only these models (with --megatron: Table 1 rows, '145.6B')")
+    parser.add_argument("--devices", type=int, action="append", help="run only these device counts")
+    parser.add_argument("--time-limit", type=float, default=20.0, help="seconds per ILP solve")
+    parser.add_argument("--megatron", action="store_true", help="predict Megatron-LM's Table 1 configurations instead")
+    parser.add_argument("--gloo", action="store_true", help="measure pp=2 x dp=2 on 4 gloo ranks instead")
+    args = parser.parse_args()
+    if args.gloo:
+        pipeline_gloo.print_table(pipeline_gloo.measure())
+        print(provenance_line("pipeline_gloo", hardware="cpu", ranks=4))
+        return
+    if args.megatron:
+        rows = [pipeline_megatron.predict(r, args.time_limit) for r in pipeline_megatron.PIPELINED
+                if not args.only or r.name in args.only]
+        pipeline_megatron.print_table(rows)
+        print(provenance_line("pipeline_megatron", hardware="a100", gpus_per_node=pipeline_megatron.GPUS_PER_NODE))
+        return
+    rows = []
+    for name in args.only or list(MODELS):
+        rows += run(name, tuple(args.devices or DEVICES), args.time_limit)
+    print_table(rows)
     print(provenance_line("pipeline", hardware=HARDWARE, gpus_per_node=GPUS_PER_NODE))
 
 

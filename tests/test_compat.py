@@ -1,4 +1,4 @@
-"""The supported torch releases: the range check the GPU check starts with, and the import-time settling of
+"""The supported torch and Triton releases: the range checks the GPU check starts with, and the import-time settling of
 autograd's engine (on torch 2.11 and 2.12 ranks forked after the profiler's probes could not run backward)."""
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 from autopar.api import capture_copy, training_precision
-from autopar.compat import SUPPORTED_TORCH, check_torch, release
+from autopar.compat import SUPPORTED_TORCH, SUPPORTED_TRITON, check_torch, check_triton, release
 from autopar.errors import AutoparError
 from autopar.profiler import profile
 from autopar.runtime.launch import run_ranks
@@ -22,6 +22,12 @@ def test_the_supported_range():
     for version in ("2.10.0", "2.14.0", "3.0.0"):
         with pytest.raises(AutoparError, match=rf"torch {version} is outside .* 2\.11 through 2\.13: install"):
             check_torch(version)
+    assert SUPPORTED_TRITON == ((3, 6), (3, 9))
+    for version in ("3.6.0", "3.9.1"):
+        check_triton(version)
+    for version in ("3.5.1", "3.10.0"):
+        with pytest.raises(AutoparError, match=rf"triton {version} is outside .* 3\.6 through 3\.9: install"):
+            check_triton(version)
 
 
 def _backward(rank: int, world_size: int) -> float:

@@ -26,10 +26,11 @@ from autopar.solver.strategies import enumerate_strategies
 
 pytestmark = pytest.mark.xdist_group("zoo")  # one worker: the zoo's traces and references are made once (`zoo_case`)
 
-# plans per model for each mesh: 8 models * (2 + 2 + 2) = 48 random plans, and 8 * 2 = 16 more under bf16 mixed
+# plans per model for each mesh: 8 models * (2 + 1 + 2) = 40 random plans, and 8 * 2 = 16 more under bf16 mixed
 # precision (on (2,) and 2x2), what fits the suite's 10 minutes on 2 cores, where a gloo all-reduce among 4 ranks takes 5 ms; the
 # tests of single features add random plans of their own
-PLANS = {(2,): 2, (4,): 2, (2, 2): 2}
+PLANS = {(2,): 2, (4,): 1, (2, 2): 2}  # (4,) adds ranks to (2,)'s kinds of plans: one each
+SEEDS = {(2,): 12, (4,): 50, (2, 2): 22}  # draws in which most plans recompute and ZeRO-shard (asserted below)
 MIXED_PLANS = 1  # per model and mesh, one step each under bf16 mixed precision
 THREE_STEP_PLANS = 1  # the first plan of each model and mesh trains 3 steps, the rest 1
 
@@ -52,7 +53,7 @@ def _cases(mesh_shape: tuple[int, ...], per_model: int, seed: int) -> list[tuple
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("mesh_shape", list(PLANS), ids=lambda s: "x".join(map(str, s)))
 def test_random_plans_match_single_device(mesh_shape):
-    cases = _cases(mesh_shape, PLANS[mesh_shape], seed=len(mesh_shape) * 10 + mesh_shape[0])
+    cases = _cases(mesh_shape, PLANS[mesh_shape], SEEDS[mesh_shape])
     # the plans really exercise ZeRO, recompute and sharding (not only replicated runs)
     assert sum(any(p.zero for p in c[4].params) for c in cases) > len(cases) // 2
     assert sum(bool(c[4].recomputed()) for c in cases) > len(cases) // 2

@@ -16,12 +16,15 @@ of stages, the stage mesh and the micro-batch count, whose inner call is the int
    budget less what its other micro-batches in flight hold, again until it fits. Stages of the same
    structure (the middle stages of a transformer) are solved once and the plan renamed onto each.
 
+A `SearchCache` (`pipeline.cache`) holds the traces, units, profiles and plans: passed to several searches
+(pp degrees, device counts) it makes each only once per micro-batch size, structure and stage mesh.
+`price_config` prices one configuration given by hand (pp, stage mesh, micro-batches, schedule) the same way.
+
 Where the mesh spans nodes (`Topology`), tensor-parallel and data-parallel axes stay inside a node
 as long as the stage does, and a boundary between stages on different nodes sends over the slower link.
 """
 from __future__ import annotations
 
-import hashlib
 import logging
 import math
 import time
@@ -29,15 +32,12 @@ from dataclasses import dataclass, replace
 from typing import Callable, Sequence
 
 from autopar.errors import AutoparError, InfeasibleError
+from autopar.pipeline.cache import SearchCache, unit_bounds
 from autopar.pipeline.cost import StageCost, in_flight, price, stage_cost
-from autopar.pipeline.cut import CutError, Layers, StageGraph, cut, find_layers
+from autopar.pipeline.cut import CutError, StageGraph, cut
 from autopar.pipeline.loss import LossError, split_loss
 from autopar.pipeline.plan import SCHEDULES, PipelinePlan, StagePlan, schedule_problem, with_pp
-from autopar.profiler import profile
-from autopar.solver import solve
 from autopar.solver.mesh import PRESETS, Mesh, MeshAxis, default_axis_names
-from autopar.solver.plan import NodeDecision, ParamDecision, Plan
-from autopar.solver.plan_io import with_fingerprint
 from autopar.tracer import TracedGraph
 
 log = logging.getLogger(__name__)
@@ -90,94 +90,7 @@ class Config:
     virtual: int = 1
 
 
-# ---------------------------------------------------------------- structure: solve once, rename onto each copy
-def structure_key(traced: TracedGraph) -> str:
-    """The graph up to its names: ops, shapes and wiring (node references by position), how its inputs are fed."""
-    index: dict[str, int] = {}
-    h = hashlib.sha256()
-    for i, node in enumerate(traced.graph.nodes):
-        index[node.name] = i
-        val = node.meta.get("val")
-        shape = (tuple(val.shape), str(val.dtype)) if hasattr(val, "shape") else type(val).__name__
-        args = _positional(node.args, index), _positional(node.kwargs, index)
-        h.update(repr((node.op, str(node.target), shape, args, node.name in traced.param_fqns)).encode())
-    h.update(repr((traced.input_batch_dims, traced.loss_index, len(traced.output_names))).encode())
-    return h.hexdigest()
-
-
-def _positional(value, index: dict[str, int]):
-    if hasattr(value, "name") and value.name in index:
-        return ("node", index[value.name])
-    if isinstance(value, (list, tuple)):
-        return tuple(_positional(v, index) for v in value)
-    if isinstance(value, dict):
-        return tuple(sorted((k, _positional(v, index)) for k, v in value.items()))
-    return repr(value)
-
-
-def rename_plan(plan: Plan, source: TracedGraph, target: TracedGraph) -> Plan:
-    """`plan`, made for `source`, for `target` of the same structure (`structure_key`): node i of one is node i of
-    the other, and each parameter the one its placeholder stands for."""
-    names = dict(zip((n.name for n in source.graph.nodes), (n.name for n in target.graph.nodes)))
-    nodes = tuple(replace(d, node=names[d.node]) for d in plan.nodes)
-    params = tuple(ParamDecision(target.param_fqns[names[p.node]], names[p.node], p.use, p.storage, p.layout)
-                   for p in plan.params)
-    return with_fingerprint(replace(plan, nodes=nodes, params=params), target, plan.mesh, plan.fingerprint.budget_bytes)
-
-
-class StageSolver:
-    """`solve` on stage graphs, once per structure, mesh shape and budget."""
-
-    def __init__(self, optimizer: str, time_limit_s: float):
-        self.optimizer, self.time_limit_s = optimizer, time_limit_s
-        self._plans: dict[tuple, tuple[Plan, TracedGraph] | InfeasibleError] = {}
-        self.solves = 0
-
-    def __call__(self, traced: TracedGraph, mesh: Mesh, budget_bytes: float) -> Plan:
-        key = (structure_key(traced), mesh.shape, round(budget_bytes / 2**20))
-        if key not in self._plans:
-            self.solves += 1
-            try:
-                plan = solve(traced, profile(traced, optimizer=self.optimizer), mesh, memory_budget_bytes=budget_bytes,
-                             time_limit_s=self.time_limit_s)
-                self._plans[key] = (plan, traced)
-            except InfeasibleError as err:
-                self._plans[key] = err
-        found = self._plans[key]
-        if isinstance(found, InfeasibleError):
-            raise found
-        plan, source = found
-        return plan if source is traced else rename_plan(plan, source, traced)
-
-
 # ---------------------------------------------------------------- round 1: estimates from units
-def unit_bounds(layers: Layers) -> list[int]:
-    """The op positions where units start, and the end: units are the spans between consecutive cut points."""
-    return [0, *layers.cut_points(), layers.num_ops]
-
-
-def _unit_stage(traced: TracedGraph, layers: Layers, bounds: list[int], u: int) -> StageGraph:
-    """Unit u as a stage of its own: the graph cut at its start and end."""
-    starts = tuple(p for p in (bounds[u], bounds[u + 1]) if 0 < p < layers.num_ops)
-    stages = cut(traced, starts, layers)
-    return stages[0] if u == 0 else stages[1]
-
-
-def unit_costs(traced: TracedGraph, layers: Layers, mesh: Mesh, budget_bytes: float, solver: StageSolver) -> list[StageCost]:
-    """Each unit's price alone on `mesh` (its sends those of its own boundary)."""
-    bounds = unit_bounds(layers)
-    out = []
-    for u in range(len(bounds) - 1):
-        stage = _unit_stage(traced, layers, bounds, u)
-        out.append(stage_cost(solver(stage.traced, mesh, budget_bytes), stage, None))
-        if stage.sent:  # (the last unit sends nothing)
-            n = mesh.num_devices
-            sent = sum(stage.traced.node(v).meta["val"].numel() * stage.traced.node(v).meta["val"].element_size()
-                       for v in stage.sent)
-            out[-1] = replace(out[-1], send_bytes=sent / n)
-    return out
-
-
 def _sum(costs: Sequence[StageCost]) -> StageCost:
     return StageCost(*(sum(getattr(c, f) for c in costs) for f in ("micro_s", "sync_s", "update_s", "static_bytes",
                                                                    "activation_bytes")),
@@ -254,7 +167,7 @@ def configs(num_devices: int, global_batch: int, num_units: int, gpus_per_node: 
 
 
 def solve_pipeline(
-    trace_at: Callable[[int], TracedGraph],
+    trace_at: Callable[[int], TracedGraph] | SearchCache,
     global_batch: int,
     num_devices: int,
     hardware: str | Mesh = "h100",
@@ -268,55 +181,42 @@ def solve_pipeline(
     pp: int | None = None,
 ) -> PipelinePlan:
     """The fastest pipeline plan found for the model `trace_at(m)` traces at micro-batches of global_batch / m rows
-    (`pp`: only pipelines of that many pp ranks; default: every degree that divides num_devices).
+    (`pp`: only pipelines of that many pp ranks; default: every degree that divides num_devices). `trace_at` may be
+    a `SearchCache` built on it, to reuse traces, profiles and plans across searches.
 
     Raises `PipelineSearchError` with the reason when the model cannot be cut or no configuration fits."""
     if pp is not None and (pp < 2 or num_devices % pp):
         raise PipelineSearchError(f"pp={pp} does not split {num_devices} devices into stages: give a divisor of "
                                   f"{num_devices} of at least 2, or 'auto'")
+    cache = _cache(trace_at, optimizer, time_limit_s)
     topo = topology or Topology.of(hardware, gpus_per_node)
     budget = topo.base.memory_bytes if memory_budget_bytes is None else float(memory_budget_bytes)
-    solver = StageSolver(optimizer, time_limit_s)
-    traces: dict[int, TracedGraph] = {}
-
-    def traced_at(m: int) -> TracedGraph:
-        if m not in traces:
-            traces[m] = trace_at(m)
-        return traces[m]
-
-    first = traced_at(1)
-    layers = find_layers(first)
-    try:
-        if layers.reason:
-            raise CutError(layers.reason)
-        split_loss(first)
-    except (CutError, LossError) as err:
-        raise PipelineSearchError(f"{first.model_name or 'the model'} gets no pipeline: {err}") from None
-    num_units = len(unit_bounds(layers)) - 1
+    first, num_units = _cuttable(cache)
     if pp is not None and pp > num_units:
         raise PipelineSearchError(f"{first.model_name} has {num_units} parts between its cut points, too few for pp={pp}: "
                                   f"give pp <= {num_units}, or 'auto'")
     began = time.perf_counter()
     estimates: list[Estimate] = []
     for config in configs(num_devices, global_batch, num_units, gpus_per_node, pp):
-        if layers.batch_statistics and config.microbatches > 1:
+        if cache.layers(1).batch_statistics and config.microbatches > 1:
             continue
-        estimates += _estimates(config, traced_at(config.microbatches), topo, budget, solver, schedules)
+        estimates += _estimates(config, cache, topo, budget, schedules)
     estimates.sort(key=lambda e: e.step_s)
     log.info("pipeline: %d configurations estimated in %.1f s (%d solves)", len(estimates), time.perf_counter() - began,
-             solver.solves)
+             cache.solver.solves)
     best: PipelinePlan | None = None
-    tried = set()
-    for e in estimates:
+    tried, fitted = set(), 0
+    for e in estimates:  # the best `candidates` that fit (an estimate's memory is rough: some do not)
         key = (e.config, e.schedule)
-        if len(tried) >= candidates or key in tried:
+        if fitted >= candidates or len(tried) >= 4 * candidates or key in tried:
             continue
         tried.add(key)
         try:
-            plan = _exact(e, traced_at(e.config.microbatches), topo, budget, solver)
+            plan = _exact(e, cache, topo, budget)
         except (InfeasibleError, ValueError) as err:
             log.info("pipeline: %s %s does not fit: %s", e.config, e.schedule, err)
             continue
+        fitted += 1
         if best is None or plan.time.step_s < best.time.step_s:
             best = plan
     if best is None:
@@ -325,12 +225,75 @@ def solve_pipeline(
     return best
 
 
-def _estimates(config: Config, traced: TracedGraph, topo: Topology, budget: float, solver: StageSolver,
+def price_config(
+    trace_at: Callable[[int], TracedGraph] | SearchCache,
+    config: Config,
+    schedule: str,
+    hardware: str | Mesh = "h100",
+    memory_budget_bytes: float | None = None,
+    optimizer: str = "adamw",
+    time_limit_s: float = 30.0,
+    gpus_per_node: int = 8,
+    topology: Topology | None = None,
+    starts: Sequence[int] | None = None,
+) -> PipelinePlan:
+    """One configuration priced as the search prices it (`config`: pp ranks, stage mesh, micro-batch count, stages a
+    rank; `schedule`): cut where the search's balance puts the cuts, or before the units `starts` (unit indices,
+    ascending: 1 is the first layer), each stage solved on the stage mesh. For comparing with a configuration
+    chosen by hand (Megatron-LM's t, p, d).
+
+    Raises `PipelineSearchError` when the model cannot be cut or the configuration does not fit."""
+    cache = _cache(trace_at, optimizer, time_limit_s)
+    topo = topology or Topology.of(hardware, gpus_per_node)
+    budget = topo.base.memory_bytes if memory_budget_bytes is None else float(memory_budget_bytes)
+    first, num_units = _cuttable(cache, config.microbatches)
+    what = f"{first.model_name} as pp={config.pp} x {config.stage_shape}, {config.microbatches} micro-batches, {schedule}"
+    if schedule not in SCHEDULES or schedule_problem(schedule, config.pp, config.virtual, config.microbatches):
+        raise PipelineSearchError(f"{what}: {schedule_problem(schedule, config.pp, config.virtual, config.microbatches) or 'unknown schedule'}")
+    if starts is None:
+        found = _estimates(config, cache, topo, budget, (schedule,))
+        if not found:
+            raise PipelineSearchError(f"{what}: no cut fits {budget / 2**30:.1f} GiB per device")
+        estimate = found[0]
+    else:
+        if len(starts) + 1 != config.pp * config.virtual or list(starts) != sorted(set(starts)) or \
+                not 0 < min(starts, default=1) <= max(starts, default=1) < num_units:
+            raise PipelineSearchError(f"{what}: starts {list(starts)} must be {config.pp * config.virtual - 1} ascending "
+                                      f"unit indices in 1..{num_units - 1}")
+        estimate = Estimate(config, schedule, math.nan, tuple(starts))
+    try:
+        return _exact(estimate, cache, topo, budget)
+    except (InfeasibleError, ValueError) as err:
+        raise PipelineSearchError(f"{what} does not fit: {err}") from None
+
+
+def _cache(trace_at: Callable[[int], TracedGraph] | SearchCache, optimizer: str, time_limit_s: float) -> SearchCache:
+    if not isinstance(trace_at, SearchCache):
+        return SearchCache(trace_at, optimizer, time_limit_s)
+    if (trace_at.solver.optimizer, trace_at.solver.time_limit_s) != (optimizer, time_limit_s):
+        raise ValueError(f"the cache solves for {trace_at.solver.optimizer!r} within {trace_at.solver.time_limit_s} s, "
+                         f"not {optimizer!r} within {time_limit_s} s: build a SearchCache with these, or pass them")
+    return trace_at
+
+
+def _cuttable(cache: SearchCache, microbatches: int = 1) -> tuple[TracedGraph, int]:
+    """The trace at `microbatches` and its number of units; `PipelineSearchError` with the reason when it cannot be
+    cut."""
+    first, layers = cache.traced(microbatches), cache.layers(microbatches)
+    try:
+        if layers.reason:
+            raise CutError(layers.reason)
+        split_loss(first)
+    except (CutError, LossError) as err:
+        raise PipelineSearchError(f"{first.model_name or 'the model'} gets no pipeline: {err}") from None
+    return first, len(unit_bounds(layers)) - 1
+
+
+def _estimates(config: Config, cache: SearchCache, topo: Topology, budget: float,
                schedules: Sequence[str]) -> list[Estimate]:
-    layers = find_layers(traced)
     mesh = topo.stage_mesh(config.stage_shape)
     try:
-        units = unit_costs(traced, layers, mesh, budget, solver)
+        units = cache.unit_costs(config.microbatches, mesh, budget)
     except InfeasibleError:
         return []
     num = config.pp * config.virtual
@@ -351,10 +314,11 @@ def _estimates(config: Config, traced: TracedGraph, topo: Topology, budget: floa
     return out
 
 
-def _exact(e: Estimate, traced: TracedGraph, topo: Topology, budget: float, solver: StageSolver) -> PipelinePlan:
+def _exact(e: Estimate, cache: SearchCache, topo: Topology, budget: float) -> PipelinePlan:
     """The estimate's configuration solved stage by stage and priced; ValueError or InfeasibleError when it does
     not fit."""
-    config, layers = e.config, find_layers(traced)
+    config = e.config
+    traced, layers = cache.traced(config.microbatches), cache.layers(config.microbatches)
     bounds = unit_bounds(layers)
     stages = cut(traced, tuple(bounds[u] for u in e.starts), layers)
     mesh = topo.stage_mesh(config.stage_shape)
@@ -362,15 +326,16 @@ def _exact(e: Estimate, traced: TracedGraph, topo: Topology, budget: float, solv
     links = topo.boundary_links(mesh.num_devices, len(stages), config.pp)
     shared = _shared(stages)
     budgets = [budget] * len(stages)
-    for _ in range(3):  # until every rank's stages fit with their micro-batches in flight
-        plans = [solver(s.traced, mesh, b) for s, b in zip(stages, budgets)]
+    for _ in range(6):  # until every rank's stages fit with their micro-batches in flight
+        plans = [cache.solver(s.traced, mesh, b) for s, b in zip(stages, budgets)]
         costs = [stage_cost(p, s, stages[i + 1] if i + 1 < len(stages) else None, shared)
                  for i, (p, s) in enumerate(zip(plans, stages))]
         step, memory = price(costs, e.schedule, pmesh, config.microbatches, links)
         over = [memory[i % config.pp] - budget for i in range(len(stages))]
         if max(over) <= 0:
             break
-        budgets = [b - max(o, 0.0) / config.virtual for b, o in zip(budgets, over)]
+        # from what each plan holds (a plan well under its budget would come back unchanged for a budget cut by less)
+        budgets = [min(b, p.memory.total_bytes) - max(o, 0.0) / config.virtual for b, p, o in zip(budgets, plans, over)]
         if min(budgets) <= 0:
             raise ValueError("the micro-batches in flight alone exceed the budget")
     else:

@@ -34,16 +34,19 @@ class Candidate:
 
 def simplest_within(candidates: Sequence[Candidate], margin: float) -> tuple[Candidate, Candidate]:
     """(the one to choose, the fastest): the simplest candidate whose step is within `margin` of the fastest's,
-    leaving out a textbook plan that a faster textbook plan on a mesh of another number of axes outpaces. Within
-    one mesh the kind decides (data parallel before a plan that splits weights: the trap above); between two
-    textbook plans on different meshes the price does, as neither is the more tried one (Megatron TP over all 64
-    devices of a 1-D mesh is not a safer bet than the 1.3% faster TP 8 x DP 8), so the answer is never a textbook
-    plan slower than the fastest textbook plan of another mesh."""
+    leaving out a searched plan that any faster textbook plan outpaces (the search never answers with a plan slower
+    than a textbook plan that fits), and a textbook plan that a faster textbook plan on a mesh of another number of
+    axes outpaces. Within one mesh the kind decides (data parallel before a plan that splits weights: the trap
+    above); between two textbook plans on different meshes the price does, as neither is the more tried one
+    (Megatron TP over all 64 devices of a 1-D mesh is not a safer bet than the 1.3% faster TP 8 x DP 8), so the
+    answer is never a textbook plan slower than the fastest textbook plan of another mesh."""
     fastest = min(candidates, key=lambda c: (c.step_s, c.simplicity))
     close = [c for c in candidates if c.step_s <= fastest.step_s * (1 + margin)]
 
     def outpaced(c: Candidate) -> bool:
-        return c.name != "searched" and any(b.name != "searched" and b.simplicity[0] != c.simplicity[0]
-                                            and b.step_s < c.step_s for b in close)
+        books = [b for b in close if b.name != "searched" and b.step_s < c.step_s]
+        if c.name == "searched":  # a searched plan slower than a textbook plan is never the safer bet
+            return bool(books)
+        return any(b.simplicity[0] != c.simplicity[0] for b in books)
 
     return min((c for c in close if not outpaced(c)), key=lambda c: (c.simplicity, c.step_s)), fastest

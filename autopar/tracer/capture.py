@@ -30,6 +30,7 @@ from torch.export import Dim
 from torch.export.graph_signature import InputKind, OutputKind
 from torch.utils import _pytree as pytree
 
+from autopar.compat import FAKE_DEVICE_MISMATCH
 from autopar.errors import TraceError
 from autopar.gc_pause import gc_paused
 from autopar.tracer import custom_backward, data_sizes
@@ -39,11 +40,13 @@ from autopar.tracer.batch_dims import BatchDim, batch_dims
 from autopar.tracer.call_arguments import split_sample_input
 from autopar.tracer.checks import localize_checks
 from autopar.tracer.copies import copy_decomposition
+from autopar.tracer.exported import Exported
 from autopar.tracer.known_noise import known_noise_filtered
 from autopar.tracer.cse import eliminate_common_subexpressions
 from autopar.tracer.masked_writes import masks_as_where
 from autopar.tracer.no_grad import detach_no_grad_inputs, stops_visible_to_export
 from autopar.tracer.python_random import python_draws_reported
+from autopar.tracer.repeated_blocks import export_stamped, find_stack
 from autopar.tracer.restride import drop_identity_as_strided
 from autopar.tracer.source_lines import in_library, node_line
 from autopar.tracer.sparse_grads import densify_sparse_gradients
@@ -155,23 +158,24 @@ def trace(
             module.training = mode
     custom_backward.check(functions, type(model).__name__)
     _refuse_parameter_mutations(ep, type(model).__name__)
-    _drop_runtime_asserts(ep.graph_module)
-    canonicalize_attention(ep.graph_module)
-    drop_identity_as_strided(ep.graph_module)
-    densify_sparse_gradients(ep.graph_module)  # before the bags: a dense bag can be split
-    split_equal_bags(ep.graph_module)
-    localize_checks(ep.graph_module)
-    eliminate_common_subexpressions(ep.graph_module)  # first: `x[m] = f(x[m])` computes its mask twice
-    masks_as_where(ep.graph_module)
-    data_sizes.refuse_data_dependent_sizes(ep.graph_module, type(model).__name__)
+    _drop_runtime_asserts(ep.gm)
+    canonicalize_attention(ep.gm)
+    drop_identity_as_strided(ep.gm)
+    densify_sparse_gradients(ep.gm)  # before the bags: a dense bag can be split
+    split_equal_bags(ep.gm)
+    localize_checks(ep.gm)
+    eliminate_common_subexpressions(ep.gm)  # first: `x[m] = f(x[m])` computes its mask twice
+    masks_as_where(ep.gm)
+    data_sizes.refuse_data_dependent_sizes(ep.gm, type(model).__name__)
     traced = _from_exported(ep, args, kwargs, dynamic_dims or {}, _canonical_param_names(model))
     traced = replace(traced, batch_dim=batch_dim, input_batch_dims=dims, model_name=type(model).__name__)
     log.info("tracer: %d ops in %.2f s", traced.num_ops(), time.perf_counter() - start)
     return traced
 
 
-def _export(model: nn.Module, args: tuple, kwargs: dict, dynamic_dims: Mapping[str, int] | None) -> torch.export.ExportedProgram:
-    """torch.export's capture, decomposed to core ATen but for `_KEEP_WHOLE`."""
+def _export(model: nn.Module, args: tuple, kwargs: dict, dynamic_dims: Mapping[str, int] | None) -> Exported:
+    """torch.export's capture, decomposed to core ATen but for `_KEEP_WHOLE`: a deep stack of identical
+    blocks captured two blocks deep and copied (`repeated_blocks`), any other model whole."""
     dynamic_shapes = _dynamic_shapes(args, kwargs, dynamic_dims) if dynamic_dims else None
     with warnings.catch_warnings():
         # torch 2.13's own deep copies of pytree specs warn about its own deprecated LeafSpec:
@@ -182,12 +186,18 @@ def _export(model: nn.Module, args: tuple, kwargs: dict, dynamic_dims: Mapping[s
         # parameters themselves (the RNN models train like one device: `benchmarks/torch_models.py`)
         warnings.filterwarnings("ignore", message=r"The tensor attributes self\.\S*_flat_weights\[", category=UserWarning)
         name = type(model).__name__
-        with stops_visible_to_export(name), _distributions_unchecked(), _sync_batch_norm_as_batch_norm(), python_draws_reported(name):
-            ep = torch.export.export(model, args, kwargs, strict=False, dynamic_shapes=dynamic_shapes)
-        detach_no_grad_inputs(ep.graph_module)  # before the decompositions inline the blocks
-        decomps = {op: fn for op, fn in core_aten_decompositions().items() if op not in _KEEP_WHOLE}
-        decomps[torch.ops.aten.copy.default] = copy_decomposition  # torch has neither a derivative nor a decomposition
-        return ep.run_decompositions(decomps)
+
+        def export() -> torch.export.ExportedProgram:
+            with stops_visible_to_export(name), _distributions_unchecked(), _sync_batch_norm_as_batch_norm(), python_draws_reported(name):
+                ep = torch.export.export(model, args, kwargs, strict=False, dynamic_shapes=dynamic_shapes)
+            detach_no_grad_inputs(ep.graph_module)  # before the decompositions inline the blocks
+            decomps = {op: fn for op, fn in core_aten_decompositions().items() if op not in _KEEP_WHOLE}
+            decomps[torch.ops.aten.copy.default] = copy_decomposition  # torch has neither a derivative nor a decomposition
+            return ep.run_decompositions(decomps)
+
+        stack = find_stack(model)
+        stamped = export_stamped(model, stack, export) if stack is not None else None
+        return stamped if stamped is not None else Exported.of(export())
 
 
 @contextlib.contextmanager
@@ -250,19 +260,20 @@ _RUNTIME_ASSERTS = (torch.ops.aten._assert_tensor_metadata.default,)
 
 
 def _drop_runtime_asserts(gm: fx.GraphModule) -> None:
-    for node in list(gm.graph.nodes):
-        if node.op == "call_function" and node.target in _RUNTIME_ASSERTS and not node.users:
-            gm.graph.erase_node(node)
-    gm.recompile()
+    asserts = [n for n in gm.graph.nodes if n.op == "call_function" and n.target in _RUNTIME_ASSERTS and not n.users]
+    for node in asserts:
+        gm.graph.erase_node(node)
+    if asserts:  # the code of a graph of thousands of nodes takes a tenth of a second to write again
+        gm.recompile()
 
 
-def _refuse_parameter_mutations(ep: torch.export.ExportedProgram, model_name: str) -> None:
+def _refuse_parameter_mutations(ep: Exported, model_name: str) -> None:
     """A forward that changes a trained parameter in place (`nn.Embedding(max_norm=...)` renormalises the
     rows it looks up) cannot be parallelized: the optimizer owns its shards, and their gradients are of the
     values before the change. A frozen one (`requires_grad=False`: MoCo's momentum encoder, moved toward the
     query encoder in the forward) is written back like a buffer (`TracedGraph.param_mutations`)."""
-    outs = next(n for n in reversed(ep.graph_module.graph.nodes) if n.op == "output").args[0]
-    for spec, out in zip(ep.graph_signature.output_specs, outs):
+    outs = next(n for n in reversed(ep.gm.graph.nodes) if n.op == "output").args[0]
+    for spec, out in zip(ep.output_specs, outs):
         if spec.kind == OutputKind.PARAMETER_MUTATION and ep.state_dict[spec.target].requires_grad:
             raise TraceError(
                 f"cannot trace {model_name}: the forward changes parameter `{spec.target}` in place at "
@@ -301,19 +312,18 @@ def _canonical_param_names(model: nn.Module) -> dict[str, str]:
 
 
 def _from_exported(
-    ep: torch.export.ExportedProgram,
+    ep: Exported,
     args: tuple,
     kwargs: dict,
     dynamic_dims: Mapping[str, int],
     canonical: Mapping[str, str],
 ) -> TracedGraph:
-    sig = ep.graph_signature
-    gm = ep.graph_module
+    gm = ep.gm
     param_fqns, buffer_fqns, input_names, constants, nonpersistent = {}, {}, [], {}, set()
     kept: dict[str, fx.Node] = {}  # canonical FQN -> the one placeholder that stands for it
     tied: dict[str, list[str]] = {}
     placeholders = {n.name: n for n in gm.graph.nodes if n.op == "placeholder"}
-    for spec in sig.input_specs:
+    for spec in ep.input_specs:
         name = spec.arg.name
         if spec.kind == InputKind.PARAMETER:
             # Export gives a tied weight one placeholder per name; a plan must see one parameter.
@@ -341,7 +351,7 @@ def _from_exported(
     output_node = next(n for n in reversed(gm.graph.nodes) if n.op == "output")
     outs = output_node.args[0]
     output_names, buffer_mutations, input_mutations, param_mutations = [], {}, {}, {}
-    for spec, out in zip(sig.output_specs, outs):
+    for spec, out in zip(ep.output_specs, outs):
         if spec.kind == OutputKind.USER_OUTPUT:
             output_names.append(out.name if isinstance(out, fx.Node) else None)
         elif spec.kind == OutputKind.BUFFER_MUTATION:
@@ -363,7 +373,7 @@ def _from_exported(
         buffer_fqns=buffer_fqns,
         input_names=tuple(input_names),
         in_spec=in_spec,
-        out_spec=ep.call_spec.out_spec,
+        out_spec=ep.out_spec,
         output_names=tuple(output_names),
         loss_index=loss_index,
         buffer_mutations=buffer_mutations,
@@ -452,6 +462,7 @@ def _in_torch_function(err: BaseException, name: str) -> bool:
     return any(fs.name == name for e in _chain(err) for fs in traceback.extract_tb(e.__traceback__))
 
 
+# (words of torch's error, one string or several, any of which names it; the construct; its fix)
 _KNOWN_FIXES = (
     ("you need to register a pytree", "an output of a type torch cannot take apart",
      "return tensors, or tuples, lists, dicts and dataclasses of them; turn off what returns the object "
@@ -464,7 +475,7 @@ _KNOWN_FIXES = (
      "keep it a tensor and index with it, e.g. `queue.index_copy_(1, (ptr + torch.arange(n)) % size, keys.T)` "
      "and `ptr.add_(n).remainder_(size)`, so the graph computes it at every step"),
     # the copy the tracer runs is on meta or fake tensors; a real tensor it reaches past the copy is on another device
-    ("found at least two devices", "a tensor the forward reaches outside the model's own parameters and buffers (a "
+    (FAKE_DEVICE_MISMATCH, "a tensor the forward reaches outside the model's own parameters and buffers (a "
      "module or tensor kept in a global or a class attribute) or makes on a fixed device",
      "reach parameters and buffers through the model's attributes (`self.mlp(x)`), and make new tensors on an "
      "input's device (`torch.zeros(n, device=x.device)`)"),
@@ -478,8 +489,8 @@ _KNOWN_FIXES = (
 def _trace_error(model: nn.Module, err: BaseException) -> TraceError:
     message = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
     construct, fix = "a construct torch.export cannot capture", "see the torch message above; simplify that line"
-    for needle, what, how in _KNOWN_FIXES:
-        if needle in str(err):
+    for needles, what, how in _KNOWN_FIXES:
+        if any(needle in str(err) for needle in ((needles,) if isinstance(needles, str) else needles)):
             construct, fix = what, how
             break
     if any(isinstance(e, DynamicOutputShapeException) for e in _chain(err)):  # export cannot size its output (ctc_loss)

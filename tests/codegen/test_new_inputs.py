@@ -50,7 +50,7 @@ def _train_steps(rank, world, mesh_shape, model, sample, traced, plans, ref, sam
 @pytest.mark.timeout(240)
 def test_other_shapes_train_like_one_device():
     """Batch 8 x 16 traced; steps at 4 x 16 (a smaller last batch), 8 x 8 (shorter sequences) and 8 x 16
-    again (the first graph, kept), under a data-parallel plan and random 2x2 plans (sequence and tensor
+    again (the first graph, kept), under a data-parallel plan and a random 2x2 plan (sequence and tensor
     splits, ZeRO, recompute): loss, gradients and AdamW-updated parameters match one device at every step."""
     model, sample = _gpt2(8, 16)
     samples = [_same_weights_batch(4, 16, 1), _same_weights_batch(8, 8, 2), _same_weights_batch(8, 16, 3)]
@@ -59,7 +59,7 @@ def test_other_shapes_train_like_one_device():
     mesh = cpu_mesh((2, 2))
     rng = random.Random(7)
     plans = [("data parallel", greedy_plan(traced, mesh, {n: "S(0)S(0)" for n in traced.input_names}))]
-    plans += [(f"random {i}", random_plan(traced, mesh, rng)) for i in range(2)]
+    plans.append(("random", random_plan(traced, mesh, rng)))
     run_ranks(_train_steps, 4, (2, 2), model, sample, traced, plans, ref, samples, timeout_s=220)
 
 
@@ -154,13 +154,13 @@ def test_freezing_and_unfreezing_after_parallelize():
 
 
 def _plans_with_zero(traced, seed: int) -> list:
-    """A data-parallel plan and two random ones on 2 ranks, ZeRO storage among them."""
+    """A data-parallel plan and a random one with ZeRO storage, on 2 ranks."""
     mesh = cpu_mesh((2,))
     rng = random.Random(seed)
-    plans = [greedy_plan(traced, mesh, {n: "S(0)" for n in traced.input_names}), random_plan(traced, mesh, rng),
-             random_plan(traced, mesh, rng)]
-    assert any(p.zero for plan in plans for p in plan.params)
-    return plans
+    drawn = (random_plan(traced, mesh, rng) for _ in range(20))
+    zeroed = next((plan for plan in drawn if any(p.zero for p in plan.params)), None)
+    assert zeroed is not None, "no random plan of 20 keeps a parameter ZeRO-sharded"
+    return [greedy_plan(traced, mesh, {n: "S(0)" for n in traced.input_names}), zeroed]
 
 
 def _grad_error(pm: ParallelModule, want_grads) -> float:
@@ -264,7 +264,7 @@ def _converted_step(rank, world, model, sample, traced, plans, want_grads):
 def test_parameters_converted_after_parallelize_run_in_their_dtype():
     """`pm.to(torch.bfloat16)` after `parallelize` gets a graph traced with bf16 parameters: HF Llama's RMSNorm
     casts back to its weight's dtype, which the float32 graph has as float32 (it crashed in attention, query
-    float32 against value bf16). Under a data-parallel and two random plans (ZeRO storage included) the loss is
+    float32 against value bf16). Under a data-parallel and a random plan with ZeRO storage the loss is
     eager bf16's and gradients within bf16 error (the gradient sync rebuilt: the conversion gives each parameter a new
     gradient accumulator); `pm.float()` returns to the float32 graph."""
     model, sample = load_zoo("hf_llama").build(batch_size=4, seq_len=16, size="tiny", device="cpu")

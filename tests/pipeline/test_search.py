@@ -13,7 +13,8 @@ from autopar.pipeline.api import global_batch, microbatch_sample
 from autopar.pipeline.choose import choose
 from autopar.pipeline.cut import find_layers
 from autopar.pipeline.plan import PipelinePlan, load_pipeline_plan, save_pipeline_plan
-from autopar.pipeline.search import PipelineSearchError
+from autopar.pipeline.cache import SearchCache, unit_bounds
+from autopar.pipeline.search import Config, PipelineSearchError, price_config, solve_pipeline
 from autopar.profiler import profile
 from autopar.runtime.launch import run_ranks
 from autopar.solver import solve
@@ -57,6 +58,25 @@ def test_stages_kept_where_they_pay_and_saved_as_they_are(tmp_path):
     assert [layer for s in slow.stages for layer in s.layers] == list(find_layers(trace_at(1)).names)
     save_pipeline_plan(slow, tmp_path / "plan.json")
     assert load_pipeline_plan(tmp_path / "plan.json") == slow
+
+
+def test_a_configuration_priced_alone_costs_what_the_search_chose_and_a_second_search_reuses_the_first():
+    hardware = _link(5e-5, 1e4)
+    cache = SearchCache(trace_at, time_limit_s=5)
+    best = solve_pipeline(cache, global_batch(trace_at(1)), 2, hardware, time_limit_s=5)
+    traces, solves, profiles = cache.traces, cache.solver.solves, cache.solver.profiles
+    assert solve_pipeline(cache, global_batch(trace_at(1)), 2, hardware, time_limit_s=5, pp=2) == best
+    assert (cache.traces, cache.solver.solves, cache.solver.profiles) == (traces, solves, profiles)
+
+    config = Config(best.pp, best.mesh.shape[1:], best.microbatches, len(best.stages) // best.pp)
+    alone = price_config(lambda m: trace_at(m), config, best.schedule, hardware, time_limit_s=5)  # nothing cached
+    assert alone.time == best.time and alone.memory_bytes == best.memory_bytes
+    assert [s.layers for s in alone.stages] == [s.layers for s in best.stages]
+    bounds = unit_bounds(find_layers(trace_at(best.microbatches)))
+    starts = [bounds.index(s.start) for s in best.stages[1:]]
+    assert price_config(cache, config, best.schedule, hardware, time_limit_s=5, starts=starts).time == best.time
+    with pytest.raises(PipelineSearchError, match="must be 1 ascending unit indices"):
+        price_config(cache, config, best.schedule, hardware, time_limit_s=5, starts=[0])
 
 
 def _train(rank: int, world: int) -> dict[str, float]:

@@ -58,7 +58,7 @@ def _watch_kernels(calls: list, unpack_scales: list) -> None:
 def _spied_steps(rank, world, runs):
     """Per (plan, policy, interpret) of `runs`, one training step of GPT-2 tiny through `parallelize` with the kernels
     watched: the calls, this rank's gathered gradients and the unpacks' scales. One world for all: its start and
-    imports are most of a run's time. `interpret` turns TRITON_INTERPRET on for this run and the rest."""
+    imports are most of a run's time. `interpret` sets TRITON_INTERPRET for this run, or unsets it."""
     calls: list = []
     unpack_scales: list = []
     _watch_kernels(calls, unpack_scales)
@@ -66,6 +66,8 @@ def _spied_steps(rank, world, runs):
     for plan, policy, interpret in runs:
         if interpret:
             os.environ["TRITON_INTERPRET"] = "1"  # the Triton kernels on CPU tensors (`kernels._dispatch`)
+        else:  # the torch fallback, also where the suite runs under the interpreter (benchmarks/compat.sh)
+            os.environ.pop("TRITON_INTERPRET", None)
         calls.clear()
         unpack_scales.clear()
         model, sample = _gpt2()

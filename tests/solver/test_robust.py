@@ -24,3 +24,13 @@ def test_a_textbook_plan_gives_way_to_a_faster_textbook_plan_on_another_mesh_not
     # no textbook plan at all: the margin alone decides among searched plans
     one_axis = Candidate("searched", 9.3, (1, 3))
     assert simplest_within([one_axis, searched], 0.10) == (one_axis, searched)
+
+
+def test_a_searched_plan_slower_than_a_textbook_plan_is_never_chosen():
+    # a searched plan on a 1-D mesh (simpler by its axes) priced 3.8% slower than ZeRO-3 on 2x4: ZeRO-3, never the
+    # slower searched plan, whatever its simplicity
+    searched = Candidate("searched", 2.319, (1, 3))
+    zero3 = Candidate("zero3", 2.234, (2, 1))
+    assert simplest_within([searched, zero3], 0.10) == (zero3, zero3)
+    # a faster searched plan on the simpler mesh is chosen as before
+    assert simplest_within([Candidate("searched", 2.2, (1, 3)), zero3], 0.10)[0].name == "searched"

@@ -5,15 +5,19 @@ import collections
 import logging
 import re
 
+import pytest
 import torch
 from torch import fx
 
 from autopar.solver.mesh import make_mesh
 from autopar.solver.spec import Spec
 from autopar.solver.strategies import _WARNED, enumerate_strategies, node_strategies, strategy_inputs
+from autopar.solver.strategies.dtensor_adapter import dtensor_rules
 from autopar.tracer import output_vals, trace
 
 from tests.solver.test_strategies_numeric import load_example
+
+aten = torch.ops.aten
 
 MESH = make_mesh(4, (2, 2), "h100")
 
@@ -88,3 +92,24 @@ def test_gpt2_small_enumerates_each_distinct_node_once(monkeypatch):
     blocks = [re.search(r"\.h\.(\d+)\b", str(list(n.meta.get("nn_module_stack", {}).values())[-1:])) for n in computed]
     per_block = collections.Counter(int(m.group(1)) for m in blocks if m)
     assert per_block[0] > 10 and sum(per_block.values()) == per_block[0], per_block  # blocks 1-11 are layer 0's
+
+
+def _rules(op, args) -> set[str]:
+    """DTensor's strategies for `op` on a 2-device mesh through the adapter, as "(ins) -> outs" strings."""
+    return {f"({', '.join(map(str, ins))}) -> {', '.join(map(str, outs))}" for ins, outs in dtensor_rules(op, args, {}, (2,))}
+
+
+@pytest.mark.parametrize("shape, dims", [((4, 1, 6), [1]), ((4, 1, 6), [-2]), ((4, 1, 6, 1), [1, 3]), ((4, 1, 6), [0, 1])])
+def test_squeeze_of_listed_dims_keeps_the_other_dims_split(shape, dims):
+    """`squeeze.dims` (cross-entropy's decomposition makes one), which torch 2.11's DTensor has no rule for: the
+    size-1 dims go, a split dim keeps its split under its new number (hand-derived), on every release."""
+    x = torch.empty(shape, device="meta")
+    assert _rules(aten.squeeze.dims, (x, dims)) == {"(R) -> R", "(P) -> P", "(S(0)) -> S(0)", "(S(2)) -> S(1)"}
+
+
+def test_layer_norm_splits_its_three_outputs_as_its_input():
+    """native_layer_norm's (out, mean, rstd) split along the batch or sequence dim as its input, its weight and bias
+    replicated (torch 2.11's rule gives one spec for the three; 2.13's three)."""
+    x, w = torch.empty(4, 8, 64, device="meta"), torch.empty(64, device="meta")
+    assert {"(S(0), R, R) -> S(0), S(0), S(0)", "(S(1), R, R) -> S(1), S(1), S(1)"} <= _rules(
+        aten.native_layer_norm.default, (x, [64], w, w, 1e-5))

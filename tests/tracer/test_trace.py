@@ -24,8 +24,10 @@ from tests.zoo import ZOO, load_zoo
 class CountCalls(TorchFunctionMode):
     """Counts the torch-level calls the eager model makes: the independent reference for node counts."""
 
+    # `a @ b` reaches a TorchFunctionMode as the method `Tensor.matmul`, never as `Tensor.__matmul__` (Hugging Face
+    # LLaMA's rotary embedding under transformers 5.17 makes one: `inv_freq_expanded @ position_ids_expanded`)
     WATCHED = {F.linear: "linear", F.scaled_dot_product_attention: "sdpa", F.conv2d: "conv", F.embedding: "embedding",
-               torch.matmul: "matmul", torch.Tensor.__matmul__: "matmul", torch.bmm: "matmul"}
+               torch.matmul: "matmul", torch.Tensor.matmul: "matmul", torch.bmm: "matmul"}
 
     def __init__(self):
         super().__init__()

@@ -20,7 +20,7 @@ only read the mesh shape, so no process group is created and a later real
 Tested on torch 2.11 through 2.13 (`autopar.compat.SUPPORTED_TORCH`): these
 private names changed in 2.5, 2.8 and since; `_check_features()` fails loudly
 at import when they move. What differs between those releases is handled here
-and named with its release (`_zipped`, `_raises_on_partial`).
+and named with its release (`_zipped`, `_raises_on_partial`, `_registered_squeeze`).
 """
 from __future__ import annotations
 
@@ -147,6 +147,8 @@ def dtensor_rules(op: Any, args: tuple, kwargs: dict, mesh_shape: tuple[int, ...
     (unknown placements dropped, not yet filtered for evenness or duplicates).
     Input specs follow the flattened (args, kwargs) order of tensor arguments.
     """
+    if op is _SQUEEZE_DIMS:
+        op, args = _registered_squeeze(args)
     if op in _PROP.op_single_dim_strategy_funcs:
         return _single_dim_rules(op, args, kwargs, mesh_shape)
     if op in _PROP.op_strategy_funcs:
@@ -212,9 +214,12 @@ def _op_strategy_rules(op: Any, args: tuple, kwargs: dict, mesh_shape: tuple[int
         if not isinstance(result, OpStrategy):  # TupleStrategy (foreach ops): not in training graphs
             return []
         specs = result.strategies
+    # One output spec for an op returning several tensors holds for each of them, as DTensor's sharding propagation
+    # reads it (torch 2.11's layer norm rule answers so for its (out, mean, rstd); 2.13's gives three)
+    returns = len(op._schema.returns) if schema.return_type_tuple_tensor_like() else 1
     rules: list[Rule] = []
     for s in specs:
-        outs = s.output_specs if isinstance(s.output_specs, (tuple, list)) else (s.output_specs,)
+        outs = s.output_specs if isinstance(s.output_specs, (tuple, list)) else (s.output_specs,) * returns
         ins = s.input_specs if s.input_specs is not None else (s.output_spec,) * len(schema.args_spec)
         converted = []
         for group in (ins, outs):
@@ -254,6 +259,24 @@ _PARTIAL_RAISING_RULES = ("random_op_strategy",) if TORCH_RELEASE < (2, 13) else
 
 def _raises_on_partial(func: Any) -> bool:
     return func.__name__ in _PARTIAL_RAISING_RULES and func.__module__.endswith("_ops._random_ops")
+
+
+# torch 2.11: DTensor has no rule for `squeeze.dims` (2.13 registers one and routes every squeeze through it), the
+# op cross-entropy's decomposition ends its gather with; without a rule it ran replicated, and a mean loss over a
+# batch sharded across ranks became a replicated one, its division left in backward. There the op is asked as the
+# squeeze 2.11 does register that drops the same dims: `squeeze.dim` for one dim, `squeeze.default` for every
+# size-1 dim. Other dim lists keep no rule.
+_SQUEEZE_DIMS = torch.ops.aten.squeeze.dims if not has_dtensor_rule(torch.ops.aten.squeeze.dims) else None
+
+
+def _registered_squeeze(args: tuple) -> tuple[Any, tuple]:
+    """`squeeze.dims(x, dims)` as the registered squeeze that drops the same dims, or squeeze.dims where none does."""
+    x, dims = args[0], [d % max(1, args[0].dim()) for d in args[1]]
+    if len(dims) == 1:
+        return torch.ops.aten.squeeze.dim, (x, dims[0])
+    if {d for d in dims if x.shape[d] == 1} == {d for d, size in enumerate(x.shape) if size == 1}:
+        return torch.ops.aten.squeeze.default, (x,)
+    return torch.ops.aten.squeeze.dims, args
 
 
 def _first_candidate(x: Any) -> Any:
