@@ -9,11 +9,8 @@ import random
 from dataclasses import replace
 
 import pytest
-import torch
-from torch import nn
 
 from autopar.errors import InfeasibleError
-from autopar.profiler import profile
 from autopar.report.explain import explain, make_context
 from autopar.solver import fixed_plan, solve
 from autopar.solver.mesh import make_mesh
@@ -21,26 +18,10 @@ from autopar.solver.anytime import solve_problem
 from autopar.solver.ilp import Restrictions, evaluate
 from autopar.solver.offload import TierCost, offloaded_profile, storage_shard, tier_cost, with_offload
 from autopar.solver.problem import Problem
-from autopar.tracer import trace
 from tests.solver.test_ilp import GIB, every_assignment, random_problem
+from tests.solver.test_offload_cost import case  # noqa: F401 -- a fixture: test_offload_cost's model, traced and profiled
 
 HOST = 1e12  # a host budget that never binds
-
-
-class Wide(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.fc1, self.fc2 = nn.Linear(512, 1024), nn.Linear(1024, 8)
-
-    def forward(self, x):
-        return self.fc2(torch.relu(self.fc1(x))).square().mean()
-
-
-@pytest.fixture(scope="module")
-def case():
-    with torch.device("meta"):
-        traced = trace(Wide(), torch.randn(4, 512, device="meta"))
-    return traced, profile(traced, optimizer="adamw")
 
 
 def _least_bytes(traced, prof, mesh, host_budget_bytes=None) -> float:
