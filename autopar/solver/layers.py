@@ -46,8 +46,8 @@ def per_layer(traced: TracedGraph, profile: GraphProfile | ConcreteProfile, mesh
     """`sol`'s sharding with recompute and ZeRO decided per layer, on the problem it lives on; `tied` and `sol` as
     they are when that is not faster (or nothing per layer could be: `mixable`). The report keeps `sol`'s status;
     its gap is against the bound the tied search proved."""
-    if not mixable(tied, sol) or not fits(tied.problem, sol) or time_limit_s <= 0:
-        return tied, sol  # no time left: building the problem in runs alone takes seconds (LLaMA-7B on 2x4: 2.5 s)
+    if not mixable(tied, sol) or not fits(tied.problem, sol):
+        return tied, sol
     began = cpu_s()
     runs = build_for(traced, profile, mesh, tied.problem.budget_bytes, sizes, per_layer=True,
                      host_budget_bytes=tied.problem.host_budget_bytes)

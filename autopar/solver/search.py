@@ -98,12 +98,14 @@ def search_mesh(traced: TracedGraph, profile: GraphProfile | ConcreteProfile, me
     1. The problem, tied (`build_for`), and the textbook plans on it (`textbook.textbooks`).
     2. The anytime search (`anytime.solve_problem`) from the textbook plans and the leanest plan by construction;
        on a mesh of several axes the fastest starts that fit are improved one axis at a time first (`descent.py`).
-    3. Recompute and ZeRO decided per layer where the budget binds (`layers.py`)."""
+    3. Recompute and ZeRO decided per layer where the budget binds (`layers.py`), when the time left is more than
+       the tied problem took to build."""
     began = cpu_s()
     left_s = lambda until: time_limit_s * until - (cpu_s() - began)  # noqa: E731
     shape = "x".join(map(str, mesh.shape))
     progress(f"mesh {shape}: building the problem")
     tied = build_for(traced, profile, mesh, budget_bytes, sizes, host_budget_bytes=host_budget_bytes)
+    build_s = cpu_s() - began
     log.debug("solver: %s: problem built in %.2f s (%d graph nodes -> %d problem nodes)", mesh,
               cpu_s() - began, tied.num_graph_nodes, len(tied.problem.nodes))
     problem, restrictions = tied.problem, _restrictions(traced, profile, tied)
@@ -134,8 +136,10 @@ def search_mesh(traced: TracedGraph, profile: GraphProfile | ConcreteProfile, me
     progress(f"mesh {shape}: searching (up to {max(left_s(_TIED_SHARE), 0):.0f} s)")
     sol = solve_problem(problem, left_s(_TIED_SHARE), backend, restrictions, SEARCH_GAP,
                         starts=[b.assignment for b in books.values()] + lean, improve=descended)
-    progress(f"mesh {shape}: deciding recompute and ZeRO per layer")
-    built, sol = per_layer(traced, profile, mesh, tied, sol, restrictions, left_s(1.0), backend, sizes, SEARCH_GAP)
+    built = tied
+    if left_s(1.0) > build_s:  # else the problem in runs of layers (larger than the tied one) would not even be built
+        progress(f"mesh {shape}: deciding recompute and ZeRO per layer")
+        built, sol = per_layer(traced, profile, mesh, tied, sol, restrictions, left_s(1.0), backend, sizes, SEARCH_GAP)
     log.info("solver: %s: est. step %.1f ms, %s in %.1f s", mesh, sol.time.total_s * 1e3, sol.report.status,
              cpu_s() - began)
     return MeshSearch(mesh, built, sol, tied, books, setup_s)
