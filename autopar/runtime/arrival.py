@@ -23,7 +23,8 @@ mismatched while waiting), before the call runs any collective:
   dict, rank 1 an evaluation) sets the call's outcome to the mismatch and raises
   `CallMismatchError`, naming both, and so does every rank waiting there;
 - every rank whose call matches counts itself in, and the last to arrive marks the call complete
-  (rank 0 then waits for the others to leave: its process may serve the store);
+  (rank 0 then waits for the others to leave: its process may serve the store; so it does after a timeout, for
+  the ranks that arrived);
 - a rank still waiting after half its timeout logs the ranks that have not arrived and the call
   each was last in; after `timeout_s` (`TIMEOUT_S` unless the module says otherwise) it raises
   that. The wait polls the store between short sleeps, so a signal's Python handler (SIGTERM's
@@ -89,12 +90,11 @@ def all_ranks_make(what: str, timeout_s: float | None = None) -> None:
             store.delete_key(f"{_PREFIX}/{number - 1}/{old}")
     try:
         outcome = _wait(store, key, what, rank, world, timeout_s)
-    except CallMismatchError as err:
+    except CallMismatchError as err:  # timed out: so do the other ranks that arrived, each by its own clock
         peers.note_failure(f"CallMismatchError: {err}")
+        _leave(store, key, rank, lambda: len(_calls(store, key)), timeout_s)
         raise
-    left = store.add(f"{key}/left", 1)
-    if rank == 0:  # the others read the outcome before this process, which may serve the store, goes on or ends
-        _poll(lambda: left >= world or int(store.get(f"{key}/left")) >= world, timeout_s)
+    _leave(store, key, rank, lambda: world, timeout_s)
     if outcome.startswith("mismatch\t"):
         raise CallMismatchError(outcome.split("\t", 1)[1])
 
@@ -103,6 +103,15 @@ ADVICE = ("Make it on every rank and keep the result on one: `sd = pm.state_dict
           "`if rank == 0: torch.save(sd, path)`; evaluate on every rank, each on its slice of the batch (the loss "
           "returned is the whole batch's, on every rank). A DDP loop's `if rank == 0: evaluate(); save()` makes "
           "these calls on rank 0 alone")
+
+
+def _leave(store: dist.Store, key: str, rank: int, ranks_in: Callable[[], int], timeout_s: float) -> None:
+    """Count this rank out of call `key`. Rank 0, whose process may serve the store, goes on (or ends) only once
+    the `ranks_in()` ranks in the call have left: a rank still polling the store would see it closed, a network
+    error instead of the call's outcome."""
+    left = store.add(f"{key}/left", 1)
+    if rank == 0:
+        _poll(lambda: left >= ranks_in() or int(store.get(f"{key}/left")) >= ranks_in(), timeout_s)
 
 
 def _poll(done: Callable[[], bool], timeout_s: float) -> bool:

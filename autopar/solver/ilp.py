@@ -48,6 +48,10 @@ Constraint families (each PuLP constraint is named after its family):
                       keeps its resharded copy holds the part `kept` counts as the producer's too)
   temp_{v}            T >= sum_s temp[v,s] x[v,s]                    (`_add_temp`)
   gather_{v}          T >= sum_g gathered[v,g] z[v,g]
+  param_grad_{k}      T >= sum_{a,b} grad[k,a,b] e[k,a,b] + sum_g (gathered + grad)[u,g] z[u,g] + sum_s temp[v,s] x[v,s]:
+                      the backward step of consumer v of parameter u makes u's whole gradient at its input spec beside
+                      its own gradients, where edge k reshards u (`Edge.grad_bytes`) or u is stored ZeRO (re-gathered
+                      then: `ZeroOption.backward_bytes`), before the reduce to u's spec
   optimizer_step      T >= c (sum_{v,s} param[v,s] x[v,s] - sum_g (1 - 1/f[v,g]) param[v,g] z[v,g]): the optimizer
                       step's scratch, c per byte of the stepped parameters' local blocks, summed over them under
                       foreach (one row), one row per parameter v otherwise (`optimizer_step_{v}`, `_add_optimizer_step`)
@@ -176,6 +180,7 @@ def evaluate(problem: Problem, a: Assignment, saved_by_node: list[float] | None 
     reshards: dict[int, float] = {}
     regathered: dict[str, float] = {}  # layer -> its ZeRO parameters' gathered bytes (saved by the rebuild)
     flows: dict[int, float] = {}  # recomputed node -> what backward holds at its step through the rebuilt layer
+    param_grads: dict[int, float] = {}  # recomputed node -> the whole gradients it makes of parameters resharded or ZeRO
     kept = {u for u, v in problem.recompute_with if not a.recompute[v]}  # a consumer that is not recomputed saves them
     kept |= {u for u, v in problem.region_inputs if a.recompute[v]}  # ... and a recomputed one of another region too
     for v, node in enumerate(problem.nodes):
@@ -242,6 +247,15 @@ def evaluate(problem: Problem, a: Assignment, saved_by_node: list[float] | None 
                 saved[e.dst] += e.replaced(i, j)
         if a.zero[e.src]:  # the ZeRO reduce-scatter takes over the consumer's bucketed all-reduce
             comm_s -= e.zero_saving(i, j)
+        # The consumer's backward step makes a parameter's gradient at its input spec beside its own gradients: where
+        # the edge reshards the parameter or it is stored ZeRO (re-gathered then), a transient before the reduce
+        # to the parameter's spec
+        zero = problem.nodes[e.src].options[i].zero if a.zero[e.src] else None
+        held_bytes = e.grads(i, j) + (zero.backward_bytes if zero is not None else 0.0)
+        if held_bytes > 0:
+            temp = max(temp, held_bytes + dst.options[j].temp_bytes)
+            if e.dst in flows:  # in a rebuilt layer: the parameter is saved by the rebuild (`regathered`, `resaved`)
+                param_grads[e.dst] = param_grads.get(e.dst, 0.0) + e.grads(i, j) + (zero.grad_bytes if zero is not None else 0.0)
     # a rebuilt layer holds its re-gathered ZeRO parameters and what it rebuilt so far, beside a reshard's buffers
     # while its recompute runs one. Backward then runs through it in reverse: at a node's step, what the layer
     # rebuilt before the node is still held, and the inputs the node saved again, beside the gradients of the step
@@ -250,7 +264,7 @@ def evaluate(problem: Problem, a: Assignment, saved_by_node: list[float] | None 
     for v in sorted(rebuilds):
         region = problem.nodes[v].region
         held.setdefault(region, regathered.get(region, 0.0))
-        temp = max(temp, held[region] + reshards.get(v, 0.0), held[region] + resaved[v] + flows[v])
+        temp = max(temp, held[region] + reshards.get(v, 0.0), held[region] + resaved[v] + flows[v] + param_grads.get(v, 0.0))
         held[region] += rebuilds[v] + resaved[v]
     temp = max([temp, *held.values()])  # the whole layer rebuilt
     stepped = [node.options[c].param_bytes / (node.options[c].zero.factor if z else 1)
@@ -393,7 +407,7 @@ class _Model:
         self.e: dict[int, list[list[pulp.LpVariable | None]]] = {}  # edge index -> e[k][a][b]
         for k, e in enumerate(self.problem.edges):
             if not any(c for row in e.cost_s for c in row) and e.saved_bytes is None and e.zero_saving_s is None \
-                    and e.replaced_bytes is None and e.buffer_bytes is None:
+                    and e.replaced_bytes is None and e.buffer_bytes is None and e.grad_bytes is None:
                 continue  # free in every combination, saves and holds nothing, no ZeRO saving: no variables needed
             rows, cols = len(e.cost_s), len(e.cost_s[0])
             src = {e.src_class[s] for s in self._allowed(e.src)}
@@ -476,6 +490,7 @@ class _Model:
         than one per pair. A big-M row per edge for the rebuild's terms had stalled an 8x8 solve past 30 s.)"""
         self.rebuilt_saves: dict[int, list[tuple[pulp.LpVariable, float]]] = {}  # v -> (f, copy saved again)
         self.rebuilt_holds: dict[int, list[list[tuple[pulp.LpVariable, float]]]] = {}  # v -> per edge (f, buffers)
+        self.rebuilt_grads: dict[int, list[tuple[pulp.LpVariable, float]]] = {}  # v -> (f, parameter gradient made)
         for k, ev in self.e.items():
             e = self.problem.edges[k]
             node = self.problem.nodes[e.dst]
@@ -485,18 +500,19 @@ class _Model:
             if not recomputed:
                 continue
             rebuilt = node.region is not None  # backward rebuilds v's layer: its reshards' buffers count there
-            amounts: dict[tuple[float, float, float], list[pulp.LpVariable]] = {}
+            amounts: dict[tuple[float, float, float, float], list[pulp.LpVariable]] = {}
             for a, row in enumerate(ev):
                 for b, var in enumerate(row):
                     if var is None:
                         continue
                     amount = tuple(0.0 if table is None else table[a][b]
-                                   for table in (e.forward_s, e.saved_bytes, e.buffer_bytes if rebuilt else None))
+                                   for table in (e.forward_s, e.saved_bytes, e.buffer_bytes if rebuilt else None,
+                                                 e.grad_bytes if rebuilt else None))
                     amounts.setdefault(amount, []).append(var)
-            if set(amounts) == {(0.0, 0.0, 0.0)}:
+            if set(amounts) == {(0.0, 0.0, 0.0, 0.0)}:
                 continue  # recomputing v changes nothing of this edge
             fs, held = [], []
-            for g, ((forward_s, kept, buffers), members) in enumerate(amounts.items()):
+            for g, ((forward_s, kept, buffers, grads), members) in enumerate(amounts.items()):
                 f = pulp.LpVariable(f"recomputed_edge_{k}_{g}", lowBound=0)
                 self.prob += f <= pulp.lpSum(members), f"recomputed_edge_{k}_{g}"
                 fs.append(f)
@@ -508,6 +524,8 @@ class _Model:
                         self.rebuilt_saves.setdefault(e.dst, []).append((f, kept / node.copies * self.per_byte))
                 if buffers > 0:
                     held.append((f, buffers * self.per_byte))
+                if grads > 0:
+                    self.rebuilt_grads.setdefault(e.dst, []).append((f, grads * self.per_byte))
             self.prob += pulp.lpSum(fs) == pulp.lpSum(recomputed), f"recomputed_edge_{k}"
             if held:
                 self.rebuilt_holds.setdefault(e.dst, []).append(held)
@@ -533,6 +551,8 @@ class _Model:
         # Grouped like recompute: options with the same ZeRO saving, price and gathered size share a binary.
         self.z: dict[tuple[int, int], pulp.LpVariable] = {}
         self.gathered: dict[int, list[tuple[pulp.LpVariable, float]]] = {}  # node -> (z, gathered GiB)
+        self.zero_backward: dict[int, list[tuple[pulp.LpVariable, float]]] = {}  # node -> (z, `backward_bytes` GiB)
+        self.zero_grads: dict[int, list[tuple[pulp.LpVariable, float]]] = {}  # node -> (z, its whole gradient GiB)
         if self.restrictions.zero == "never":
             return
         for v, node in enumerate(self.problem.nodes):
@@ -542,8 +562,9 @@ class _Model:
             def key(o: Option):
                 if o.zero is None or o.zero.factor <= 1:
                     return None
-                return (1 - 1 / o.zero.factor) * o.static_bytes, o.zero.comm_s - o.zero.update_saving_s, o.zero.gathered_bytes
-            for g, ((saving, net_s, gathered), members) in enumerate(self._groups(v, key).items()):
+                return ((1 - 1 / o.zero.factor) * o.static_bytes, o.zero.comm_s - o.zero.update_saving_s, o.zero.gathered_bytes,
+                        o.zero.grad_bytes)
+            for g, ((saving, net_s, gathered, grad), members) in enumerate(self._groups(v, key).items()):
                 z = pulp.LpVariable(f"z_{v}_{g}", cat=pulp.LpBinary)
                 chosen = pulp.lpSum(self.x[v][s] for s in members)
                 self.prob += (z == chosen if self.restrictions.zero == "always" or forced else z <= chosen), f"zero_{v}_{g}"
@@ -551,6 +572,8 @@ class _Model:
                 self.time_terms.append((z, net_s * _MS))
                 self.memory_terms.append((z, -saving * self.per_byte))
                 self.gathered.setdefault(v, []).append((z, gathered * self.per_byte))
+                self.zero_backward.setdefault(v, []).append((z, (gathered + grad) * self.per_byte))
+                self.zero_grads.setdefault(v, []).append((z, grad * self.per_byte))
 
     def _add_host_tier(self) -> None:
         """h[v,g]: v's parameter (an option of group g) keeps its optimizer state on the host and is stepped there
@@ -636,6 +659,13 @@ class _Model:
                 self.prob += self.temp >= pulp.LpAffineExpression(terms), f"temp_{v}"
         for v, terms in self.gathered.items():  # at most one of a node's z is 1: one row per node
             self.prob += self.temp >= pulp.LpAffineExpression(terms), f"gather_{v}"
+        for k, e in enumerate(self.problem.edges):  # a consumer's step making a resharded or ZeRO parameter's gradient
+            grads = _pair_terms(self.e[k], e.grad_bytes, self.per_byte) if e.grad_bytes is not None and k in self.e else []
+            if not grads and e.src not in self.zero_backward:
+                continue
+            own = [(self.x[e.dst][s], o.temp_bytes * self.per_byte) for s, o in enumerate(self.problem.nodes[e.dst].options)
+                   if o.temp_bytes > 0]
+            self.prob += self.temp >= _affine(self.zero_backward.get(e.src, []) + grads + own), f"param_grad_{k}"
         self._add_optimizer_step()
         # a reshard's buffers (`Edge.buffer_bytes`); rows that no plan's T can bind (each node's least temp) left out
         floor = max((min(o.temp_bytes for o in node.options) for node in self.problem.nodes), default=0.0) * self.per_byte
@@ -689,6 +719,10 @@ class _Model:
         gathered: dict[str, list[tuple[pulp.LpVariable, float]]] = {}  # layer -> its parameters' (z, gathered GiB)
         for v, zs in self.gathered.items():
             gathered.setdefault(self.problem.nodes[v].region, []).extend(zs)
+        zero_feeds: dict[int, list[int]] = {}  # consumer -> the parameters with ZeRO options feeding it
+        for e in self.problem.edges:
+            if e.src in self.zero_grads:
+                zero_feeds.setdefault(e.dst, []).append(e.src)
         for r, (region, nodes) in enumerate(layers.items()):
             ys = {v: {self.y[v, s]: o for s, o in enumerate(self.problem.nodes[v].options) if (v, s) in self.y} for v in nodes}
             # "layer r rebuilt", linearised from below (the memory row and the region's cost push it down)
@@ -707,8 +741,10 @@ class _Model:
                 node = self.problem.nodes[v]
                 for j, edge_terms in enumerate(self.rebuilt_holds.get(v, ())):  # the recompute reshards v's input
                     self.prob += self.temp >= _affine(before + edge_terms), f"rebuild_reshard_{r}_{v}_{j}"
-                # backward's step through v: the layer rebuilt before v, what v saved again, its gradients (on v's y)
+                # backward's step through v: the layer rebuilt before v, what v saved again, its gradients (on v's y),
+                # the whole gradients it makes of parameters resharded into it (on f) or stored ZeRO (on z AND v's y)
                 flow = [(y, o.grad_flow_bytes * self.per_byte) for y, o in ys[v].items() if o.grad_flow_bytes > 0]
+                flow += self.rebuilt_grads.get(v, []) + self._zero_grads_into(v, list(ys[v]), zero_feeds)
                 if flow:
                     self.prob += self.temp >= _affine(before + self.rebuilt_saves.get(v, []) + flow), f"rebuild_{r}_grad_{v}"
                 made = [(y, o.saved_bytes / node.copies * self.per_byte) for y, o in ys[v].items() if o.saved_bytes > 0]
@@ -718,6 +754,20 @@ class _Model:
                     self.prob += c >= _affine(before + made), f"rebuilt_{r}_upto_{v}"
                     before = [(c, 1.0)]
             self.prob += self.temp >= _affine(before), f"rebuild_{r}"
+
+    def _zero_grads_into(self, v: int, ys: list[pulp.LpVariable], feeds: Mapping[int, list[int]]
+                         ) -> list[tuple[pulp.LpVariable, float]]:
+        """Per ZeRO group of a parameter feeding v (`feeds`: consumer -> those parameters): (w, its whole gradient)
+        with w = z AND "v recomputed" (continuous, exact at integral points: w >= z + y - 1, pushed down by the memory row)."""
+        terms = []
+        for src in feeds.get(v, []):
+            for j, (z, grad) in enumerate(self.zero_grads[src]):
+                if grad <= 0:
+                    continue
+                w = pulp.LpVariable(f"rebuilt_zero_grad_{v}_{src}_{j}", lowBound=0)
+                self.prob += w >= z + pulp.lpSum(ys) - 1, f"rebuilt_zero_grad_{v}_{src}_{j}"
+                terms.append((w, grad))
+        return terms
 
     def add_memory_limit(self) -> None:
         """The budget row (kept out of the model until the unconstrained optimum is known not to fit)."""

@@ -47,6 +47,14 @@ class ZeroOption:
     comm_s: float  # extra per-step comm vs replicated storage (gathers in fwd and bwd; reduce-scatter for all-reduce)
     gathered_bytes: float  # the param gathered to its use spec while its consumers run (a transient)
     update_saving_s: float = 0.0  # the optimizer's step updates only the stored shard: this much less compute
+    # its gradient as a consumer's backward makes it, at the use spec, before the reduce-scatter shards it: a
+    # transient beside the re-gathered param and the consumer's own gradients (0: a frozen parameter)
+    grad_bytes: float = 0.0
+
+    @property
+    def backward_bytes(self) -> float:
+        """What a consumer's backward step holds of the parameter: re-gathered, and its whole gradient."""
+        return self.gathered_bytes + self.grad_bytes
 
 
 @dataclass(frozen=True)
@@ -130,6 +138,10 @@ class Edge:
     # The most bytes the reshard's buffers hold at once, forward or backward (`reshard.reshard_buffer_bytes`;
     # the largest over the pair's tensors, which reshard one after another): a transient. None: none.
     buffer_bytes: tuple[tuple[float, ...], ...] | None = None
+    # A parameter's gradient as the consumer's backward makes it, at the consumer's input spec, where the edge
+    # reshards the parameter: beside the consumer's own gradients until the reshard's backward brings it to the
+    # parameter's spec (a transient; the gradient the plan keeps is the parameter's `grad_bytes`). None: none.
+    grad_bytes: tuple[tuple[float, ...], ...] | None = None
 
     @staticmethod
     def dense(src: int, dst: int, cost_s: list[list[float]] | tuple[tuple[float, ...], ...]) -> "Edge":
@@ -152,6 +164,9 @@ class Edge:
 
     def buffers(self, i: int, j: int) -> float:
         return self._at(self.buffer_bytes, i, j)
+
+    def grads(self, i: int, j: int) -> float:
+        return self._at(self.grad_bytes, i, j)
 
     def forward_cost(self, i: int, j: int) -> float:
         return self._at(self.forward_s, i, j)
@@ -265,7 +280,7 @@ def _ints(shape) -> tuple[int, ...]:
 
 
 def _zero(spec: Spec, shape: tuple[int, ...], local_bytes: float, mesh: Mesh,
-          summed_bytes: float | None = None) -> tuple[Spec, ZeroOption] | None:
+          summed_bytes: float | None = None, has_grad: bool = False) -> tuple[Spec, ZeroOption] | None:
     """ZeRO storage for a param used as `spec`: sharded over every replicated axis (one tensor dim).
 
     Its price, per step and axis: a gather before forward use and again before backward
@@ -275,7 +290,7 @@ def _zero(spec: Spec, shape: tuple[int, ...], local_bytes: float, mesh: Mesh,
     gets a partial gradient there (otherwise codegen slices the gradient in backward, and the
     reduce-scatter priced here is not run: an overestimate). `local_bytes`: the parameter as its uses read it
     (gathered in the compute dtype under mixed precision); `summed_bytes`: its gradient as reduce-scattered
-    (default: local_bytes).
+    (default: local_bytes); `has_grad`: backward makes its gradient (as its uses read it) before the reduce-scatter.
     """
     axes = zero_axes(spec, mesh)
     factor = math.prod(mesh.shape[a] for a in axes)
@@ -292,7 +307,7 @@ def _zero(spec: Spec, shape: tuple[int, ...], local_bytes: float, mesh: Mesh,
         comm_s += 2 * collective_time_s("all_gather", gathered, ax) + collective_time_s("reduce_scatter", summed, ax)
         gathered /= mesh.shape[a]
         summed /= mesh.shape[a]
-    return storage, ZeroOption(factor, comm_s, local_bytes)
+    return storage, ZeroOption(factor, comm_s, local_bytes, grad_bytes=local_bytes if has_grad else 0.0)
 
 
 def zero_axes(spec: Spec, mesh: Mesh) -> tuple[int, ...]:
@@ -315,6 +330,7 @@ class _Arc(NamedTuple):
     # a gradient the consumer's price sends to the bucketed sync through a producer that is not the parameter
     # itself: per src option the axes the producer splits, per dst option (partial axes, local bytes). None: none
     lift: tuple | None = None
+    learned: bool = False  # a trained parameter's value (or a view of one): the consumer's backward makes its gradient
 
 
 def _param_root(node, params: Mapping[str, object], costs: Mapping[str, object],
@@ -464,7 +480,7 @@ class _Pricer:
             spec = strat.output_specs[0]
             shard = spec.shard_factor(mesh.shape)
             if role == "param":
-                found = _zero(spec, outs[0], param.compute_bytes / shard, mesh, param.summed_bytes / shard)
+                found = _zero(spec, outs[0], param.compute_bytes / shard, mesh, param.summed_bytes / shard, param.grad_bytes > 0)
                 update_s = optimizer_step_s(param, shard, mesh)
                 zero = None
                 if found:
@@ -526,7 +542,7 @@ def _sum(options: list[Option], label: str) -> Option:
     zero = None
     if zeros:  # the parameter member of a cluster (its views have none)
         zero = ZeroOption(zeros[0].factor, sum(z.comm_s for z in zeros), max(z.gathered_bytes for z in zeros),
-                          sum(z.update_saving_s for z in zeros))
+                          sum(z.update_saving_s for z in zeros), max(z.grad_bytes for z in zeros))
     hosts = [o.host for o in options if o.host is not None]
     return Option(
         label,
@@ -642,10 +658,11 @@ def build_problem(
             base = pricer.facts.base.get((p.name, k), (p.name, k))
             kept = pricer.saves(node, base)
             persistent = base[0] in traced.param_fqns or base[0] in traced.buffer_fqns
+            learned = base[0] in pricer.params and pricer.params[base[0]].grad_bytes > 0 and differentiable(val)
             src = tuple(strategies[p.name][grouping_choice(clusters[u], p.name, i)].output_specs[k] for i in range(len(clusters[u].choices)))
             dst = tuple(strategies[node.name][grouping_choice(clusters[v], node.name, j)].input_specs[a] for j in range(len(clusters[v].choices)))
             arc = _Arc(src, dst, _ints(val.shape), val.element_size(), differentiable(val), kept, persistent, zero_terms(p, node, a, u, v),
-                       lift_terms(p, val, node, a, u, v))
+                       lift_terms(p, val, node, a, u, v), learned)
             key = (grouping.class_of[u], grouping.class_of[v], arc)
             arcs[key] = arcs.get(key, 0) + 1
     pair_arcs: dict[tuple[int, int], list[tuple[_Arc, int]]] = {}
@@ -676,6 +693,12 @@ def build_problem(
             """The largest of the pair's reshards' buffers (`reshard_buffer_bytes`): the reshards run one at a time."""
             return max((reshard_buffer_bytes(arc.src[i], arc.dst[j], arc.shape, arc.itemsize, mesh, arc.floating)
                         for arc, _ in items if arc.src[i] != arc.dst[j]), default=0.0)
+
+        def grads(i: int, j: int) -> float:
+            """The gradients the consumer makes for the parameters the pair reshards, at its input specs: one step
+            makes those of its own inputs together (each arc once: the copies of a tied pair are other layers' steps)."""
+            return sum(math.prod(arc.shape) * arc.itemsize / arc.dst[j].shard_factor(mesh.shape)
+                       for arc, _ in items if arc.learned and arc.src[i] != arc.dst[j])
 
         def zero_saving(i: int, j: int) -> float:
             """The bucketed all-reduce the consumer pays for the parameter's gradient over its ZeRO axes, which
@@ -709,11 +732,13 @@ def build_problem(
         zero = tuple(tuple(zero_saving(i, j) for j in first_dst) for i in first_src)
         held = tuple(tuple(replaced(i, j) for j in first_dst) for i in first_src)
         buffer = tuple(tuple(buffers(i, j) for j in first_dst) for i in first_src)
+        grad = tuple(tuple(grads(i, j) for j in first_dst) for i in first_src)
         edges.append(Edge(a_cls, b_cls, tuple(src_ids), tuple(dst_ids), cost, forward,
                           kept if any(b for row in kept for b in row) else None,
                           zero if any(t for row in zero for t in row) else None,
                           held if any(b for row in held for b in row) else None,
-                          buffer if any(b for row in buffer for b in row) else None))
+                          buffer if any(b for row in buffer for b in row) else None,
+                          grad if any(b for row in grad for b in row) else None))
     nodes = []
     for cls, members in enumerate(grouping.classes):
         leader = pricer.nodes[clusters[members[0]].leader]

@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from tests.codegen.harness import Classifier, LogRecords, classifier_case, local_sample, parallel_module, step
+from tests.codegen.plans import cpu_mesh, greedy_plan
 
 from autopar.errors import CallMismatchError
 from autopar.runtime.launch import RankError, run_ranks
@@ -121,6 +122,37 @@ def test_a_rank_that_stays_away_is_named_with_its_last_call_within_the_timeout()
     error = run_ranks(_one_rank_away, 2, model, sample, traced, split_weight, 2.0, timeout_s=60)[0]
     assert "rank 0 has waited 2 s in pm.state_dict() (checked call 1) for ranks [1], which have not made it" in error
     assert "rank 1: last in pm(...) in training mode with gradients on (checked call 0)" in error
+
+
+def _late_and_away(rank, world, model, sample, traced, plan, timeout_s):
+    """Rank 3 stays away; ranks 1 and 2 come to rank 0's state dict a second after it, so rank 0 times out first.
+    What each of the others raised (its type and message)."""
+    pm = parallel_module(model, sample, traced, plan, ProcessMesh((world,)))
+    opt = torch.optim.SGD(pm.parameters(), lr=0.1)
+    step(pm, opt, sample)
+    pm.call_timeout_s = timeout_s
+    if rank == 3:
+        time.sleep(2 * timeout_s)  # away until the others have raised
+        return None
+    if rank > 0:
+        time.sleep(timeout_s / 2)
+    try:
+        pm.state_dict()
+    except Exception as err:  # noqa: BLE001 -- what each rank saw is the test's subject
+        return type(err).__name__, str(err)
+    return None
+
+
+@pytest.mark.timeout(120)
+def test_a_rank_timing_out_after_rank_0_hears_the_timeout_not_a_closed_store():
+    """Rank 0's process serves the store: after its own timeout it waits for the ranks that came to the call to
+    time out too, rather than end and leave them polling a closed store (a network error, not autopar's)."""
+    model, sample, traced, *_ = classifier_case()
+    split_weight = greedy_plan(traced, cpu_mesh((4,)), {**{n: "S(0)" for n in traced.input_names}, "p_fc1_weight": "S(0)"})
+    results = run_ranks(_late_and_away, 4, model, sample, traced, split_weight, 2.0, timeout_s=60)
+    for rank in (0, 1, 2):
+        kind, message = results[rank]
+        assert kind == "CallMismatchError" and "for ranks [3], which have not made it" in message, (rank, kind, message)
 
 
 class _Preempted(Exception):

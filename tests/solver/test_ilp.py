@@ -270,14 +270,16 @@ def test_grouped_edge_classes_price_like_the_dense_matrix():
 def random_problem(rng: random.Random, gib: float = GIB, second: float = 1.0, layered: bool = False) -> Problem:
     """3-5 nodes of 1-3 options, sizes in units of `gib` bytes and times in units of `second`. Layered: nodes
     after the first fall into two layers (regions), so a recomputed layer's rebuild is priced (gradients at each
-    backward step, reshards run again and the inputs they save, a consumer keeping its producer's output)."""
+    backward step, reshards run again and the inputs they save, a consumer keeping its producer's output, the whole
+    gradients a consumer makes of a parameter resharded into it or stored ZeRO)."""
     nodes = []
     count = rng.randint(3, 5)
     for v in range(count):
         opts = []
         for s in range(rng.randint(1, 3)):
             static = rng.choice([0.0, rng.uniform(0, 4)]) * gib
-            zero = ZeroOption(rng.choice([2, 4]), rng.uniform(0, 2) * second, static / 4) if static and rng.random() < 0.6 else None
+            zero = (ZeroOption(rng.choice([2, 4]), rng.uniform(0, 2) * second, static / 4, grad_bytes=static / 4)
+                    if static and rng.random() < 0.6 else None)
             opts.append(Option(f"o{s}", compute_s=rng.uniform(0, 5) * second, comm_s=rng.uniform(0, 1) * second,
                                recompute_s=rng.uniform(0, 2) * second, saved_bytes=rng.uniform(0, 2) * gib,
                                temp_bytes=rng.uniform(0, 1) * gib, grad_flow_bytes=rng.uniform(0, 2) * gib if layered else 0.0,
@@ -292,7 +294,7 @@ def random_problem(rng: random.Random, gib: float = GIB, second: float = 1.0, la
         if layered:
             table = lambda scale: tuple(tuple(rng.choice([0.0, rng.uniform(0, scale) * gib]) for _ in nodes[v].options)
                                         for _ in nodes[u].options)
-            edge = dataclasses.replace(edge, saved_bytes=table(1), buffer_bytes=table(2))
+            edge = dataclasses.replace(edge, saved_bytes=table(1), buffer_bytes=table(2), grad_bytes=table(1))
         edges.append(edge)
     keeps = tuple((e.src, e.dst) for e in edges if e.src > 0 and rng.random() < 0.5) if layered else ()
     return Problem(tuple(nodes), tuple(edges), rng.uniform(2, 12) * gib, recompute_with=keeps)
@@ -357,7 +359,7 @@ def test_every_constraint_is_named_after_its_family():
     model.add_memory_limit()
     names = list(model.prob.constraints)
     families = {n.rsplit("_", 1)[0].rstrip("_0123456789") for n in names}
-    assert families == {"onehot", "edge_src", "edge_dst", "recompute", "zero", "temp", "gather", "memory"}
+    assert families == {"onehot", "edge_src", "edge_dst", "recompute", "zero", "temp", "gather", "param_grad", "memory"}
 
 
 def test_options_with_the_same_recompute_effect_share_one_binary():
