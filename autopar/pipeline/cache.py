@@ -19,7 +19,9 @@ from __future__ import annotations
 
 import hashlib
 from dataclasses import dataclass, replace
-from typing import Callable, Sequence
+from typing import Callable, Mapping, Sequence
+
+import torch
 
 from autopar.errors import InfeasibleError
 from autopar.pipeline.cost import StageCost, stage_cost
@@ -77,10 +79,13 @@ class _Structure:
 
 
 class StageSolver:
-    """`solve` on stage graphs: one profile per structure, one plan per structure, mesh, budget and solve options."""
+    """`solve` on stage graphs: one profile per structure, one plan per structure, mesh, budget and solve options.
+    Under mixed precision, `masters` and `reduce_dtype` are `profile`'s (`MixedPrecision.masters`, its reduce dtype)."""
 
-    def __init__(self, optimizer: str = "adamw", time_limit_s: float = 30.0):
+    def __init__(self, optimizer: str = "adamw", time_limit_s: float = 30.0,
+                 masters: Mapping[str, torch.dtype] | None = None, reduce_dtype: torch.dtype | None = None):
         self.optimizer, self.time_limit_s = optimizer, time_limit_s
+        self.masters, self.reduce_dtype = dict(masters or {}), reduce_dtype
         self._keys: dict[int, tuple[TracedGraph, str]] = {}  # id(graph) -> (the graph, kept alive; its key)
         self._structures: dict[tuple[str, str], _Structure] = {}
         self._plans: dict[tuple, Plan | InfeasibleError] = {}
@@ -97,7 +102,8 @@ class StageSolver:
         structure = (self.key(traced), self.optimizer)
         if structure not in self._structures:
             self.profiles += 1
-            self._structures[structure] = _Structure(traced, profile(traced, optimizer=self.optimizer))
+            self._structures[structure] = _Structure(traced, profile(traced, optimizer=self.optimizer, masters=self.masters,
+                                                                     reduce_dtype=self.reduce_dtype))
         source = self._structures[structure]
         key = (structure, mesh, round(budget_bytes / 2**20), self.time_limit_s)
         if key not in self._plans:
@@ -135,11 +141,14 @@ def unit_costs(units: Sequence[StageGraph], mesh: Mesh, budget_bytes: float, sol
 
 class SearchCache:
     """Traces, layers, units, profiles, plans and unit prices of one model, kept across pipeline searches (for one
-    global batch: `trace_at(m)` traces micro-batches of global_batch / m rows)."""
+    global batch: `trace_at(m)` traces micro-batches of global_batch / m rows). A model traced under a mixed-precision
+    policy (`api.traced_model`) is priced with its masters: `masters=policy.masters(model)`,
+    `reduce_dtype=policy.reduce_dtype`."""
 
-    def __init__(self, trace_at: Callable[[int], TracedGraph], optimizer: str = "adamw", time_limit_s: float = 30.0):
+    def __init__(self, trace_at: Callable[[int], TracedGraph], optimizer: str = "adamw", time_limit_s: float = 30.0,
+                 masters: Mapping[str, torch.dtype] | None = None, reduce_dtype: torch.dtype | None = None):
         self.trace_at = trace_at
-        self.solver = StageSolver(optimizer, time_limit_s)
+        self.solver = StageSolver(optimizer, time_limit_s, masters, reduce_dtype)
         self._traces: dict[int, TracedGraph] = {}
         self._layers: dict[int, Layers] = {}
         self._units: dict[int, tuple[StageGraph, ...]] = {}

@@ -100,7 +100,9 @@ def _sum(costs: Sequence[StageCost]) -> StageCost:
 def balanced_cuts(units: Sequence[StageCost], num_stages: int, pp: int, schedule: str, microbatches: int,
                   budget_bytes: float) -> tuple[int, ...] | None:
     """Unit indices where stages 1.. start: the slowest stage as fast as possible with every stage's memory (its
-    micro-batches in flight included) within the budget; None when no cut fits."""
+    micro-batches in flight included) within its share of the budget; None when no cut fits. With `virtual` stages a
+    pp rank, the rank's memory is its stages' sum: each stage is held to budget / virtual, which keeps every rank
+    within the budget (`_estimates` checks the rank's sum as priced)."""
     n = len(units)
     if num_stages > n:
         return None
@@ -108,6 +110,7 @@ def balanced_cuts(units: Sequence[StageCost], num_stages: int, pp: int, schedule
     for c in units:
         prefix.append(_sum([prefix[-1], c]))
     virtual = num_stages // pp
+    stage_budget = budget_bytes / virtual
 
     def span(i: int, j: int) -> tuple[float, float, float]:  # time, static and activation bytes of units [i, j)
         a, b = prefix[i], prefix[j]
@@ -124,7 +127,7 @@ def balanced_cuts(units: Sequence[StageCost], num_stages: int, pp: int, schedule
                 if best[s - 1][i] == inf:
                     continue
                 t, static, act = span(i, j)
-                if virtual == 1 and static + held * act > budget_bytes:
+                if static + held * act > stage_budget:
                     continue
                 cand = (max(best[s - 1][i][0], t), best[s - 1][i][1] + t)
                 if cand < best[s][j]:
@@ -291,11 +294,31 @@ def _cuttable(cache: SearchCache, microbatches: int = 1) -> tuple[TracedGraph, i
 
 def _estimates(config: Config, cache: SearchCache, topo: Topology, budget: float,
                schedules: Sequence[str]) -> list[Estimate]:
+    """The configuration's estimate under each schedule whose balanced cut fits the budget. The units are solved
+    alone at the whole budget, where the ILP recomputes nothing; when no schedule fits so, they are estimated again
+    recomputed (`_recomputed`), as the exact round's lowered budgets make the stages' plans recompute."""
     mesh = topo.stage_mesh(config.stage_shape)
     try:
         units = cache.unit_costs(config.microbatches, mesh, budget)
     except InfeasibleError:
         return []
+    out = _fitting(config, units, topo, budget, schedules)
+    if not out:  # (zero bubble is solved without recompute: `_exact`)
+        out = _fitting(config, [_recomputed(u) for u in units], topo, budget,
+                       [s for s in schedules if s != "zero_bubble"])
+    return out
+
+
+def _recomputed(unit: StageCost) -> StageCost:
+    """A unit's price with its forward run again in backward, as activation checkpointing does: it keeps only the
+    activation it receives a micro-batch, and its forward, about a third of forward and backward (Narayanan et al.
+    2021, section 3.5: recomputation costs 33% more compute), runs twice."""
+    return replace(unit, micro_s=unit.micro_s * 4 / 3, activation_bytes=min(unit.activation_bytes, unit.receive_bytes))
+
+
+def _fitting(config: Config, units: Sequence[StageCost], topo: Topology, budget: float,
+             schedules: Sequence[str]) -> list[Estimate]:
+    mesh = topo.stage_mesh(config.stage_shape)
     num = config.pp * config.virtual
     out = []
     for schedule in schedules:
@@ -309,7 +332,7 @@ def _estimates(config: Config, cache: SearchCache, topo: Topology, budget: float
         costs = [replace(c, receive_bytes=costs[i - 1].send_bytes if i else 0.0) for i, c in enumerate(costs)]
         links = topo.boundary_links(math.prod(config.stage_shape), num, config.pp)
         step, memory = price(costs, schedule, with_pp(mesh, config.pp, topo.inter), config.microbatches, links)
-        if max(memory) <= budget or config.virtual > 1:
+        if max(memory) <= budget:
             out.append(Estimate(config, schedule, step.step_s, starts))
     return out
 
@@ -334,8 +357,13 @@ def _exact(e: Estimate, cache: SearchCache, topo: Topology, budget: float) -> Pi
         over = [memory[i % config.pp] - budget for i in range(len(stages))]
         if max(over) <= 0:
             break
-        # from what each plan holds (a plan well under its budget would come back unchanged for a budget cut by less)
-        budgets = [min(b, p.memory.total_bytes) - max(o, 0.0) / config.virtual for b, p, o in zip(budgets, plans, over)]
+        # from what each plan holds (a plan well under its budget would come back unchanged for a budget cut by less);
+        # a plan is made for one micro-batch and its rank holds `held` of them, so a byte of activations the lower
+        # budget makes it recompute is `held` bytes off the rank: the excess is shared by its stages and divided so
+        held = [max(in_flight(e.schedule, config.pp, config.virtual, config.microbatches, i % config.pp), 1.0)
+                for i in range(len(stages))]
+        budgets = [min(b, p.memory.total_bytes) - max(o, 0.0) / (config.virtual * h)
+                   for b, p, o, h in zip(budgets, plans, over, held)]
         if min(budgets) <= 0:
             raise ValueError("the micro-batches in flight alone exceed the budget")
     else:

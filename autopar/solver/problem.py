@@ -608,16 +608,19 @@ def build_problem(
 
     def zero_terms(p: fx.Node, node: fx.Node, index: int, u: int, v: int) -> tuple | None:
         """For an arc from a parameter's cluster (through views) into `node`'s input `index`: per src option, the
-        parameter's (ZeRO axes, local bytes) or None (no ZeRO option), and per dst option the axes on which `node`
-        gets a partial gradient there. None for any other arc. What `Edge.zero_saving_s` is priced from."""
+        parameter's (ZeRO axes, local bytes of its gradient as summed) or None (no ZeRO option), and per dst option
+        the axes on which `node` gets a partial gradient there. None for any other arc. What `Edge.zero_saving_s`
+        is priced from: the bucketed all-reduce the consumer pays, of the gradient in the reduce dtype (under
+        mixed precision not the bytes held, which count the float32 master and its bf16 copy)."""
         root = pricer.param_root(p)
         if root is None or grouping.cluster_of[root] != u or saved_by.get(root, node.name) != node.name:
             return None
         src = []
         for i in range(len(clusters[u].choices)):
             k = grouping_choice(clusters[u], root, i)
-            option = pricer.option(root, k)
-            src.append((zero_axes(strategies[root][k].output_specs[0], mesh), option.param_bytes) if option.zero is not None else None)
+            spec = strategies[root][k].output_specs[0]
+            summed = pricer.params[root].summed_bytes / spec.shard_factor(mesh.shape)
+            src.append((zero_axes(spec, mesh), summed) if pricer.option(root, k).zero is not None else None)
         cost = pricer.costs[node.name]
         dst = tuple(input_partial_axes(cost, strategies[node.name][grouping_choice(clusters[v], node.name, j)], len(mesh.shape), index)
                     for j in range(len(clusters[v].choices)))

@@ -7,12 +7,14 @@ holds a micro-batch's activations until its backward), built for stand-in stages
 """
 from __future__ import annotations
 
+import math
 from types import SimpleNamespace
 
 import pytest
 from torch.distributed.pipelining import ScheduleInterleaved1F1B, ScheduleInterleavedZeroBubble
 
 from autopar.pipeline.cost import StageCost, bubble_fraction, in_flight, price, send_s
+from autopar.pipeline.search import Config, Topology, _estimates, balanced_cuts
 from autopar.solver.mesh import Mesh, MeshAxis
 
 
@@ -63,3 +65,39 @@ def test_price_of_uneven_stages_memory_and_sends():
     assert time.bubble_s == pytest.approx(1.0 + hop)
     # rank 0 holds 2 micro-batches in flight, rank 1 one; torch's receive buffers for all 4
     assert memory == pytest.approx((10.0 + 2 * 2.0 + 4 * 1e6, 20.0 + 1 * 4.0 + 4 * 1e6))
+
+
+def test_two_stages_a_rank_are_cut_within_the_budget_their_micro_batches_in_flight_need():
+    # 4 equal units on pp=2 ranks of 2 stages each (interleaved 1F1B, 4 micro-batches): torch's warm-up runs 5
+    # forward chunks on rank 0 before its first backward (2 rounds of 2 micro-batches, and 1 more; counted in
+    # torch's order by test_micro_batches_in_flight_are_torchs), 3 on rank 1. Rank 0 holds its two stages' static
+    # bytes and 5 chunks' activations: 2 * 10 + 5 * 1 = 25
+    unit = StageCost(micro_s=1.0, sync_s=0.0, update_s=0.0, static_bytes=10.0, activation_bytes=1.0, send_bytes=0.0,
+                     receive_bytes=0.0)
+    units = [unit] * 4
+    assert balanced_cuts(units, 4, 2, "interleaved_1f1b", 4, budget_bytes=25.0) == (1, 2, 3)
+    assert balanced_cuts(units, 4, 2, "interleaved_1f1b", 4, budget_bytes=24.0) is None
+    mesh = Mesh((MeshAxis("pp", 2, 0.0, 1e9),), 1e12, 1e12, 80e9)
+    _, memory = price(units, "interleaved_1f1b", mesh, microbatches=4)
+    assert memory == pytest.approx((2 * 10.0 + 5 * 1.0, 2 * 10.0 + 3 * 1.0))
+    # one stage a rank (1F1B: rank 0 holds pp = 2 micro-batches) is held to the whole budget: 2 units' static bytes
+    # and 2 micro-batches of 2 units' activations, 2 * 10 + 2 * 2 = 24
+    assert balanced_cuts(units, 2, 2, "1f1b", 4, budget_bytes=24.0) == (2,)
+    assert balanced_cuts(units, 2, 2, "1f1b", 4, budget_bytes=23.0) is None
+
+
+def test_units_that_fit_only_recomputed_are_estimated_recomputed():
+    # 4 equal layers on pp=2 ranks, 1F1B, 4 micro-batches, a link of no cost: a layer keeps 8 bytes a micro-batch,
+    # recomputed only the 1 byte it receives. Rank 0 (2 layers, 2 micro-batches in flight) needs 20 + 2 * 16 bytes
+    # as solved, 20 + 2 * 2 recomputed, beside torch's receive buffers (4 micro-batches of 1 byte sent)
+    layer = StageCost(micro_s=1.0, sync_s=0.0, update_s=0.0, static_bytes=10.0, activation_bytes=8.0, send_bytes=1.0,
+                      receive_bytes=1.0)
+    cache = SimpleNamespace(unit_costs=lambda microbatches, mesh, budget: [layer] * 4)
+    free = MeshAxis("link", 1, 0.0, math.inf)
+    topology = Topology(free, free, 8, Mesh((free,), 1e12, 1e12, 80e9))
+    config = Config(2, (1,), 4)
+    [solved] = _estimates(config, cache, topology, 60.0, ("1f1b",))
+    assert (solved.starts, solved.step_s) == ((2,), (4 - 1) * 2.0 + 2 * 2.0)  # 2 layers of 1 s a stage
+    [recomputed] = _estimates(config, cache, topology, 40.0, ("1f1b",))
+    assert (recomputed.starts, recomputed.step_s) == ((2,), pytest.approx(5 * 2 * 4 / 3))  # forward run twice: 4/3
+    assert _estimates(config, cache, topology, 27.0, ("1f1b",)) == []  # 20 + 2 * 2 + 4 receive buffers = 28
