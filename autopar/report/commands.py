@@ -172,7 +172,7 @@ def cmd_plan(args: Any) -> int:
     if shapes:
         summary["mesh_shapes_tried"] = [
             {"shape": list(r.shape), "step_s": r.step_s, "memory_bytes": r.memory_bytes, "error": r.error,
-             "textbook_step_s": r.textbook_s} for r in shapes
+             "textbook_step_s": r.textbook_s, "searched": r.searched} for r in shapes
         ]
     _emit(summary, args.json, saved=args.save, html=args.html)
     return 0
@@ -260,10 +260,16 @@ def _emit(summary: dict, as_json: bool, saved: str | None = None, html: str | No
     tried = summary.get("mesh_shapes_tried", [])
     if len(tried) > 1:
         console.print("Mesh shapes tried: " + ", ".join(
-            f"{'x'.join(map(str, r['shape']))} {fmt_seconds(r['step_s']) if r['step_s'] is not None else 'does not fit'}" for r in tried))
+            f"{'x'.join(map(str, r['shape']))} {_shape_outcome(r)}" for r in tried))
     for what, path in (("plan saved to", saved), ("HTML report written to", html)):
         if path:
             console.print(f"{what} {path}")
+
+
+def _shape_outcome(r: dict) -> str:
+    if r["step_s"] is not None:
+        return fmt_seconds(r["step_s"])
+    return "does not fit" if r.get("searched", True) else "not searched (time limit spent)"
 
 
 # ---------------------------------------------------------------- show / explain / diff

@@ -60,7 +60,8 @@ class ShapeResult:
     shape: tuple[int, ...]
     step_s: float | None
     memory_bytes: float | None
-    error: str = ""  # set when no plan fits this shape
+    error: str = ""  # set when no plan fits this shape, or it was not searched
+    searched: bool = True  # False: the time limit was spent before this shape's turn (`solve_for_devices`)
     textbook_s: float | None = None  # the fastest textbook plan that fits on this shape (None: none fits)
 
 
@@ -73,6 +74,7 @@ class MeshSearch:
     solution: Solution
     tied: BuiltProblem
     textbooks: Mapping[str, Solution]  # fitting or not (`anytime.fits`); a textbook found in no time is left out
+    setup_s: float = 0.0  # CPU seconds the problem and the textbook plans took, before the search
 
 
 def _restrictions(traced: TracedGraph, profile: GraphProfile | ConcreteProfile, built: BuiltProblem) -> Restrictions:
@@ -96,12 +98,14 @@ def search_mesh(traced: TracedGraph, profile: GraphProfile | ConcreteProfile, me
     1. The problem, tied (`build_for`), and the textbook plans on it (`textbook.textbooks`).
     2. The anytime search (`anytime.solve_problem`) from the textbook plans and the leanest plan by construction;
        on a mesh of several axes the fastest starts that fit are improved one axis at a time first (`descent.py`).
-    3. Recompute and ZeRO decided per layer where the budget binds (`layers.py`)."""
+    3. Recompute and ZeRO decided per layer where the budget binds (`layers.py`), when the time left is more than
+       the tied problem took to build."""
     began = cpu_s()
     left_s = lambda until: time_limit_s * until - (cpu_s() - began)  # noqa: E731
     shape = "x".join(map(str, mesh.shape))
     progress(f"mesh {shape}: building the problem")
     tied = build_for(traced, profile, mesh, budget_bytes, sizes, host_budget_bytes=host_budget_bytes)
+    build_s = cpu_s() - began
     log.debug("solver: %s: problem built in %.2f s (%d graph nodes -> %d problem nodes)", mesh,
               cpu_s() - began, tied.num_graph_nodes, len(tied.problem.nodes))
     problem, restrictions = tied.problem, _restrictions(traced, profile, tied)
@@ -109,6 +113,7 @@ def search_mesh(traced: TracedGraph, profile: GraphProfile | ConcreteProfile, me
     names = ("data_parallel",) if restrictions.zero == "never" else BASELINES
     progress(f"mesh {shape}: pricing the textbook plans")
     books = textbooks(traced, tied, names, left_s(_TEXTBOOK_SHARE), backend, mesh.shape)
+    setup_s = cpu_s() - began
     lean_base = books.get("zero3") or books.get("data_parallel")
     lean = [leanest_start(problem, lean_base, restrictions)] if lean_base else []
 
@@ -131,11 +136,13 @@ def search_mesh(traced: TracedGraph, profile: GraphProfile | ConcreteProfile, me
     progress(f"mesh {shape}: searching (up to {max(left_s(_TIED_SHARE), 0):.0f} s)")
     sol = solve_problem(problem, left_s(_TIED_SHARE), backend, restrictions, SEARCH_GAP,
                         starts=[b.assignment for b in books.values()] + lean, improve=descended)
-    progress(f"mesh {shape}: deciding recompute and ZeRO per layer")
-    built, sol = per_layer(traced, profile, mesh, tied, sol, restrictions, left_s(1.0), backend, sizes, SEARCH_GAP)
+    built = tied
+    if left_s(1.0) > build_s:  # else the problem in runs of layers (larger than the tied one) would not even be built
+        progress(f"mesh {shape}: deciding recompute and ZeRO per layer")
+        built, sol = per_layer(traced, profile, mesh, tied, sol, restrictions, left_s(1.0), backend, sizes, SEARCH_GAP)
     log.info("solver: %s: est. step %.1f ms, %s in %.1f s", mesh, sol.time.total_s * 1e3, sol.report.status,
              cpu_s() - began)
-    return MeshSearch(mesh, built, sol, tied, books)
+    return MeshSearch(mesh, built, sol, tied, books, setup_s)
 
 
 def solve(
@@ -185,6 +192,13 @@ def solve_for_devices(
     errors: list[InfeasibleError] = []
     for k, shape in enumerate(shapes):
         share_s = max(0.0, time_limit_s - (cpu_s() - began)) / (len(shapes) - k)
+        if found and share_s < max(f.setup_s for f in found):
+            # a plan is in hand and this shape's share would not even build its problem and price its textbook
+            # plans (as long as the costliest shape searched took): it would run past the time limit to no avail
+            # (LLaMA-7B on 4x2 at 24 GB: 11 CPU-s from a share of 4 s, no plan found)
+            results.append(ShapeResult(shape, None, None, "not searched: the time limit was spent on the shapes "
+                                       "before it; raise time_limit_s to search it", searched=False))
+            continue
         mesh = make_mesh(num_devices, shape, hardware, precision=precision)
         try:
             search = search_mesh(traced, profile, mesh, budget_of(mesh, memory_budget_bytes), share_s, backend, sizes,
@@ -202,7 +216,7 @@ def solve_for_devices(
         found = [f for f in found if _fastest_candidate_s(f) <= fastest_s * (1 + margin)]
     for r in results:
         log.info("solver: mesh %s: %s", "x".join(map(str, r.shape)),
-                 f"{r.step_s * 1e3:.1f} ms" if r.step_s is not None else "no plan fits")
+                 f"{r.step_s * 1e3:.1f} ms" if r.step_s is not None else "no plan fits" if r.searched else "not searched")
     if not found:
         raise _least_need(errors)
     return _chosen(traced, found, baselines, margin), results

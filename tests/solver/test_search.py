@@ -313,3 +313,14 @@ def test_solve_keeping_params_holds_every_parameter_where_it_is_stored():
         assert {p.fqn: p.storage for p in kept.params} == {p.fqn: p.storage for p in pins}
         assert kept.recomputed() == ()
     assert {p.fqn: p.use for p in kept.params}[odd.fqn] == odd.storage  # used as stored
+
+
+def test_a_spent_time_limit_searches_no_further_shape_and_answers_with_the_first_shapes_plan():
+    traced, prof = mlp(2, 256, 1024, 512)
+    plan, results = solve_for_devices(traced, prof, 4, time_limit_s=0.0, margin=0.0)
+    assert [r.shape for r in results] == [(4,), (2, 2)]
+    first, second = results
+    assert first.searched and first.step_s is not None
+    # no time left after (4,): (2, 2) would only build its problem and price its textbook plans past the limit
+    assert not second.searched and second.step_s is None and "not searched" in second.error
+    assert plan.mesh.shape == (4,) and plan.time.total_s == pytest.approx(first.step_s, rel=1e-9)
