@@ -81,10 +81,11 @@ def _solver_plans(rank: int, world: int, budgets: list[float | None]) -> list[st
 @pytest.mark.timeout(240)
 def test_a_tight_budget_shards_the_tables_by_rows():
     """With memory to spare the solver splits the item table by columns (the lookup's output is
-    gathered, no table-sized gradient is all-reduced); at 960 KB, where a whole table's gradient and
+    gathered, no table-sized gradient is all-reduced); at 950 KB, where a whole table's gradient and
     Adam state no longer fit (beside the AdamW step's scratch, two buffers of the largest block), by rows.
-    Both train like one device."""
-    ample, tight = run_ranks(_solver_plans, 2, [None, 9.6e5])[0]
+    (The least any plan needs is 940 KB; from 959 KB a plan keeping the columns split fits too, priced 1.2%
+    slower: inside the search's 5% gap, either may be the answer there.) Both train like one device."""
+    ample, tight = run_ranks(_solver_plans, 2, [None, 9.5e5])[0]
     assert ample == "S(1)" and tight == "S(0)", (ample, tight)
 
 
