@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 from pathlib import Path
 
 import pytest
@@ -29,6 +30,13 @@ def gpt(n_layer: int):
         traced = trace(model, (ids, ids))
         _CACHE[n_layer] = (traced, profile(traced))
     return _CACHE[n_layer]
+
+
+@functools.lru_cache(maxsize=None)
+def ample_plan():
+    """4-layer GPT's plan on 2x2 without a budget (two tests price it or go below it)."""
+    traced, prof = gpt(4)
+    return solve(traced, prof, make_mesh(4, (2, 2)), memory_budget_bytes=None)
 
 
 def test_followers_join_their_producer_and_layers_tie():
@@ -60,7 +68,7 @@ def test_followers_join_their_producer_and_layers_tie():
 def test_tied_and_merged_plan_prices_the_same_as_per_node_pricing():
     traced, prof = gpt(4)
     mesh = make_mesh(4, (2, 2))
-    plan = solve(traced, prof, mesh, memory_budget_bytes=None)
+    plan = ample_plan()
     per_node = fixed_plan(traced, prof, mesh, {d.node: d.strategy for d in plan.nodes if d.op != "output"},
                           recompute=frozenset(plan.recomputed()), zero_params=frozenset(p.fqn for p in plan.params if p.zero))
     assert per_node.time.total_s == pytest.approx(plan.time.total_s, rel=1e-9)
@@ -78,9 +86,10 @@ def test_memory_bound_tied_plan_fits_and_prices_the_same_per_node():
     # ZeRO variables must map back onto every member of every tied copy, priced as per-node pricing does.
     traced, prof = gpt(4)
     mesh = make_mesh(4, (2, 2))
-    ample = solve(traced, prof, mesh, memory_budget_bytes=None)
+    ample = ample_plan()
     budget = 0.6 * ample.memory.total_bytes
-    plan = solve(traced, prof, mesh, memory_budget_bytes=budget)
+    # what is checked is the pricing of whatever plan is found, not its optimality: a short search
+    plan = solve(traced, prof, mesh, memory_budget_bytes=budget, time_limit_s=5.0)
     assert plan.memory.total_bytes <= budget
     assert plan.time.total_s >= ample.time.total_s  # a tighter budget cannot be faster
     assert plan.recomputed() or any(p.zero for p in plan.params)
