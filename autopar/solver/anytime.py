@@ -16,6 +16,10 @@
    or its bound is above the budget (`InfeasibleError`, proven), or neither: step 3 searches without a start and,
    finding nothing, raises `SearchTimeoutError` (an `InfeasibleError`) with the least need found.
 
+With `cutoff_s` (a plan of that step or slower is of no use to the caller: `search.solve_for_devices` passes what a
+plan on a later mesh shape must beat to be chosen), the LP relaxation of the model with the memory row is solved
+first: when its bound is at or above the cutoff, no plan can beat it and the search stops there (`Outpaced`).
+
 The gap reported (`SolverReport.gap`) sets the answer's step time against the best bound any step proved: what
 the plan is worth when the time limit stopped the search.
 """
@@ -29,7 +33,7 @@ from autopar.errors import AutoparError
 from autopar.gc_pause import gc_paused
 from autopar.solver.clock import cpu_s
 from autopar.solver.backends import Backend
-from autopar.solver.ilp import DEFAULT_GAP, Outcome, Restrictions, Solution, _Model, evaluate, run
+from autopar.solver.ilp import DEFAULT_GAP, Outcome, Restrictions, Solution, _Model, evaluate, relaxed_bound_s, run
 from autopar.solver.needs import infeasible_error, least_need_bytes, timeout_error
 from autopar.solver.plan import SolverReport
 from autopar.solver.problem import Assignment, Problem
@@ -41,6 +45,15 @@ log = logging.getLogger(__name__)
 # Megatron baselines on 4x2 found theirs in 11 and 22 s, 0.1-0.3% above what 30 s (the time limit) found.
 PRICING_GAP = 1e-2
 _MS = 1e3
+
+
+class Outpaced(Exception):
+    """No plan of the problem is faster than the cutoff the search was given: the LP relaxation proved it."""
+
+    def __init__(self, bound_s: float, cutoff_s: float):
+        super().__init__(f"no plan beats {cutoff_s * _MS:.1f} ms: the LP relaxation bounds the step at {bound_s * _MS:.1f} ms")
+        self.bound_s = bound_s
+        self.cutoff_s = cutoff_s
 
 
 @dataclass(frozen=True)
@@ -95,6 +108,7 @@ def solve_problem(
     starts: Sequence[Assignment] = (),
     bounded: bool = False,
     improve: Callable[[Sequence[Solution], float], Sequence[Solution]] | None = None,
+    cutoff_s: float | None = None,
 ) -> Solution:
     """The fastest assignment that fits the budget, found within `time_limit_s` in all (see the module docstring).
     `starts`: valid assignments the search starts from (the answer is at least as fast as the fastest that fits);
@@ -102,11 +116,16 @@ def solve_problem(
     fit is priced); `mip_rel_gap`: stop once the plan is provably within this fraction of the best possible step;
     `bounded`: a start that fits is given, search with the memory row at once (step 3 only: a small model's);
     `improve(fitting, seconds)`: more starts from the fitting ones, found in the seconds given, before step 3
-    (a graph's search improves them one mesh axis at a time: `descent.py`)."""
+    (a graph's search improves them one mesh axis at a time: `descent.py`); `cutoff_s`: stop with `Outpaced` when
+    the LP relaxation proves no plan faster than this (see the module docstring)."""
     began = cpu_s()
     clock = _Clock(began + time_limit_s)
     budget = problem.budget_bytes
     model = _Model(problem, restrictions, "time")
+    if cutoff_s is not None:
+        bound_s = relaxed_bound_s(model, backend, clock.left_s())
+        if bound_s is not None and bound_s >= cutoff_s:
+            raise Outpaced(bound_s, cutoff_s)
     candidates = [priced(problem, a) for a in starts]
     bound = fastest = None
     if not (bounded and any(fits(problem, c) for c in candidates)):

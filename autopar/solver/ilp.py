@@ -777,6 +777,10 @@ class _Model:
             slack_bytes = MEMORY_SLACK_BYTES / (self.per_byte * _GIB)
             self.prob += _affine(self.memory_terms) <= (self.problem.budget_bytes - slack_bytes) * self.per_byte, "memory"
 
+    def drop_memory_limit(self) -> None:
+        """The budget row taken out again (`relaxed_bound_s` adds it for one LP)."""
+        self.prob._constraints.pop("memory", None)
+
     def start_from(self, a: Assignment) -> None:
         """A MIP start: every integer variable as `a` sets it (the solver completes the continuous ones; what an
         earlier solve left is cleared). Where `a` takes an option the restrictions rule out, the node is left for
@@ -844,3 +848,25 @@ def run(
     if sol == pulp.LpSolutionInfeasible:
         return Outcome("infeasible", used, solve_s, None, bound)
     return Outcome("none", used, solve_s, None, bound)
+
+
+def relaxed_bound_s(model: _Model, backend: Backend, time_limit_s: float) -> float | None:
+    """A lower bound of the step of every plan within the budget: the LP relaxation of `model` with the memory row
+    (None: no budget, not solved in time, or not HiGHS). The model is left as it was, without the row."""
+    budget = model.problem.budget_bytes
+    if budget is None:
+        return None
+    solver, used = make_solver(backend, time_limit_s, presolve=False, mip_rel_gap=DEFAULT_GAP, relaxation=True)
+    if used != "highs":
+        return None
+    model.add_memory_limit()
+    try:
+        model.prob.solve(solver)
+        highs = model.prob.solverModel
+        if highs.getModelStatus().name != "kOptimal":  # infeasible (the search proves that itself) or interrupted
+            return None
+        objective_ms = highs.getInfo().objective_function_value
+    finally:
+        model.drop_memory_limit()
+    # the objective adds 1 us per GiB of memory (at most the budget) as a tie-break; HiGHS' tolerances are relative
+    return (objective_ms - _TIE_MS_PER_GIB * budget / _GIB) / _MS * (1 - 1e-6)
