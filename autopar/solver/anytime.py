@@ -147,7 +147,10 @@ def solve_problem(
             candidates += [fitted] if fitted is not None else []
     if budget is not None and not bounded:
         relaxed = relaxed or relax(model, backend, clock.left_s() / 2)
-        rounded = _rounded(problem, relaxed, restrictions, backend, clock.left_s() / 4) if relaxed else None
+        tried = {c.assignment.choice for c in candidates if fits(problem, c)} | \
+            ({fastest.assignment.choice} if fastest is not None else set())  # fitted already (`fit_memory` above)
+        rounded = _rounded(problem, relaxed, restrictions, backend, clock.left_s() / 4) \
+            if relaxed is not None and relaxed.choice not in tried else None
         candidates += [rounded] if rounded is not None else []
         if relaxed is not None:
             bound = max(relaxed.objective, bound if bound is not None else relaxed.objective)
