@@ -28,7 +28,7 @@ from autopar.solver.pinned import fixed_plan
 from autopar.solver.strategies import enumerate_strategies
 from tests.codegen.harness import (EPS, LR, check_steps, classifier_case, local_sample, loss_of, parallel_module, reference,
                                    train, zoo_case)
-from tests.codegen.mixed import BF16, trace_mixed
+from tests.codegen.mixed import BF16, grad_error, grad_floor, param_error, tolerance, trace_mixed
 from tests.codegen.plans import cpu_mesh, greedy_plan, random_plan
 
 STEPS = 3
@@ -216,22 +216,32 @@ def _mixed_steps(rank: int, world: int, model, sample, traced, plans: list[Plan]
         hosted = set(plan.offloaded())
         assert all(p.dtype == torch.float32 and (fqn not in hosted or p.device.type == "cpu")
                    for fqn, p in pm.named_parameters())
+        if hosted:  # ZeRO-Offload's layout: a copied parameter keeps its bf16 copy alone on the device, no gradient
+            lean = pm._offload.lean
+            assert set(lean) == set(pm.info.compute_copies) & hosted and lean, "the copied parameters are lean"
+            assert all(pm._offload.device_of[fqn].dtype == torch.bfloat16 and pm._offload.device_of[fqn].grad is None
+                       for fqn in lean)
+            assert pm._copies is None or not set(pm._copies.names) & set(lean)
         out.append((losses, grads, {fqn: p.detach().clone() for fqn, p in pm.named_parameters()}))
     return out
 
 
 def test_mixed_precision_masters_on_the_host_step_as_on_the_device():
     """bf16 compute on float32 masters, a random plan with ZeRO and tensor-parallel parameters: with every master
-    and its AdamW state on the host, the run is the same plan's without offload (whose match with one device
-    `tests/codegen/test_mixed_precision` checks), to float32 rounding."""
+    and its AdamW state on the host, the device keeps only the bf16 copies and the gradients leave it in bf16, and
+    the run is the same plan's without offload (whose match with one device `tests/codegen/test_mixed_precision`
+    checks) within the bf16 recipe's measured spread (`tests.codegen.mixed.tolerance`): the summed gradients are
+    rounded to bf16 on their way to the host, as ZeRO-Offload sends them."""
     model, sample, _, _ = zoo_case("gpt2")
     traced = trace_mixed(model, sample)
     plan = random_plan(traced, cpu_mesh((2,)), random.Random(5))
     hosted = _tiers(plan, set(traced.param_fqns.values()))
+    allowed = tolerance("gpt2")
     for (losses, grads, params), (losses_h, grads_h, params_h) in run_ranks(_mixed_steps, 2, model, sample, traced,
                                                                              [plan, hosted], timeout_s=120):
-        assert losses_h == pytest.approx(losses, rel=1e-6)
+        assert losses_h[0] == pytest.approx(losses[0], rel=1e-6)  # the same values before any step
+        assert losses_h[1] == pytest.approx(losses[1], rel=allowed["loss"])
         assert grads_h.keys() == grads.keys() and params_h.keys() == params.keys()
-        for fqn in grads:
-            torch.testing.assert_close(grads_h[fqn], grads[fqn], rtol=1e-5, atol=1e-7)
-            torch.testing.assert_close(params_h[fqn], params[fqn], rtol=1e-5, atol=1e-7)
+        floor = grad_floor(grads)
+        assert max(grad_error(grads_h[fqn], grads[fqn], floor) for fqn in grads) <= allowed["grad"]
+        assert max(param_error(params_h[fqn], params[fqn], 2) for fqn in params) <= allowed["param"]
