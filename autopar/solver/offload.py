@@ -34,9 +34,9 @@ from dataclasses import dataclass, fields, replace
 from typing import AbstractSet, Iterable
 
 from autopar.profiler.types import GraphProfile, ParamCost, ParamProfile
-from autopar.solver.cost import compute_time_s
+from autopar.solver.cost import GRAD_BUCKET_BYTES, compute_time_s
 from autopar.solver.mesh import HOST_LINKS, Mesh
-from autopar.solver.plan import Plan
+from autopar.solver.plan import ParamDecision, Plan
 from autopar.solver.spec import Shard, Spec
 
 # torch.optim.AdamW(foreach=True) on float32 CPU tensors: 2.1e8 parameters a second of one core's CPU time,
@@ -172,17 +172,29 @@ def offloaded_profile(profile: GraphProfile, names: AbstractSet[str]) -> GraphPr
     return replace(profile, params=params)
 
 
+def _planned_tier(param: ParamProfile, decision: ParamDecision, mesh: Mesh) -> TierCost:
+    """The host tier of `param`'s block as `decision` stores it: ZeRO-sharded, the float32 layout (the block priced
+    already); else ZeRO-Offload's where it has a copy."""
+    cost = tier_cost(param, storage_shard(decision.storage, mesh), mesh)
+    return cost if decision.zero else cost.layout(1)
+
+
 def with_offload(plan: Plan, profile: GraphProfile, names: AbstractSet[str]) -> Plan:
     """`plan` (solved for `offloaded_profile(profile, names)`) with `names` on the host tier: the parameters'
     tiers, the host bytes per rank and the tier's time."""
     if not names:
         return plan
-    costs = [tier_cost(profile.params[p.fqn], storage_shard(p.storage, plan.mesh), plan.mesh)
-             for p in plan.params if p.fqn in names and p.fqn in profile.params]
+    costs = [_planned_tier(profile.params[p.fqn], p, plan.mesh) for p in plan.params if p.fqn in names and p.fqn in profile.params]
+    lean = [c for c in costs if c.lean]
+    total = sum(c.copy_grad_bytes + c.summed_grad_bytes for c in lean)  # (the ILP, not knowing the tiers, takes every one)
+    in_flight = max((lean_in_flight_bytes(c, GRAD_BUCKET_BYTES, total) for c in lean), default=0.0)
+    m = plan.memory
     return replace(
         plan,
         params=tuple(replace(p, tier="host") if p.fqn in names else p for p in plan.params),
-        memory=replace(plan.memory, host_params_bytes=sum(c.host_params_bytes for c in costs),
+        memory=replace(m, params_bytes=m.params_bytes - sum(c.host_params_bytes for c in lean),
+                       grads_bytes=m.grads_bytes - sum(c.host_grads_bytes for c in lean) + in_flight,
+                       host_params_bytes=sum(c.host_params_bytes for c in costs),
                        host_grads_bytes=sum(c.host_grads_bytes for c in costs),
                        host_optimizer_bytes=sum(c.host_optimizer_bytes for c in costs)),
         time=replace(plan.time, offload_s=sum(c.step_s for c in costs)),

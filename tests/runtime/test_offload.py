@@ -17,6 +17,7 @@ from torch.utils import _pytree as pytree
 
 import autopar
 from autopar.errors import InfeasibleError, InvalidValueError
+from autopar.api import profiled
 from autopar.profiler import profile
 from autopar.runtime.launch import run_ranks
 from autopar.runtime.mesh import ProcessMesh
@@ -245,3 +246,48 @@ def test_mixed_precision_masters_on_the_host_step_as_on_the_device():
         floor = grad_floor(grads)
         assert max(grad_error(grads_h[fqn], grads[fqn], floor) for fqn in grads) <= allowed["grad"]
         assert max(param_error(params_h[fqn], params[fqn], 2) for fqn in params) <= allowed["param"]
+
+
+def _measure_lean(rank: int, world: int, model, sample, traced, plan: Plan) -> dict[str, int]:
+    pm = parallel_module(model, sample, traced, plan, ProcessMesh((2,)), mixed_precision=BF16)
+    opt = torch.optim.AdamW(pm.parameters(), lr=LR)
+    args, kwargs = local_sample(sample, pm)
+    loss_of(pm(*args, **kwargs)).backward()
+    masters = set(pm._offload.masters.values())
+    on_device = [p for p in pm.parameters() if p not in masters]
+    lean = [pm._offload.device_of[fqn] for fqn in pm._offload.lean]
+    grads = {"device": _unique_bytes([p.grad for p in on_device if p.grad is not None] + [c.grad for c in lean if c.grad is not None]),
+             "host": _unique_bytes([m.grad for m in masters])}
+    opt.step()
+    states = {id(p): [t for t in pytree.tree_leaves(s) if isinstance(t, torch.Tensor)] for p, s in opt.state.items()}
+    copies = [] if pm._copies is None else [pm._copies.flat]
+    device = [*pm._offload.device_of.values(), *on_device, *copies, *(t for p in on_device for t in states[id(p)])]
+    host = [*masters, *(m.grad for m in masters), *(t for m in masters for t in states[id(m)])]
+    return {"device": _unique_bytes(device), "host": _unique_bytes(host), "grads": grads, "lean": len(lean)}
+
+
+def test_bf16_host_tier_keeps_only_the_copies_on_the_device():
+    """ZeRO-Offload's layout, priced and measured: GPT-2 under bf16 on 2 ranks, data parallel, half of the parameters
+    on the host tier. On the device: their bf16 copies alone (no float32 value, no gradient once backward ended);
+    the plan's device parameters and optimizer state, its gradients less the bound it puts on those in flight, and its
+    host bytes are the storages measured in each pool."""
+    model, sample, _, _ = zoo_case("gpt2")
+    traced = trace_mixed(model, sample)
+    prof = profiled(traced, "adamw", model, BF16)
+    mesh = cpu_mesh((2,))
+    fqns = list(traced.param_fqns.values())
+    host = set(fqns[::2])
+    choices = {d.node: d.strategy for d in greedy_plan(traced, mesh, {n: "S(0)" for n in traced.input_names}).nodes}
+    before = fixed_plan(traced, offloaded_profile(prof, host), mesh, choices)
+    plan = with_offload(before, prof, host)
+    copies = {fqn: p.copy_bytes for fqn, p in prof.params.items() if fqn in host and p.copy_bytes}
+    in_flight = plan.memory.grads_bytes - (before.memory.grads_bytes - plan.memory.host_grads_bytes)
+    # (every lean gradient at once, a tiny model's all fitting one bucket: the copies' bf16 and their float32 sums)
+    assert in_flight == pytest.approx(sum(3 * p.copy_bytes for fqn, p in prof.params.items() if fqn in host))
+    assert plan.memory.params_bytes == pytest.approx(before.memory.params_bytes - plan.memory.host_params_bytes)
+    for measured in run_ranks(_measure_lean, 2, model, sample, traced, plan, timeout_s=120):
+        assert measured["lean"] == len(copies) > 0
+        assert measured["device"] == pytest.approx(plan.memory.params_bytes + plan.memory.optimizer_bytes, rel=1e-3)
+        assert measured["host"] == pytest.approx(plan.memory.host_bytes, rel=1e-3)
+        assert measured["grads"]["device"] == pytest.approx(plan.memory.grads_bytes - in_flight, rel=1e-3)
+        assert measured["grads"]["host"] == pytest.approx(plan.memory.host_grads_bytes, rel=1e-3)
