@@ -147,11 +147,13 @@ def test_parallelize_offload_optimizer_trains_as_one_device():
         autopar.parallelize(model, sample, (1,), offload=["fc1.weight", "fc3.weight"])
 
 
-def _auto(rank: int, world: int, model, sample, budget: float) -> tuple[tuple[str, ...], list[float], dict[str, torch.Tensor]]:
+def _auto(rank: int, world: int, model, sample, budget: float) -> tuple[tuple[str, ...], list[float], dict[str, torch.Tensor], str]:
+    with pytest.raises(InfeasibleError) as device_only:  # the same budget, every optimizer state on the device
+        autopar.parallelize(model, sample, (2,), memory_budget=budget, hardware="cpu", time_limit_s=5)
     pm = autopar.parallelize(model, sample, (2,), memory_budget=budget, hardware="cpu", offload="auto",
                              host_memory_bytes=1e9, time_limit_s=5)
     losses = train(pm, sample, STEPS)
-    return pm.plan.offloaded(), losses, pm.state_dict()
+    return pm.plan.offloaded(), losses, pm.state_dict(), str(device_only.value).splitlines()[-1]
 
 
 def _least_bytes(traced, prof, host_budget_bytes: float | None) -> float:
@@ -163,12 +165,13 @@ def _least_bytes(traced, prof, host_budget_bytes: float | None) -> float:
 
 def test_parallelize_offload_auto_under_a_tight_budget_trains_as_one_device():
     """offload="auto" with a budget no device plan fits: the solver puts some parameters on the host tier, and the
-    run matches one device."""
+    run matches one device. Without offload, the same budget's error names offload='auto' as a fix."""
     model, sample, traced = classifier_case()[:3]
     prof = profile(traced, optimizer="adamw")
     budget = (_least_bytes(traced, prof, 1e9 / 2) + _least_bytes(traced, prof, None)) / 2
     ref = reference(model, sample, STEPS)
-    for offloaded, losses, state in run_ranks(_auto, 2, model, sample, budget, timeout_s=120):
+    for offloaded, losses, state, fix in run_ranks(_auto, 2, model, sample, budget, timeout_s=120):
+        assert "pass memory_budget=" in fix and "pass offload='auto'" in fix
         assert offloaded
         assert losses == pytest.approx(ref.losses, rel=1e-5)
         for name, want in ref.params[-1].items():
