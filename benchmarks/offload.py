@@ -14,10 +14,17 @@ on the device. The host tier's time is its own column: the
 gradients' and parameters' copies over PCIe (`Mesh.host_link_bytes_per_s`) and the host's AdamW step
 (`solver.offload.HOST_ADAMW_PARAMS_PER_S`), none of it overlapped with compute (as the runtime runs it).
 Predictions of the cost model only: nothing here runs on a GPU.
+
+Last, ZeRO-Offload's published single-GPU configuration (Ren et al. 2021, arXiv 2101.06840: a 10B GPT-2-like model,
+50 layers of width 4096, on one V100 32 GB, about 40 TFLOP/s reported): the solver's plan for it on the `v100` preset
+under bf16 (the preset's half-precision rate is fp16's) with the host tier its choice, its predicted step and TFLOP/s
+(the step's forward and backward FLOPs, recompute not counted, over the predicted step) beside the paper's.
 """
 from __future__ import annotations
 
 import argparse
+
+import torch
 
 from _common import load_example, provenance_line
 
@@ -42,9 +49,37 @@ def plan_row(traced, prof, hardware: str, gpus: int, host_budget_bytes: float | 
         return {**row, "fits": False, "error": str(err).split(";")[0]}
     m = plan.memory
     return {**row, "fits": True, "step_s": plan.time.total_s, "offload_s": plan.time.offload_s,
+            "compute_s": plan.time.compute_s, "recompute_s": plan.time.recompute_s, "comm_s": plan.time.comm_s,
             "device_gib": m.total_bytes / GIB, "host_gib": m.host_bytes / GIB, "hosted": len(plan.offloaded()),
             "params": len(plan.params), "zero": sum(p.zero for p in plan.params), "recomputed": len(plan.recomputed()),
             "shape": plan.mesh.shape}
+
+
+# ZeRO-Offload (arXiv 2101.06840) on one V100 32 GB: a 10B GPT-2-like model (50 layers, hidden 4096, 32 heads,
+# 1024-token context), about 40 TFLOP/s reported. The micro-batch (8 sequences of 1024 tokens) is this script's
+# choice: the plan is priced at it.
+PAPER_TFLOPS = 40.0
+PAPER_LAYERS, PAPER_WIDTH, PAPER_HEADS, PAPER_BATCH = 50, 4096, 32, 8
+
+
+def zero_offload_row(host_memory_bytes: float, time_limit_s: float) -> dict:
+    """The solver's plan for ZeRO-Offload's single-V100 configuration: step, TFLOP/s, and where the time goes."""
+    gpt2 = load_example("gpt2")
+    cfg = gpt2.GPTConfig(n_layer=PAPER_LAYERS, n_head=PAPER_HEADS, n_embd=PAPER_WIDTH)
+    with torch.device("meta"):
+        model = gpt2.GPT(cfg).train()
+        ids = torch.randint(0, cfg.vocab_size, (PAPER_BATCH, cfg.block_size))
+    sample = {"input_ids": ids, "labels": ids}
+    policy = POLICIES["bf16"]
+    traced = traced_model(model, sample, "cpu", mixed_precision=policy)
+    prof = profiled(traced, "adamw", model, policy)
+    flops = sum(n.fwd_flops + n.bwd_flops for n in prof.evaluate().nodes.values())
+    params = sum(p.numel() for p in model.parameters())
+    row = plan_row(traced, prof, "v100", 1, host_budget_per_rank(host_memory_bytes, 1), time_limit_s, "bf16")
+    row.update(numel=params, step_tflop=flops / 1e12)
+    if row["fits"]:
+        row["tflops"] = flops / row["step_s"] / 1e12
+    return row
 
 
 def main() -> None:
@@ -82,7 +117,20 @@ def main() -> None:
                   f"{row['offload_s']:>13.2f} s | {row['device_gib']:>10.2f} | {row['host_gib']:>8.2f} | "
                   f"{row['hosted']:>3} of {row['params']:<3} | {row['zero']} ZeRO, {row['recomputed']} recomputed, "
                   f"mesh {row['shape']} |")
-    print(provenance_line("offload", rows=rows))
+    paper = zero_offload_row(args.host_memory, args.time_limit)
+    print(paper, flush=True)
+    print(f"\nZeRO-Offload's single-GPU configuration: {paper['numel'] / 1e9:.1f}B GPT-2-like, batch {PAPER_BATCH} x 1024, "
+          f"one V100 32 GB (v100 preset, bf16 standing for fp16), {paper['step_tflop']:.0f} TFLOP a step")
+    if paper["fits"]:
+        print(f"| source | step | TFLOP/s | of it host tier | device GiB | host GiB | on host | plan |")
+        print(f"|--------|------|---------|-----------------|------------|----------|---------|------|")
+        print(f"| predicted (autopar) | {paper['step_s']:.2f} s | {paper['tflops']:.1f} | {paper['offload_s']:.2f} s | "
+              f"{paper['device_gib']:.2f} | {paper['host_gib']:.2f} | {paper['hosted']} of {paper['params']} | "
+              f"{paper['zero']} ZeRO, {paper['recomputed']} recomputed |")
+        print(f"| published (Ren et al. 2021) | | ~{PAPER_TFLOPS:.0f} | | | | | |")
+    else:
+        print(f"infeasible: {paper['error']}")
+    print(provenance_line("offload", rows=rows, zero_offload=paper))
 
 
 if __name__ == "__main__":
