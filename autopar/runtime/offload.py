@@ -107,10 +107,9 @@ class HostOffload:
                 if copy.requires_grad != master.requires_grad:
                     copy.requires_grad_(master.requires_grad)
                 if self._versions.get(fqn) != master._version:
-                    # a compute copy is cast on the host first: the link carries its own dtype's bytes
-                    source = master.to(copy.dtype) if copy.dtype != master.dtype else master
-                    if copy.is_cuda and source is not master:
-                        source = host_tensor(source).copy_(source)  # pinned: copied asynchronously
+                    source = master
+                    if copy.dtype != master.dtype:  # a compute copy: cast on the host, the link carries its dtype
+                        source = host_tensor(copy).copy_(master)
                     copy.copy_(source, non_blocking=copy.is_cuda)
                     self._versions[fqn] = master._version
 
