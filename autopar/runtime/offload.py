@@ -129,12 +129,15 @@ class HostOffload:
                 master.grad = copy.grad.clone() if master.grad is None else master.grad.add_(copy.grad)
                 copy.grad = None
 
-    def _collect_cuda(self, moved: list[tuple[nn.Parameter, torch.Tensor]]) -> None:
-        compute = torch.cuda.current_stream()
+    def _side_stream(self) -> torch.cuda.Stream:
+        """The stream of device-to-host copies, ordered after the compute stream's work so far (which wrote them)."""
         if self._stream is None:
             self._stream = torch.cuda.Stream()
-        self._stream.wait_stream(compute)  # the gradients are written by the compute stream's backward
-        with torch.no_grad(), torch.cuda.stream(self._stream):
+        self._stream.wait_stream(torch.cuda.current_stream())
+        return self._stream
+
+    def _collect_cuda(self, moved: list[tuple[nn.Parameter, torch.Tensor]]) -> None:
+        with torch.no_grad(), torch.cuda.stream(self._side_stream()):
             for master, copy in moved:
                 grad = copy.grad
                 grad.record_stream(self._stream)  # freed by the caching allocator only after this copy
@@ -152,11 +155,7 @@ class HostOffload:
         cast = summed.to(dtype)
         if not cast.is_cuda:
             return cast.clone() if cast is summed else cast
-        compute = torch.cuda.current_stream()
-        if self._stream is None:
-            self._stream = torch.cuda.Stream()
-        self._stream.wait_stream(compute)
-        with torch.no_grad(), torch.cuda.stream(self._stream):
+        with torch.no_grad(), torch.cuda.stream(self._side_stream()):
             cast.record_stream(self._stream)
             staged = host_tensor(cast)
             staged.copy_(cast, non_blocking=True)
