@@ -351,13 +351,13 @@ def _offloaded_step(rank: int, world: int, cpu: bool) -> dict:
         model, sample = build(batch_size=batch, seq_len=seq, size=size, device="cpu")
         model, sample = model.to(device), {k: v.to(device) for k, v in sample.items()}
         _reset_peak(device)
-        pm = autopar.parallelize(model, sample, (1,), mixed_precision=policy, time_limit_s=10,
+        pm = autopar.parallelize(model, sample, (1,), mixed_precision=policy, time_limit_s=2 if cpu else 10,
                                  offload="optimizer" if tier == "host" else None)
         del model
         _reset_peak(device)  # the step's peak, not parallelize's
         opt = torch.optim.AdamW(pm.parameters(), lr=1e-4)
         loss = pm(**sample).item()
-        step_s, peak = _measured_steps(pm, sample, opt, device, 2 if cpu else 5)
+        step_s, peak = _measured_steps(pm, sample, opt, device, 1 if cpu else 5)
         m = pm.plan.memory
         out[tier] = {"first_loss": loss, "step_ms": step_s * 1e3, "predicted_step_ms": pm.plan.time.total_s * 1e3,
                      "peak_bytes": peak, "predicted_peak_bytes": m.total_bytes, "host_bytes": m.host_bytes,
