@@ -177,7 +177,7 @@ def evaluate(problem: Problem, a: Assignment, saved_by_node: list[float] | None 
     compute_s = comm_s = recompute_s = update_s = offload_s = 0.0
     params = grads = opt = act = temp = 0.0
     host = [0.0, 0.0, 0.0]  # the host tier's masters, gradients, optimizer state
-    in_flight, lean_total = 0.0, lean_gradient_bytes(problem)  # lean gradients on the device (`solver.offload`)
+    in_flight, lean_total = 0.0, None  # lean gradients on the device (`solver.offload`), the most there can be
     saved = saved_by_node if saved_by_node is not None else [0.0] * len(problem.nodes)
     # backward rebuilds a recomputed layer in graph order: per recomputed node what it rebuilds (its saved bytes, the
     # resharded inputs it saves again) and the largest buffers of a reshard of its inputs run again before it
@@ -214,6 +214,7 @@ def evaluate(problem: Problem, a: Assignment, saved_by_node: list[float] | None 
             if tier.lean:  # ZeRO-Offload's layout: the master and its gradient are the host's alone
                 params -= tier.host_params_bytes
                 grads -= tier.host_grads_bytes
+                lean_total = lean_gradient_bytes(problem) if lean_total is None else lean_total
                 in_flight = max(in_flight, lean_in_flight_bytes(tier, GRAD_BUCKET_BYTES, lean_total))
             device_step_s = o.update_s - (o.zero.update_saving_s if a.zero[v] else 0.0)
             compute_s -= device_step_s
