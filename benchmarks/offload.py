@@ -122,8 +122,8 @@ def main() -> None:
     print(f"\nZeRO-Offload's single-GPU configuration: {paper['numel'] / 1e9:.1f}B GPT-2-like, batch {PAPER_BATCH} x 1024, "
           f"one V100 32 GB (v100 preset, bf16 standing for fp16), {paper['step_tflop']:.0f} TFLOP a step")
     if paper["fits"]:
-        print(f"| source | step | TFLOP/s | of it host tier | device GiB | host GiB | on host | plan |")
-        print(f"|--------|------|---------|-----------------|------------|----------|---------|------|")
+        print("| source | step | TFLOP/s | of it host tier | device GiB | host GiB | on host | plan |")
+        print("|--------|------|---------|-----------------|------------|----------|---------|------|")
         print(f"| predicted (autopar) | {paper['step_s']:.2f} s | {paper['tflops']:.1f} | {paper['offload_s']:.2f} s | "
               f"{paper['device_gib']:.2f} | {paper['host_gib']:.2f} | {paper['hosted']} of {paper['params']} | "
               f"{paper['zero']} ZeRO, {paper['recomputed']} recomputed |")
