@@ -183,7 +183,7 @@ def cmd_plan(args: Any) -> int:
     if shapes:
         summary["mesh_shapes_tried"] = [
             {"shape": list(r.shape), "step_s": r.step_s, "memory_bytes": r.memory_bytes, "error": r.error,
-             "textbook_step_s": r.textbook_s, "searched": r.searched} for r in shapes
+             "textbook_step_s": r.textbook_s, "searched": r.searched, "bound_step_s": r.bound_s} for r in shapes
         ]
     _emit(summary, args.json, saved=args.save, html=args.html)
     return 0
@@ -280,6 +280,8 @@ def _emit(summary: dict, as_json: bool, saved: str | None = None, html: str | No
 def _shape_outcome(r: dict) -> str:
     if r["step_s"] is not None:
         return fmt_seconds(r["step_s"])
+    if r.get("bound_step_s") is not None:
+        return f"no plan faster than {fmt_seconds(r['bound_step_s'])} (proven), slower than the plan chosen"
     return "does not fit" if r.get("searched", True) else "not searched (time limit spent)"
 
 

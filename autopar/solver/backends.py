@@ -125,9 +125,9 @@ class BulkHighs(pulp.HiGHS):
 
 
 def make_solver(backend: Backend, time_limit_s: float, presolve: bool, mip_rel_gap: float,
-                warm_start: bool = False) -> tuple[pulp.LpSolver, str]:
+                warm_start: bool = False, relaxation: bool = False) -> tuple[pulp.LpSolver, str]:
     """`time_limit_s`: CPU seconds (`clock.py`; CBC, a process of its own, counts its own); `warm_start`: start
-    from the variables' initial values (`LpVariable.setInitialValue`)."""
+    from the variables' initial values (`LpVariable.setInitialValue`); `relaxation`: the LP relaxation (HiGHS only)."""
     if backend == "highs":
         # One thread: deterministic. Presolve is on only once the memory row is in: without it,
         # presolve removes <1% of rows yet took 60-70% of the solve (GPT-2 small on 2x2: 0.47 ->
@@ -137,6 +137,8 @@ def make_solver(backend: Backend, time_limit_s: float, presolve: bool, mip_rel_g
         # let reduced-cost fixing shrink the model sooner: Llama tiny 2x2 at 2 MB 4.1 -> 3.0 s, GPT-2 small
         # 2x2 at 30% of its need 1.6 -> 1.1 s, other budgets within noise.
         options = {"presolve": "on", "mip_heuristic_effort": 0.3} if presolve else {"presolve": "off"}
+        if relaxation:
+            options["solve_relaxation"] = True
         highs = BulkHighs(msg=False, timeLimit=_WALL_PER_CPU * time_limit_s + _WALL_EXTRA_S, threads=1, random_seed=0,
                           gapRel=mip_rel_gap, warm_start=warm_start, cpu_limit_s=time_limit_s, **options)
         if highspy is not None and highs.available():

@@ -815,6 +815,10 @@ class _Model:
             slack_bytes = MEMORY_SLACK_BYTES / (self.per_byte * _GIB)
             self.prob += _affine(self.memory_terms) <= (self.problem.budget_bytes - slack_bytes) * self.per_byte, "memory"
 
+    def drop_memory_limit(self) -> None:
+        """The budget row taken out again (`relax` adds it for one LP)."""
+        self.prob._constraints.pop("memory", None)
+
     def start_from(self, a: Assignment) -> None:
         """A MIP start: every integer variable as `a` sets it (the solver completes the continuous ones; what an
         earlier solve left is cleared). Where `a` takes an option the restrictions rule out, the node is left for
@@ -882,3 +886,36 @@ def run(
     if sol == pulp.LpSolutionInfeasible:
         return Outcome("infeasible", used, solve_s, None, bound)
     return Outcome("none", used, solve_s, None, bound)
+
+
+
+@dataclass(frozen=True)
+class Relaxed:
+    """The LP relaxation of a `_Model` with the memory row: its least objective, and each node's heaviest option."""
+
+    objective: float  # in model units (ms), the tie-break included: a bound as `Outcome.bound` is
+    bound_s: float  # a lower bound of the step of every plan within the budget
+    choice: tuple[int, ...]  # per node, the option the relaxation weighs most: a sharding to round to
+
+
+def relax(model: _Model, backend: Backend, time_limit_s: float) -> Relaxed | None:
+    """The LP relaxation of `model` with the memory row (None: no budget, not solved in time, or not HiGHS). The
+    model is left as it was, without the row."""
+    budget = model.problem.budget_bytes
+    if budget is None:
+        return None
+    solver, used = make_solver(backend, time_limit_s, presolve=False, mip_rel_gap=DEFAULT_GAP, relaxation=True)
+    if used != "highs":
+        return None
+    model.add_memory_limit()
+    try:
+        model.prob.solve(solver)
+        highs = model.prob.solverModel
+        if highs.getModelStatus().name != "kOptimal":  # infeasible (the search proves that itself) or interrupted
+            return None
+        objective = highs.getInfo().objective_function_value
+    finally:
+        model.drop_memory_limit()
+    choice = tuple(max(range(len(xs)), key=lambda s: xs[s].varValue or 0.0) for xs in model.x)
+    # the objective adds 1 us per GiB of memory (at most the budget) as a tie-break; HiGHS' tolerances are relative
+    return Relaxed(objective, (objective - _TIE_MS_PER_GIB * budget / _GIB) / _MS * (1 - 1e-6), choice)

@@ -21,7 +21,7 @@ from autopar.errors import InfeasibleError, SearchTimeoutError
 from autopar.profiler.profile import optimizer_cost
 from autopar.profiler.types import ConcreteProfile, GraphProfile
 from autopar.solver.clock import cpu_s
-from autopar.solver.anytime import fit_memory, fits, solve_problem
+from autopar.solver.anytime import Outpaced, fit_memory, fits, solve_problem
 from autopar.solver.descent import descend
 from autopar.solver.assemble import budget_of, build_for, to_plan
 from autopar.solver.ilp import Restrictions, Solution
@@ -63,6 +63,7 @@ class ShapeResult:
     error: str = ""  # set when no plan fits this shape, or it was not searched
     searched: bool = True  # False: the time limit was spent before this shape's turn (`solve_for_devices`)
     textbook_s: float | None = None  # the fastest textbook plan that fits on this shape (None: none fits)
+    bound_s: float | None = None  # set when the search stopped at a proof that no plan here beats `solve_for_devices`' own
 
 
 @dataclass(frozen=True)
@@ -75,6 +76,7 @@ class MeshSearch:
     tied: BuiltProblem
     textbooks: Mapping[str, Solution]  # fitting or not (`anytime.fits`); a textbook found in no time is left out
     setup_s: float = 0.0  # CPU seconds the problem and the textbook plans took, before the search
+    bound_s: float | None = None  # the search stopped here: no plan on this mesh is faster (`cutoff_s`)
 
 
 def _restrictions(traced: TracedGraph, profile: GraphProfile | ConcreteProfile, built: BuiltProblem) -> Restrictions:
@@ -89,11 +91,14 @@ def _restrictions(traced: TracedGraph, profile: GraphProfile | ConcreteProfile, 
 def search_mesh(traced: TracedGraph, profile: GraphProfile | ConcreteProfile, mesh: Mesh, budget_bytes: float,
                 time_limit_s: float = 30.0, backend: Literal["highs", "cbc"] = "highs",
                 sizes: Mapping[str, int] | None = None, progress: Progress = _quiet,
-                host_budget_bytes: float | None = None) -> MeshSearch:
+                host_budget_bytes: float | None = None, cutoff_s: float | None = None) -> MeshSearch:
     """The fastest plan on `mesh` within `budget_bytes` found in `time_limit_s` (see the module docstring);
     InfeasibleError when none fits (SearchTimeoutError when that is not proven). `progress` is told each step.
     `host_budget_bytes`: each parameter's tier decided too, the host tier holding this much per rank at most
-    (`solver.offload`; None: every parameter's optimizer state on the device).
+    (`solver.offload`; None: every parameter's optimizer state on the device). `cutoff_s`: a searched plan of this
+    step or slower is of no use to the caller; unless a textbook plan that fits beats it, the search first proves
+    whether any plan can (`anytime.Outpaced`), and stops there with the fastest textbook plan that fits when none
+    can (`MeshSearch.bound_s`; Outpaced when no textbook plan fits either).
 
     1. The problem, tied (`build_for`), and the textbook plans on it (`textbook.textbooks`).
     2. The anytime search (`anytime.solve_problem`) from the textbook plans and the leanest plan by construction;
@@ -133,9 +138,18 @@ def search_mesh(traced: TracedGraph, profile: GraphProfile | ConcreteProfile, me
                 out += [fitted] if fitted is not None else []
         return out
 
+    fitting = sorted((b for b in books.values() if fits(problem, b)), key=lambda b: b.time.total_s)
+    if cutoff_s is not None and fitting and fitting[0].time.total_s < cutoff_s:
+        cutoff_s = None  # a plan here beats it: the search goes on as without one
     progress(f"mesh {shape}: searching (up to {max(left_s(_TIED_SHARE), 0):.0f} s)")
-    sol = solve_problem(problem, left_s(_TIED_SHARE), backend, restrictions, SEARCH_GAP,
-                        starts=[b.assignment for b in books.values()] + lean, improve=descended)
+    try:
+        sol = solve_problem(problem, left_s(_TIED_SHARE), backend, restrictions, SEARCH_GAP,
+                            starts=[b.assignment for b in books.values()] + lean, improve=descended, cutoff_s=cutoff_s)
+    except Outpaced as beaten:
+        log.info("solver: %s: %s", mesh, beaten)
+        if not fitting:
+            raise
+        return MeshSearch(mesh, tied, fitting[0], tied, books, setup_s, beaten.bound_s)
     built = tied
     if left_s(1.0) > build_s:  # else the problem in runs of layers (larger than the tied one) would not even be built
         progress(f"mesh {shape}: deciding recompute and ZeRO per layer")
@@ -184,7 +198,10 @@ def solve_for_devices(
 ) -> tuple[Plan, list[ShapeResult]]:
     """Try every logical shape of `num_devices` devices within `time_limit_s` in all (each shape gets an equal
     share of what is left); keep the fastest plan, or the simplest within `margin` of it (`baselines`: priced on
-    its shape; `precision`: the math mode of its float32 matmuls, `make_mesh`'s)."""
+    its shape; `precision`: the math mode of its float32 matmuls, `make_mesh`'s). Each shape after a plan is in
+    hand is searched against what its plan must beat to be chosen (`_cutoff_s`): its textbook plans are priced,
+    and its search stops once the LP relaxation proves no plan on it beats that (`ShapeResult.bound_s`; LLaMA-7B
+    on 8 x 24 GB: meshes 2x4 and 4x2 in 3-4 CPU s each, against mesh 8's plan)."""
     began = cpu_s()
     shapes = candidate_shapes(num_devices)
     found: list[MeshSearch] = []
@@ -202,21 +219,27 @@ def solve_for_devices(
         mesh = make_mesh(num_devices, shape, hardware, precision=precision)
         try:
             search = search_mesh(traced, profile, mesh, budget_of(mesh, memory_budget_bytes), share_s, backend, sizes,
-                                 lambda step: progress(f"{step} ({k + 1} of {len(shapes)} shapes)"), host_budget_bytes)
+                                 lambda step: progress(f"{step} ({k + 1} of {len(shapes)} shapes)"), host_budget_bytes,
+                                 _cutoff_s(found, sum(n > 1 for n in shape), margin))
         except InfeasibleError as err:
             results.append(ShapeResult(shape, None, err.min_memory_bytes, str(err)))
             errors.append(err)
             continue
+        except Outpaced as beaten:
+            results.append(ShapeResult(shape, None, None, f"{beaten}, which a plan on this shape must beat to be chosen",
+                                       bound_s=beaten.bound_s))
+            continue
         books = [b.time.total_s for b in search.textbooks.values() if fits(search.tied.problem, b)]
         results.append(ShapeResult(shape, search.solution.time.total_s, search.solution.memory.total_bytes,
-                                   textbook_s=min(books, default=None)))
+                                   textbook_s=min(books, default=None), bound_s=search.bound_s))
         found.append(search)
         fastest_s = min(f.solution.time.total_s for f in found)
         # a shape no candidate of which can be chosen any more is let go (its problems are large)
         found = [f for f in found if _fastest_candidate_s(f) <= fastest_s * (1 + margin)]
     for r in results:
-        log.info("solver: mesh %s: %s", "x".join(map(str, r.shape)),
-                 f"{r.step_s * 1e3:.1f} ms" if r.step_s is not None else "no plan fits" if r.searched else "not searched")
+        outcome = (f"{r.step_s * 1e3:.1f} ms" if r.step_s is not None else r.error if r.bound_s is not None
+                   else "no plan fits" if r.searched else "not searched")
+        log.info("solver: mesh %s: %s", "x".join(map(str, r.shape)), outcome)
     if not found:
         raise _least_need(errors)
     return _chosen(traced, found, baselines, margin), results
@@ -229,15 +252,27 @@ def _least_need(errors: list[InfeasibleError]) -> InfeasibleError:
     return min(pool, key=lambda e: e.min_memory_bytes or float("inf"))
 
 
+def _cutoff_s(found: list[MeshSearch], axes: int, margin: float) -> float | None:
+    """What a searched plan on a mesh of `axes` axes of more than one device must beat to change the choice among
+    the plans `found` so far (None: nothing found yet): the plan that would be chosen now, by `margin` when that is
+    on a mesh of fewer axes (simpler, it is chosen over any plan within `margin` of it), else outright (of one
+    simplicity the faster is chosen). A faster plan that still would not be chosen may narrow the margin's window
+    around the fastest; the search does not go after such plans."""
+    if not found:
+        return None
+    choice, _ = simplest_within(list(_candidates(found)), margin)
+    if choice.simplicity[0] > axes:
+        return None
+    return choice.step_s / (1 + margin) if choice.simplicity[0] < axes else choice.step_s
+
+
 def _fastest_candidate_s(search: MeshSearch) -> float:
     books = [b.time.total_s for b in search.textbooks.values() if fits(search.tied.problem, b)]
     return min([search.solution.time.total_s, *books])
 
 
-def _chosen(traced: TracedGraph, found: list[MeshSearch], baselines: bool, margin: float) -> Plan:
-    """The plan to answer with: the simplest candidate (a textbook plan that fits, the searched plan, on any shape
-    searched) within `margin` of the fastest; a note says so when that is not the fastest, and what the plan is
-    worth when the time limit stopped the search."""
+def _candidates(found: list[MeshSearch]) -> dict[Candidate, tuple[MeshSearch, BuiltProblem, Solution]]:
+    """The plans the search may answer with: each mesh's searched plan and its textbook plans that fit."""
     candidates: dict[Candidate, tuple[MeshSearch, BuiltProblem, Solution]] = {}
     for search in found:
         axes = sum(n > 1 for n in search.mesh.shape)
@@ -246,6 +281,14 @@ def _chosen(traced: TracedGraph, found: list[MeshSearch], baselines: bool, margi
         for name, book in search.textbooks.items():
             if fits(search.tied.problem, book):
                 candidates[Candidate(name, book.time.total_s, (axes, BASELINES.index(name)))] = (search, search.tied, book)
+    return candidates
+
+
+def _chosen(traced: TracedGraph, found: list[MeshSearch], baselines: bool, margin: float) -> Plan:
+    """The plan to answer with: the simplest candidate (a textbook plan that fits, the searched plan, on any shape
+    searched) within `margin` of the fastest; a note says so when that is not the fastest, and what the plan is
+    worth when the time limit stopped the search."""
+    candidates = _candidates(found)
     choice, fastest = simplest_within(list(candidates), margin)
     search, built, sol = candidates[choice]
     searched = search.solution.report

@@ -326,6 +326,24 @@ def test_random_problems_match_brute_force(sizes):
     assert checked >= 15 and infeasible >= 1  # both outcomes exercised
 
 
+def test_the_relaxation_bounds_every_plan_that_fits_and_a_cutoff_at_or_below_it_stops_the_search():
+    rng = random.Random(0)
+    checked = 0
+    for _ in range(12):
+        p = random_problem(rng, layered=True)
+        ref = brute_force(p)
+        if ref is None:
+            continue
+        relaxed = ilp.relax(_Model(p, Restrictions(), "time"), "highs", 10.0)
+        assert relaxed.bound_s <= ref[0] * (1 + 1e-9)
+        with pytest.raises(anytime.Outpaced):
+            solve_problem(p, cutoff_s=relaxed.bound_s)
+        # a cutoff the optimum beats: the search goes on to it
+        assert solve_problem(p, cutoff_s=ref[0] * 1.01).time.total_s == pytest.approx(ref[0], rel=1e-6, abs=1e-9)
+        checked += 1
+    assert checked >= 6
+
+
 @pytest.mark.parametrize("sizes", [{}, TINY, dict(layered=True)], ids=["gib", "tiny", "layered"])
 def test_the_least_memory_is_the_brute_force_minimum(sizes):
     rng = random.Random(1)
