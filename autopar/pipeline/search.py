@@ -62,16 +62,18 @@ class Topology:
         mesh = PRESETS[hardware] if isinstance(hardware, str) else hardware
         return Topology(mesh.axes[-1], mesh.axes[0], gpus_per_node, mesh)
 
-    def stage_mesh(self, shape: tuple[int, ...]) -> Mesh:
+    def stage_mesh(self, shape: tuple[int, ...], microbatches: int = 1) -> Mesh:
         """A stage's mesh, ranks in row-major order from the innermost axis: an axis stays on the fast link while
-        the ranks it spans (its size times the sizes inside it) fit in a node."""
+        the ranks it spans (its size times the sizes inside it) fit in a node. Its plans are priced per micro-batch
+        with the gradient sync and optimizer step once for `microbatches` of them (`Mesh.microbatches`): a plan
+        that gathers a weight in every micro-batch's forward to save the once-a-step sync pays it M times."""
         axes, span = [], 1
         names = default_axis_names(len(shape))
         for name, size in reversed(list(zip(names, shape))):
             span *= size
             link = self.intra if span <= self.gpus_per_node else self.inter
             axes.append(replace(link, name=name, size=size, per_kind=()))
-        return replace(self.base, axes=tuple(reversed(axes)), groups=())
+        return replace(self.base, axes=tuple(reversed(axes)), groups=(), microbatches=microbatches)
 
     def boundary_links(self, stage_size: int, num_stages: int, pp: int) -> list[MeshAxis]:
         """The link each boundary between consecutive stages crosses (stage s on pp rank s % pp, ranks of pp rank
@@ -297,7 +299,7 @@ def _estimates(config: Config, cache: SearchCache, topo: Topology, budget: float
     """The configuration's estimate under each schedule whose balanced cut fits the budget. The units are solved
     alone at the whole budget, where the ILP recomputes nothing; when no schedule fits so, they are estimated again
     recomputed (`_recomputed`), as the exact round's lowered budgets make the stages' plans recompute."""
-    mesh = topo.stage_mesh(config.stage_shape)
+    mesh = topo.stage_mesh(config.stage_shape, config.microbatches)
     try:
         units = cache.unit_costs(config.microbatches, mesh, budget)
     except InfeasibleError:
@@ -344,8 +346,8 @@ def _exact(e: Estimate, cache: SearchCache, topo: Topology, budget: float) -> Pi
     traced, layers = cache.traced(config.microbatches), cache.layers(config.microbatches)
     bounds = unit_bounds(layers)
     stages = cut(traced, tuple(bounds[u] for u in e.starts), layers)
-    mesh = topo.stage_mesh(config.stage_shape)
-    pmesh = with_pp(mesh, config.pp, topo.inter)
+    mesh = topo.stage_mesh(config.stage_shape, config.microbatches)
+    pmesh = with_pp(replace(mesh, microbatches=1), config.pp, topo.inter)
     links = topo.boundary_links(mesh.num_devices, len(stages), config.pp)
     shared = _shared(stages)
     budgets = [budget] * len(stages)
