@@ -370,6 +370,21 @@ def _exact(e: Estimate, cache: SearchCache, topo: Topology, budget: float) -> Pi
             raise ValueError("the micro-batches in flight alone exceed the budget")
     else:
         raise ValueError(f"stages need {max(memory) / 2**30:.1f} GiB with their micro-batches in flight")
+    # a rank that does not set the pace gains nothing from a faster micro-batch, while its stages' sync and optimizer
+    # step still count whole: each of its stages is offered its plan solved with them weighed as one pass's (a rank
+    # within 1% of the pace has no time to give for them)
+    rank_s = [sum(step.stage_s[config.pp * k + r] for k in range(config.virtual)) for r in range(config.pp)]
+    for i, stage in enumerate(stages):
+        if config.microbatches == 1 or rank_s[i % config.pp] >= 0.99 * max(rank_s):
+            continue
+        try:
+            alone = cache.solver(stage.traced, replace(mesh, microbatches=1), budgets[i])
+        except InfeasibleError:
+            continue
+        trial = [*costs[:i], stage_cost(alone, stage, stages[i + 1] if i + 1 < len(stages) else None, shared), *costs[i + 1:]]
+        trial_step, trial_memory = price(trial, e.schedule, pmesh, config.microbatches, links)
+        if trial_step.step_s < step.step_s and max(trial_memory) <= budget:
+            plans[i], costs, step, memory = alone, trial, trial_step, trial_memory
     if e.schedule == "zero_bubble" and any(p.recomputed() for p in plans):
         raise ValueError("zero_bubble needs stage plans without recompute")
     ops = [n.name for n in traced.graph.nodes if n.op == "call_function"]
