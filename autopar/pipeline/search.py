@@ -298,17 +298,22 @@ def _estimates(config: Config, cache: SearchCache, topo: Topology, budget: float
                schedules: Sequence[str]) -> list[Estimate]:
     """The configuration's estimate under each schedule whose balanced cut fits the budget. The units are solved
     alone at the whole budget, where the ILP recomputes nothing; when no schedule fits so, they are estimated again
-    recomputed (`_recomputed`), as the exact round's lowered budgets make the stages' plans recompute."""
+    recomputed (`_recomputed`), as the exact round's lowered budgets make the stages' plans recompute; and when
+    that does not fit either, solved at a stage's budget shared by its units, where the ILP keeps leaner plans
+    (weights sharded over the data-parallel axes, recompute) that a unit alone at the whole budget has no reason to."""
     mesh = topo.stage_mesh(config.stage_shape, config.microbatches)
+    leaner = [s for s in schedules if s != "zero_bubble"]  # (zero bubble is solved without recompute: `_exact`)
+
+    def fitting(unit_budget: float) -> tuple[list[Estimate], int]:
+        units = cache.unit_costs(config.microbatches, mesh, unit_budget)
+        return (_fitting(config, units, topo, budget, schedules)
+                or _fitting(config, [_recomputed(u) for u in units], topo, budget, leaner)), len(units)
+
     try:
-        units = cache.unit_costs(config.microbatches, mesh, budget)
+        out, num_units = fitting(budget)
+        return out or fitting(budget * config.pp * config.virtual / num_units)[0]
     except InfeasibleError:
         return []
-    out = _fitting(config, units, topo, budget, schedules)
-    if not out:  # (zero bubble is solved without recompute: `_exact`)
-        out = _fitting(config, [_recomputed(u) for u in units], topo, budget,
-                       [s for s in schedules if s != "zero_bubble"])
-    return out
 
 
 def _recomputed(unit: StageCost) -> StageCost:
