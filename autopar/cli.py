@@ -176,11 +176,15 @@ def _logging_to_stderr(debug: bool) -> Iterator[None]:
 # how the CLI names what an infeasible budget's fix changes (`InfeasibleError.worded_for`)
 CLI_KNOBS = Knobs(lambda b: f"--memory {fmt_bytes(b, up=True).replace(' ', '')}", lambda s: f"--time-limit {s:g}",
                   "plan for more --gpus")
+# ... where every optimizer state was kept on the device (no --offload): the host tier is one more way out
+CLI_DEVICE_ONLY_KNOBS = Knobs(CLI_KNOBS.memory, CLI_KNOBS.time_limit,
+                              "plan for more --gpus, or add --offload auto (with --host-memory, the host RAM the tier may "
+                              "use) to let the solver keep optimizer state in host memory")
 
 
 def _with_fix(err: AutoparError) -> str:
     if isinstance(err, InfeasibleError):  # its fix in the CLI's words: --memory, --time-limit, --gpus
-        return str(err.worded_for(CLI_KNOBS)).strip()
+        return str(err.worded_for(CLI_DEVICE_ONLY_KNOBS if err.device_only else CLI_KNOBS)).strip()
     text = str(err).strip()
     if "fix:" in text:
         return text

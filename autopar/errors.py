@@ -53,6 +53,7 @@ class InfeasibleError(AutoparError):
     def __init__(self, cause: str, min_memory_bytes: float | None = None, lower_bound_bytes: float | None = None,
                  fits_bytes: float | None = None, knobs: Knobs = SOLVER_KNOBS):
         self.cause = cause
+        self.device_only = False  # every optimizer state was kept on the device: the host tier is a way out too
         self.min_memory_bytes = min_memory_bytes
         self.lower_bound_bytes = min_memory_bytes if lower_bound_bytes is None else lower_bound_bytes
         self.fits_bytes = min_memory_bytes if fits_bytes is None else fits_bytes

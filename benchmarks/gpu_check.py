@@ -21,6 +21,9 @@ process is fresh, so `run_ranks` may fork there. Stages:
                  peak memory against the plan (collectives do nothing, shard sizes are real).
   gloo_shared    two gloo ranks sharing the device: a data-parallel plan and random plans against one device.
   train_example  `examples/train.py` under torchrun on one rank, saving a checkpoint and resuming from it.
+  offload        GPT-2 medium (tiny on CPU) under bf16 with every parameter on the host tier (ZeRO-Offload's
+                 layout: `docs/guide/offload.md`), a world of one: the loss against the same run without offload,
+                 the measured step and peak (`torch.cuda.max_memory_allocated`) against the plan's.
 
 What one GPU cannot show: NCCL refuses two ranks on one GPU, and a world of one emits no collective (autopar
 lowers a one-device plan without any), so collective timings and overlap need two GPUs or more; the gloo
@@ -44,7 +47,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 STAGE_TIMEOUT_S = {"versions": 50, "kernels": 60, "world_of_one": 180, "fake_world": 80, "gloo_shared": 80,
-                   "train_example": 90}  # 540 s in all: 9 minutes, leaving a 10-minute device call room
+                   "train_example": 90, "offload": 90}  # 630 s in all: run `--stage offload` alone within a 10-minute call
 
 
 def _limit_s(stage: str) -> float:
@@ -333,9 +336,47 @@ def stage_train_example(cpu: bool) -> dict:
     return {"first_losses": losses[0], "resumed_losses": losses[1]}
 
 
+def _offloaded_step(rank: int, world: int, cpu: bool) -> dict:
+    import torch
+
+    import autopar
+    from examples.gpt2 import build
+
+    device = _device(cpu)
+    size, batch, seq = ("tiny", 4, 32) if cpu else ("medium", 4, 1024)
+    policy = autopar.MixedPrecision(torch.bfloat16)
+    out: dict[str, Any] = {}
+    for tier in ("device", "host"):
+        torch.manual_seed(0)
+        model, sample = build(batch_size=batch, seq_len=seq, size=size, device="cpu")
+        model, sample = model.to(device), {k: v.to(device) for k, v in sample.items()}
+        _reset_peak(device)
+        pm = autopar.parallelize(model, sample, (1,), mixed_precision=policy, time_limit_s=2 if cpu else 10,
+                                 offload="optimizer" if tier == "host" else None)
+        del model
+        _reset_peak(device)  # the step's peak, not parallelize's
+        opt = torch.optim.AdamW(pm.parameters(), lr=1e-4)
+        loss = pm(**sample).item()
+        step_s, peak = _measured_steps(pm, sample, opt, device, 1 if cpu else 5)
+        m = pm.plan.memory
+        out[tier] = {"first_loss": loss, "step_ms": step_s * 1e3, "predicted_step_ms": pm.plan.time.total_s * 1e3,
+                     "peak_bytes": peak, "predicted_peak_bytes": m.total_bytes, "host_bytes": m.host_bytes,
+                     "hosted": len(pm.plan.offloaded())}
+        del pm, opt
+    if abs(out["host"]["first_loss"] - out["device"]["first_loss"]) > 1e-3 * abs(out["device"]["first_loss"]):
+        raise AssertionError(f"the offloaded step's loss differs from the device's: {out}")
+    return out
+
+
+def stage_offload(cpu: bool) -> dict:
+    from autopar.runtime.launch import run_ranks
+    return run_ranks(_offloaded_step, 1, cpu, timeout_s=_limit_s("offload") - 10, backend="gloo" if cpu else "nccl")[0]
+
+
 STAGES: dict[str, Callable[[bool], dict]] = {
     "versions": stage_versions, "kernels": stage_kernels, "world_of_one": stage_world_of_one,
     "fake_world": stage_fake_world, "gloo_shared": stage_gloo_shared, "train_example": stage_train_example,
+    "offload": stage_offload,
 }
 
 

@@ -6,10 +6,19 @@
 from __future__ import annotations
 
 import functools
+import os
 
 import pytest
+import torch
 
 from autopar.runtime.launch import run_ranks
+
+# One intra-op thread in every test process and in every process a test starts (the CLI, torchrun, the GPU
+# check's stages): the suite runs two xdist workers on two cores, where a second thread per worker only contends
+# with the other worker (the zoo's traces and references take about 1.5x the CPU time with two). The ranks
+# `run_ranks` forks set one thread each themselves.
+torch.set_num_threads(1)
+os.environ["OMP_NUM_THREADS"] = "1"
 
 # Every multi-rank test runs under a timeout: a rank stuck in a collective must fail the test, not hang CI.
 DEFAULT_RANK_TIMEOUT_S = 60.0

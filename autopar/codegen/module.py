@@ -214,7 +214,9 @@ class ParallelModule(nn.Module, Joinable):
             raise LoweringError("offload: the model was built on meta, and the host tier copies each parameter's values "
                                 "to the host when the module is made: build the model with its values (on the CPU), or "
                                 "leave offload out")
-        offload = HostOffload(params)
+        # a parameter the graph computes on a compute copy keeps only that copy on the device (ZeRO-Offload's layout)
+        lean = {fqn: self.info.compute_copies[fqn] for fqn in names if fqn in self.info.compute_copies}
+        offload = HostOffload(params, lean)
         master_of = {id(p): offload.masters[fqn] for fqn, p in params}
         for module in self.modules():
             for name, p in list(module._parameters.items()):
@@ -225,7 +227,8 @@ class ParallelModule(nn.Module, Joinable):
     def _copies_for(self, graph: _Graph, rebuild: bool = False) -> ComputeCopies | None:
         """The compute copies `graph` reads: the module's, made anew when they lack one of its parameters or
         `rebuild` says the masters changed (a conversion, a parameter set anew)."""
-        names = [fqn for _, fqn in graph.copied]
+        lean = {} if self._offload is None else self._offload.lean  # their copies are the host tier's own
+        names = [fqn for _, fqn in graph.copied if fqn not in lean]
         copies = self._copies
         if not names or (copies is not None and not rebuild and set(names) <= set(copies.names)):
             return copies
@@ -432,10 +435,11 @@ class ParallelModule(nn.Module, Joinable):
                 copy = self._offload.device_of.get(self.info.aliases.get(fqn, fqn))
                 if copy is not None:
                     state[i] = copy
-        if graph.copied:  # mixed precision: the graph computes on the copies, made when the masters changed
-            self._copies.refresh()
+        if self._copies is not None and graph.copied:  # mixed precision: the graph computes on the copies, made when
+            self._copies.refresh()                         # the masters changed (the host tier's lean ones: above)
             for i, fqn in graph.copied:
-                state[i] = self._copies.by_name[fqn]
+                if fqn in self._copies.by_name:
+                    state[i] = self._copies.by_name[fqn]
         # a mean loss may leave its division by the count to the sync; autocast's casts, if any, are in the graph
         with grads_scaled_by(self._sync), (torch.autocast(self._device_type, enabled=False) if graph.casts else nullcontext()):
             outs = list(graph.gm(*state, *flat))
@@ -907,12 +911,16 @@ def _make_grad_sync(module: nn.Module, info: LoweringInfo, mesh: ProcessMesh, co
         params.update(offload.device_of)
     # every rank builds the flattened groups in the same (graph) order: group creation is collective
     entries, masters = [], {}
+    lean = {} if offload is None else offload.lean
     for fqn, axes in info.grad_sync_axes.items():
         axes = tuple(k for k in axes if mesh.shape[k] > 1)  # a one-rank axis has nothing to sum
         groups = (mesh.flat_group_name(axes),) if axes else ()
-        if copies is not None and fqn in info.compute_copies:
+        if fqn in lean:  # the host tier's compute copy: summed in a host bucket into its host master
+            entries.append((fqn, offload.device_of[fqn], groups))
+            masters[fqn] = offload.masters[fqn]
+        elif copies is not None and fqn in info.compute_copies:
             entries.append((fqn, copies.by_name[fqn], groups))
             masters[fqn] = params[fqn]
         elif axes:
             entries.append((fqn, params[fqn], groups))
-    return GradSync(entries, scaled=params.values(), reduce_dtype=reduce_dtype, masters=masters)
+    return GradSync(entries, scaled=params.values(), reduce_dtype=reduce_dtype, masters=masters, hosted=lean)

@@ -5,18 +5,19 @@ builders, prints to stdout and returns the exit code.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import math
 import sys
 from dataclasses import replace
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 from rich.table import Table
 from rich.text import Text
 
-from autopar.errors import PlanMismatchError, UsageError
+from autopar.errors import InfeasibleError, PlanMismatchError, UsageError
 from autopar.report.console import out_console, phase
 from autopar.report.explain import ExplainContext, diff, explain, make_context
 from autopar.report.html import write_html
@@ -107,7 +108,7 @@ def _solve(args: Any, traced, prof, budget: float | None) -> tuple[Plan, list]:
     host_budget = host_budget_per_rank(args.host_memory, min(args.gpus, args.gpus_per_node)) if auto else None
     offloaded = frozenset() if auto else _offloaded(args, prof)
     device_prof = offloaded_profile(prof, offloaded)
-    with phase("solving and pricing baselines") as progress:
+    with phase("solving and pricing baselines") as progress, _offload_suggested(not auto and not offloaded):
         if args.mesh or args.hardware.endswith(".json") or Path(args.hardware).is_file():
             plan, shapes = solve(traced, device_prof, _mesh(args.hardware, args.gpus, args.mesh, args.precision),
                                  memory_budget_bytes=budget, time_limit_s=args.time_limit, baselines=True, progress=progress,
@@ -117,6 +118,16 @@ def _solve(args: Any, traced, prof, budget: float | None) -> tuple[Plan, list]:
                                              time_limit_s=args.time_limit, baselines=True, precision=args.precision,
                                              progress=progress, host_budget_bytes=host_budget)
     return with_offload(plan, prof, offloaded), shapes
+
+
+@contextlib.contextmanager
+def _offload_suggested(device_only: bool) -> Iterator[None]:
+    """An infeasible plan whose optimizer state was all kept on the device: its fix names the host tier too (`cli`)."""
+    try:
+        yield
+    except InfeasibleError as err:
+        err.device_only = device_only
+        raise
 
 
 def _offloaded(args: Any, prof) -> frozenset[str]:

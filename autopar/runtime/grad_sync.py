@@ -33,7 +33,10 @@ result only); a bucket cast for the wire is unpacked instead (`kernels.unpack`).
 Mixed precision (`autopar.MixedPrecision`): the registered tensors are the compute copies
 (`runtime.compute_copies`) and each has a float32 master, where its gradient lands
 (`runtime.master_grads` says how, accumulation included). Every copy is registered, those with
-no group too (their buckets make no collective).
+no group too (their buckets make no collective). A master on the host tier (`hosted`,
+`runtime.offload`'s lean layout) is in a host bucket: at its launch the bucket is summed at once and
+moved to the host in its copies' dtype (`to_host`), so the device holds no gradient of it past its
+launch; `finish` waits for the copies (`host_ready`) and unpacks it into the masters there.
 A bucket's flat buffer is allocated at its launch and, as the grads' storage, lives
 exactly as long as they do: `zero_grad(set_to_none=True)` frees it. Kept between steps
 it would hold the synced grads' bytes through forward too (the solver counts gradients
@@ -116,6 +119,7 @@ class _Bucket:
     dtype: torch.dtype  # the wire dtype
     device: torch.device
     keeper: bool  # this rank puts the grads the last sync wrote into the next reduction (gradient accumulation)
+    host: bool = False  # its masters are on the host tier: summed and moved there at launch
     buffer: torch.Tensor | None = None  # flat; allocated at launch, dropped once written back (it may live on as the grads)
     ready: set[int] = field(default_factory=set)  # positions in `params` whose grad is accumulated
     work: dist.Work | None = None  # the in-flight all-reduce over groups[0]
@@ -139,6 +143,7 @@ class GradSync:
     the bucket for the wire (e.g. torch.bfloat16 halves the traffic), default: the grads' dtype.
     `scaled`: every parameter of the module (synced or not), for `defer_scale`.
     `masters`: name -> the float32 master of a parameter that is a compute copy (mixed precision).
+    `hosted`: names of those whose master is on the host tier (their buckets are host buckets: `to_host` must be set).
     """
 
     def __init__(
@@ -148,6 +153,7 @@ class GradSync:
         reduce_dtype: torch.dtype | None = None,
         scaled: Iterable[torch.nn.Parameter] = (),
         masters: Mapping[str, torch.nn.Parameter] | None = None,
+        hosted: Iterable[str] = (),
     ):
         if bucket_bytes <= 0:
             raise ValueError(f"bucket_bytes must be > 0, got {bucket_bytes}")
@@ -170,7 +176,10 @@ class GradSync:
         self._master_grads = MasterGrads()  # the masters' grads the sync wrote (mixed precision)
         # called with each bucket's masters once their summed grads are written (the host tier moves them there)
         self.on_written: Callable[[Sequence[torch.nn.Parameter]], None] | None = None
-        self._build(list(params), reduce_dtype, masters or {})
+        # a summed host bucket -> its host copy in the given dtype, and the wait for those copies (`runtime.offload`)
+        self.to_host: Callable[[torch.Tensor, torch.dtype], torch.Tensor] | None = None
+        self.host_ready: Callable[[], None] | None = None
+        self._build(list(params), reduce_dtype, masters or {}, frozenset(hosted))
         landed = {id(m) for b in self._buckets for m in b.masters}
         self._unsynced = [p for p in self._scaled if id(p) not in landed]  # scaled, never in a bucket
         self._copies = any(b.copies for b in self._buckets)
@@ -182,7 +191,7 @@ class GradSync:
             logger.info("runtime: grad sync of %d params in %d buckets (%.1f MB max)", len(self._where), len(self._buckets), bucket_bytes / 2**20)
 
     def _build(self, params: list[tuple[str, torch.nn.Parameter, Sequence[str]]], reduce_dtype: torch.dtype | None,
-               masters: Mapping[str, torch.nn.Parameter]) -> None:
+               masters: Mapping[str, torch.nn.Parameter], hosted: frozenset[str]) -> None:
         open_buckets: dict[tuple, _Bucket] = {}  # (groups, dtype, device, copies) -> the bucket being filled
         for name, p, groups in reversed(params):
             groups = tuple(groups)
@@ -194,7 +203,7 @@ class GradSync:
             for g in groups:
                 _resolve_process_group(g)  # fail here, naming the group, rather than mid-backward
             dtype = reduce_dtype or p.dtype
-            key = (groups, dtype, p.device, master is not None)
+            key = (groups, dtype, p.device, master is not None, name in hosted)
             b = open_buckets.get(key)
             if b is not None and (b.numel + p.numel()) * dtype.itemsize > self.bucket_bytes:
                 b = None  # full: start a new one (a parameter larger than a bucket gets one of its own)
@@ -203,7 +212,7 @@ class GradSync:
                 first = _resolve_process_group(groups[0]) if groups else None
                 tensors: list[torch.nn.Parameter] = []
                 b = _Bucket(len(self._buckets), groups, first, [], tensors, [] if master is not None else tensors, 0,
-                            dtype, p.device, keeper)
+                            dtype, p.device, keeper, name in hosted)
                 self._buckets.append(b)
                 open_buckets[key] = b
             self._where[id(p)] = (b, len(b.params))
@@ -302,6 +311,8 @@ class GradSync:
         self._queue_finish()  # the end of this backward resets the bookkeeping, whatever is decided
         if not self._buckets or self._forbidden or self._kept_sums or self._losses != 1 or self._count is not None:
             return False
+        if any(b.host for b in self._buckets):  # they are summed at launch, before the count is known
+            return False
         if torch.is_grad_enabled():  # create_graph=True: the gradients are themselves differentiated
             return False
         if not self._params_untouched() or not self._accumulates(self._accumulators):
@@ -355,6 +366,9 @@ class GradSync:
                 self._master_grads.add_unsummed(b.buffer, b.masters)
         if b.groups:
             b.work = start_all_reduce(b.buffer, b.first_group)
+        if b.host:  # summed now, and off the device in the copies' dtype: no device gradient of it outlives its launch
+            self._wait_bucket(b)
+            b.work, b.buffer = None, self.to_host(b.buffer, b.params[0].dtype)
         self.launched += 1
 
     def finish(self) -> None:
@@ -386,8 +400,11 @@ class GradSync:
         for b in self._buckets[self._next:]:
             self._launch(b)
         self._synced.clear()  # this sync writes every synced grad anew
+        if self.host_ready is not None and any(b.host for b in self._buckets):
+            self.host_ready()  # the host buckets' copies landed
         for b in self._buckets:
-            self._wait_bucket(b)
+            if not b.host:  # (a host bucket was summed at its launch)
+                self._wait_bucket(b)
             if b.copies:  # the scale, the cast and the add into the masters' gradients in one pass
                 self._master_grads.unpack_into(b.buffer, b.masters, 1.0 if scale is None else scale)
                 b.work, b.buffer = None, None

@@ -36,7 +36,7 @@ class MasterGrads:
         wrote; the sum replaces them."""
         for m, offset in zip(masters, bucket_offsets(masters)):
             if m.grad is not None and not self._summed(m):
-                buffer[offset:offset + m.numel()].add_(m.grad.reshape(-1).to(buffer.dtype))
+                buffer[offset:offset + m.numel()].add_(m.grad.reshape(-1).to(device=buffer.device, dtype=buffer.dtype))
                 m.grad = None
 
     def unpack_into(self, buffer: torch.Tensor, masters: Sequence[torch.Tensor], scale: float | torch.Tensor = 1.0) -> None:
@@ -62,7 +62,8 @@ class MasterGrads:
                 continue
             if summed_over_ranks and self._summed(m) and not keeper:
                 m.grad = None
-            m.grad = c.grad.to(m.dtype) if m.grad is None else m.grad.add_(c.grad.to(m.dtype))
+            grad = c.grad.to(device=m.device, dtype=m.dtype)  # (a master on the host tier: to the host)
+            m.grad = grad if m.grad is None else m.grad.add_(grad)
             c.grad = None
             if summed_over_ranks:
                 self._sums.pop(id(m), None)

@@ -22,10 +22,13 @@ calls before a step add up as they do on the device) and dropped on the device:
 On CUDA the copies run on a side stream after the compute stream's work so far, non_blocking into pinned
 buffers; an optimizer step pre-hook waits for their events before any optimizer steps.
 
-Under mixed precision (`autopar.MixedPrecision`) the device copy is float32 and the compute copies are made
-from it (`runtime.compute_copies`): the gradient sync unpacks each bucket's float32 sum into the device
-copies' `.grad`, and from there it goes to the host as above. The masters and their optimizer state are on
-the host; the device keeps a float32 copy of the values beside the compute copies.
+Under mixed precision (`autopar.MixedPrecision`) a parameter computed on a copy takes ZeRO-Offload's layout
+(`lean`): the device keeps only its compute copy (bf16), which `upload` fills from the master cast on the host
+(2 bytes an element over the link), and no gradient of its own beyond the sync's bucket in flight: the gradient
+sync sums the copies' gradients in its buckets, moves each bucket to the host in the compute dtype as soon as
+it is summed (`to_host`, 2 bytes an element), and adds it into the masters' float32 `.grad` there when backward
+ends (`runtime.grad_sync`, host buckets). A ZeRO-sharded parameter (whose all-gather casts its shard, so it has
+no copy) keeps a float32 device copy, from which its gradient goes to the host as above.
 
 Parameters: before a forward, each master whose version counter moved since its last copy (`opt.step()`, a
 load, an in-place write) is copied host-to-device (non_blocking from pinned memory, on the compute stream, so
@@ -35,7 +38,7 @@ still tensors of their own: nothing on the device tier aliases them.
 from __future__ import annotations
 
 import weakref
-from typing import Iterable, Sequence
+from typing import Iterable, Mapping, Sequence
 
 import torch
 from torch import nn
@@ -53,18 +56,24 @@ def host_tensor(like: torch.Tensor) -> torch.Tensor:
 
 
 class HostOffload:
-    """Host masters of `params` ((fqn, parameter) pairs on the device, tied ones once); `masters` holds them by FQN."""
+    """Host masters of `params` ((fqn, parameter) pairs on the device, tied ones once); `masters` holds them by FQN.
+    `lean`: {fqn: compute dtype} of those the graph computes on a compute copy of that dtype (mixed precision):
+    the device keeps that copy alone, and their gradients reach the masters through the sync's host buckets."""
 
-    def __init__(self, params: Sequence[tuple[str, nn.Parameter]]):
+    def __init__(self, params: Sequence[tuple[str, nn.Parameter]], lean: Mapping[str, torch.dtype] | None = None):
         self.names = [fqn for fqn, _ in params]
+        self.lean = dict(lean or {})
         self.device_of: dict[str, torch.Tensor] = {}
         self.masters: dict[str, nn.Parameter] = {}
         for fqn, p in params:
             host = host_tensor(p)
             host.copy_(p.detach())
             self.masters[fqn] = nn.Parameter(host, requires_grad=p.requires_grad)
-            # the device tensor the graph computes on: the parameter's own storage, as a leaf of its own
-            self.device_of[fqn] = p.detach().requires_grad_(p.requires_grad)
+            if fqn in self.lean:  # its compute copy, filled by `upload`: the float32 device tensor is let go
+                copy = torch.empty(p.shape, dtype=self.lean[fqn], device=p.device)
+            else:  # the device tensor the graph computes on: the parameter's own storage, as a leaf of its own
+                copy = p.detach()
+            self.device_of[fqn] = copy.requires_grad_(p.requires_grad)
         self._versions: dict[str, int] = {}  # each master's version when it was last copied to the device
         self._pending: list[torch.cuda.Event] = []  # device-to-host copies not yet waited for
         self._staged: list[tuple[nn.Parameter, torch.Tensor]] = []  # (master, its gradient copied there once done)
@@ -79,6 +88,7 @@ class HostOffload:
         others once autograd accumulated them."""
         self._sync = sync
         sync.on_written = self.collect
+        sync.to_host, sync.host_ready = self.to_host, self.wait
 
     def _accumulated(self, copy: torch.Tensor) -> None:
         if self._sync is None or not self._sync.synced(copy):  # final now: no sum over ranks follows
@@ -97,7 +107,10 @@ class HostOffload:
                 if copy.requires_grad != master.requires_grad:
                     copy.requires_grad_(master.requires_grad)
                 if self._versions.get(fqn) != master._version:
-                    copy.copy_(master, non_blocking=copy.is_cuda)
+                    source = master
+                    if copy.dtype != master.dtype:  # a compute copy: cast on the host, the link carries its dtype
+                        source = host_tensor(copy).copy_(master)
+                    copy.copy_(source, non_blocking=copy.is_cuda)
                     self._versions[fqn] = master._version
 
     def collect(self, copies: Sequence[torch.Tensor] | None = None) -> None:
@@ -105,7 +118,7 @@ class HostOffload:
         there), asynchronously on CUDA."""
         wanted = None if copies is None else {id(c) for c in copies}
         moved = [(self.masters[fqn], c) for fqn, c in self.device_of.items()
-                 if c.grad is not None and (wanted is None or id(c) in wanted)]
+                 if c.grad is not None and fqn not in self.lean and (wanted is None or id(c) in wanted)]
         if not moved:
             return
         if moved[0][1].is_cuda:
@@ -116,12 +129,15 @@ class HostOffload:
                 master.grad = copy.grad.clone() if master.grad is None else master.grad.add_(copy.grad)
                 copy.grad = None
 
-    def _collect_cuda(self, moved: list[tuple[nn.Parameter, torch.Tensor]]) -> None:
-        compute = torch.cuda.current_stream()
+    def _side_stream(self) -> torch.cuda.Stream:
+        """The stream of device-to-host copies, ordered after the compute stream's work so far (which wrote them)."""
         if self._stream is None:
             self._stream = torch.cuda.Stream()
-        self._stream.wait_stream(compute)  # the gradients are written by the compute stream's backward
-        with torch.no_grad(), torch.cuda.stream(self._stream):
+        self._stream.wait_stream(torch.cuda.current_stream())
+        return self._stream
+
+    def _collect_cuda(self, moved: list[tuple[nn.Parameter, torch.Tensor]]) -> None:
+        with torch.no_grad(), torch.cuda.stream(self._side_stream()):
             for master, copy in moved:
                 grad = copy.grad
                 grad.record_stream(self._stream)  # freed by the caching allocator only after this copy
@@ -132,6 +148,21 @@ class HostOffload:
             event = torch.cuda.Event()
             event.record(self._stream)
         self._pending.append(event)
+
+    def to_host(self, summed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """A host copy of a summed gradient bucket in `dtype` (the compute dtype), asynchronously on CUDA (`wait` lands
+        it): what the sync's host buckets carry to the masters."""
+        cast = summed.to(dtype)
+        if not cast.is_cuda:
+            return cast.clone() if cast is summed else cast
+        with torch.no_grad(), torch.cuda.stream(self._side_stream()):
+            cast.record_stream(self._stream)
+            staged = host_tensor(cast)
+            staged.copy_(cast, non_blocking=True)
+            event = torch.cuda.Event()
+            event.record(self._stream)
+        self._pending.append(event)
+        return staged
 
     def wait(self) -> None:
         """Wait for the device-to-host copies in flight and land them on the masters' gradients."""

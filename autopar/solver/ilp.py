@@ -82,6 +82,9 @@ Constraint families (each PuLP constraint is named after its family):
                       under ZeRO the tier holds, moves and steps 1/factor, the device keeps no state (hz gives back what
                       z and h took twice)
   host_memory         sum host_bytes[v,g] h - (1 - 1/f) host_bytes[v,g] hz <= Problem.host_budget_bytes (per rank)
+  lean_in_flight_{v}_{g}  G >= in_flight[v,g] (h - hz): under mixed precision h without ZeRO is ZeRO-Offload's layout
+                      (`TierCost.layout`: the master and its gradient off the device, the bf16 copy's bytes over the link);
+                      its gradient is on the device only in the sync's buckets, G the most in flight (in the memory row)
   memory              sum_{v,s} static[v,s] x - sum_g (1 - 1/f[v,g]) static[v,g] z
                       + saved[v,s] x - sum_g (saved[v,g] - held[v,g]) y + sum_k (kept . e - kept . f + r[k]) + T <= budget
                       (`add_memory_limit`; held: a recomputed region's inputs from other layers)
@@ -110,6 +113,8 @@ from typing import Literal, Mapping, Sequence
 import pulp
 
 from autopar.solver.clock import cpu_s
+from autopar.solver.cost import GRAD_BUCKET_BYTES
+from autopar.solver.offload import lean_in_flight_bytes
 from autopar.solver.backends import Backend, make_solver
 from autopar.solver.plan import MemoryBreakdown, SolverReport, TimeBreakdown
 from autopar.solver.problem import Assignment, Option, Problem
@@ -172,6 +177,7 @@ def evaluate(problem: Problem, a: Assignment, saved_by_node: list[float] | None 
     compute_s = comm_s = recompute_s = update_s = offload_s = 0.0
     params = grads = opt = act = temp = 0.0
     host = [0.0, 0.0, 0.0]  # the host tier's masters, gradients, optimizer state
+    in_flight, lean_total = 0.0, None  # lean gradients on the device (`solver.offload`), the most there can be
     saved = saved_by_node if saved_by_node is not None else [0.0] * len(problem.nodes)
     # backward rebuilds a recomputed layer in graph order: per recomputed node what it rebuilds (its saved bytes, the
     # resharded inputs it saves again) and the largest buffers of a reshard of its inputs run again before it
@@ -204,7 +210,12 @@ def evaluate(problem: Problem, a: Assignment, saved_by_node: list[float] | None 
         if a.offloaded(v):  # its state on the host, stepped there instead of on the device
             if o.host is None:
                 raise ValueError(f"node {node.name!r} option {o.label} has no host tier (nothing the optimizer steps)")
-            tier = o.host.scaled(factor)
+            tier = o.host.layout(factor)
+            if tier.lean:  # ZeRO-Offload's layout: the master and its gradient are the host's alone
+                params -= tier.host_params_bytes
+                grads -= tier.host_grads_bytes
+                lean_total = lean_gradient_bytes(problem) if lean_total is None else lean_total
+                in_flight = max(in_flight, lean_in_flight_bytes(tier, GRAD_BUCKET_BYTES, lean_total))
             device_step_s = o.update_s - (o.zero.update_saving_s if a.zero[v] else 0.0)
             compute_s -= device_step_s
             update_s -= device_step_s
@@ -280,9 +291,15 @@ def evaluate(problem: Problem, a: Assignment, saved_by_node: list[float] | None 
         charged = [seconds[a.choice[v]] for v, seconds in shared.terms]
         comm_s += max(charged) - sum(charged)
     return (
-        MemoryBreakdown(params, grads, opt, act, temp, problem.budget_bytes, *host),
+        MemoryBreakdown(params, grads + in_flight, opt, act, temp, problem.budget_bytes, *host),
         TimeBreakdown(compute_s, comm_s, recompute_s, update_s, offload_s),
     )
+
+
+def lean_gradient_bytes(problem: Problem) -> float:
+    """Every lean gradient at once (copies' and sums' bytes, each node's largest option): the most in flight."""
+    return sum(max((o.host.copy_grad_bytes + o.host.summed_grad_bytes for o in node.options if o.host is not None),
+                   default=0.0) for node in problem.nodes)
 
 
 def checkpoint_regions(problem: Problem, recompute: Sequence[bool]) -> int:
@@ -582,12 +599,17 @@ class _Model:
         hz[v,g] = h AND "v ZeRO-sharded" (continuous, exact at integral points by its three rows) carries the
         difference: the device keeps the 1/factor of the state ZeRO would have kept, the tier moves and steps
         1/factor, and the device step ZeRO saved is not saved twice. host_memory: the tier's host bytes per rank
-        within `Problem.host_budget_bytes`."""
+        within `Problem.host_budget_bytes`. Under mixed precision h alone (not hz) takes ZeRO-Offload's layout
+        (`TierCost.layout`): the master and its gradient off the device too, the copies' bytes over the link, and
+        G >= in-flight bytes (h - hz) per parameter (`lean_in_flight`): the largest lean gradient in flight."""
         self.h: dict[tuple[int, int], pulp.LpVariable] = {}
         self.host_terms: list[tuple[pulp.LpVariable, float]] = []
         self.unstepped: dict[int, list[tuple[pulp.LpVariable, float]]] = {}  # node -> its step scratch taken off
+        self._both: dict[tuple[int, int], pulp.LpVariable] = {}  # (node, group) -> hz
         if self.restrictions.offload == "never" or self.problem.host_budget_bytes is None:
             return
+        lean_total = lean_gradient_bytes(self.problem)
+        in_flight = None  # G, made with the first lean parameter
         for v, node in enumerate(self.problem.nodes):
             def key(o: Option):
                 if o.host is None:
@@ -598,23 +620,39 @@ class _Model:
                 h = pulp.LpVariable(f"h_{v}_{g}", cat=pulp.LpBinary)
                 self.prob += h <= pulp.lpSum(self.x[v][s] for s in members), f"host_{v}_{g}"
                 self.h.update(((v, s), h) for s in members)
-                self.time_terms.append((h, (tier.step_s - update_s) * _MS))
-                self.memory_terms.append((h, -optimizer_bytes * self.per_byte))
+                lean = tier.layout(1)
+                self.time_terms.append((h, (lean.step_s - update_s) * _MS))
+                self.memory_terms.append((h, -(optimizer_bytes + lean.lean_bytes_saved) * self.per_byte))
                 self.host_terms.append((h, tier.host_bytes * self.per_byte))
                 self.unstepped.setdefault(v, []).append((h, -param_bytes))
-                if zero is None or zero.factor <= 1 or not zs:
+                flight = lean_in_flight_bytes(lean, GRAD_BUCKET_BYTES, lean_total) * self.per_byte
+                sharded = zero is not None and zero.factor > 1 and bool(zs)
+                if flight > 0:
+                    if in_flight is None:
+                        in_flight = pulp.LpVariable("G", lowBound=0)
+                        self.memory_terms.append((in_flight, 1.0))
+                    both = self._host_and_zero(v, g, h, zs) if sharded else None
+                    self.prob += in_flight >= flight * (h - (both if both is not None else 0)), f"lean_in_flight_{v}_{g}"
+                if not sharded:
                     continue
-                both = pulp.LpVariable(f"hz_{v}_{g}", lowBound=0, upBound=1)
-                self.prob += both <= h, f"host_zero_{v}_{g}_h"
-                self.prob += both <= pulp.lpSum(zs), f"host_zero_{v}_{g}_z"
-                self.prob += both >= h + pulp.lpSum(zs) - 1, f"host_zero_{v}_{g}"
+                both = self._host_and_zero(v, g, h, zs)
                 rest = 1 - 1 / zero.factor
-                self.time_terms.append((both, (zero.update_saving_s - rest * tier.step_s) * _MS))
-                self.memory_terms.append((both, rest * optimizer_bytes * self.per_byte))
+                self.time_terms.append((both, (zero.update_saving_s + tier.layout(zero.factor).step_s - lean.step_s) * _MS))
+                self.memory_terms.append((both, (rest * optimizer_bytes + lean.lean_bytes_saved) * self.per_byte))
                 self.host_terms.append((both, -rest * tier.host_bytes * self.per_byte))
                 self.unstepped[v].append((both, rest * param_bytes))
         if self.host_terms:
             self.prob += _affine(self.host_terms) <= self.problem.host_budget_bytes * self.per_byte, "host_memory"
+
+    def _host_and_zero(self, v: int, g: int, h: pulp.LpVariable, zs: list[pulp.LpVariable]) -> pulp.LpVariable:
+        """hz[v,g] = h AND "v ZeRO-sharded" (continuous, exact at integral points by its three rows), made once."""
+        if (v, g) not in self._both:
+            both = pulp.LpVariable(f"hz_{v}_{g}", lowBound=0, upBound=1)
+            self.prob += both <= h, f"host_zero_{v}_{g}_h"
+            self.prob += both <= pulp.lpSum(zs), f"host_zero_{v}_{g}_z"
+            self.prob += both >= h + pulp.lpSum(zs) - 1, f"host_zero_{v}_{g}"
+            self._both[v, g] = both
+        return self._both[v, g]
 
     def _add_zero_savings(self) -> None:
         """A ZeRO parameter's reduce-scatter takes over the bucketed all-reduce of its gradient that a consumer

@@ -292,6 +292,11 @@ PRESETS: dict[str, Mesh] = {
     # no peer-to-peer: every collective goes through host memory
     "rtx4090": _gpu("rtx4090", ComputeRates(82.6e12, 82.6e12, 165.2e12), 1.008e12, 23.6 * _GIB,
                     (_axis("dp", 2e-5, 12e9),), _WORKSPACE),
+    # V100 SXM2 32 GB: fp32 15.7 TFLOP/s and no TF32; its half-precision rate (fp16 tensor cores, 125 TFLOP/s)
+    # stands in the bf16 slot: it has no bf16, and a bf16 plan moves and stores fp16's bytes. HBM2 900 GB/s;
+    # NVLink 2 (150 GB/s per direction); 32 GB (31.7 GiB as CUDA reports it)
+    "v100": _gpu("v100", ComputeRates(15.7e12, 15.7e12, 125e12), 900e9, 31.7 * _GIB, (_axis("dp", 5e-6, 150e9),),
+                 _WORKSPACE),
     # N nodes x 8 H100: outer axis over InfiniBand NDR (400 Gb/s = 50 GB/s per GPU), inner axis NVLink.
     "h100-ib": _gpu("h100-ib", _H100_SXM, 3.35e12, 79.1 * _GIB, (_axis("node", 2e-5, 50e9), _axis("gpu", 5e-6, 450e9)),
                     _HOPPER_WORKSPACE),
@@ -306,6 +311,7 @@ PRESETS: dict[str, Mesh] = {
 HOST_LINKS: dict[str, float] = {
     "h100": 50e9, "h100-pcie": 50e9, "h200": 50e9, "h100-ib": 50e9,
     "a100": 25e9, "a100-40gb": 25e9, "l4": 25e9, "rtx4090": 25e9,
+    "v100": 12e9,  # PCIe 3.0 x16: 16 GB/s raw, ~12 GB/s measured in practice
 }
 
 # Patterns of `torch.cuda.get_device_name()` (lower case), in order: the first that matches names the preset.
@@ -318,6 +324,7 @@ DEVICE_NAMES: tuple[tuple[str, str], ...] = (
     (r"a100", "a100-40gb"),
     (r"\bl4\b", "l4"),
     (r"rtx 4090", "rtx4090"),
+    (r"v100", "v100"),
 )
 
 

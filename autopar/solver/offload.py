@@ -11,6 +11,12 @@ keeps the tensor forward and backward compute on and its gradient. Per step it p
 The runtime copies gradients when backward ends and parameters before the next forward, and steps when the
 user calls `opt.step()`, so none of it overlaps compute: the price is the sum (`TierCost.step_s`).
 
+Under mixed precision a parameter computed on a compute copy and not ZeRO-sharded takes ZeRO-Offload's layout
+(`runtime.offload`, `lean`): the device keeps its bf16 copy alone, neither the float32 master nor its gradient
+(`TierCost.lean_bytes_saved`), and the link carries the copy's dtype each way (`lean_transfer_s`). Its gradient is on
+the device only in flight, in the sync's buckets (`lean_in_flight_bytes`). `TierCost.layout(factor)` is the tier as a
+block of 1/factor of the parameter runs it: ZeRO storage (factor > 1) keeps the float32 layout.
+
 The solver weighs the tier per parameter (`parallelize(offload="auto")`, `autopar plan --offload auto`): each
 parameter option carries its `TierCost` (`problem.Option.host`) and the ILP decides the tier beside sharding,
 ZeRO and recompute, under a host-memory budget per rank (`host_budget_per_rank`). A forced tier
@@ -28,9 +34,9 @@ from dataclasses import dataclass, fields, replace
 from typing import AbstractSet, Iterable
 
 from autopar.profiler.types import GraphProfile, ParamCost, ParamProfile
-from autopar.solver.cost import compute_time_s
+from autopar.solver.cost import GRAD_BUCKET_BYTES, compute_time_s
 from autopar.solver.mesh import HOST_LINKS, Mesh
-from autopar.solver.plan import Plan
+from autopar.solver.plan import ParamDecision, Plan
 from autopar.solver.spec import Shard, Spec
 
 # torch.optim.AdamW(foreach=True) on float32 CPU tensors: 2.1e8 parameters a second of one core's CPU time,
@@ -54,6 +60,25 @@ class TierCost:
     transfer_s: float  # the gradient device-to-host, the updated value host-to-device
     host_step_s: float  # the optimizer's step on the host
     device_step_s: float  # the device's optimizer step it replaces
+    # ZeRO-Offload's layout (mixed precision, the parameter computed on a copy): the master and its gradient off the
+    # device, the copy's bf16 bytes each way over the link, and the gradient in flight (its copy's and its sum's
+    # bytes: `lean_in_flight_bytes`). 0 without a copy.
+    lean_bytes_saved: float = 0.0
+    lean_transfer_s: float = 0.0
+    copy_grad_bytes: float = 0.0
+    summed_grad_bytes: float = 0.0
+
+    @property
+    def lean(self) -> bool:
+        return self.lean_bytes_saved > 0
+
+    def layout(self, factor: float) -> TierCost:
+        """The tier of a block of 1/`factor` of the parameter (ZeRO storage over `factor` ranks: float32 layout) or of
+        the whole block (factor 1: ZeRO-Offload's layout where the parameter has a copy)."""
+        if factor > 1:
+            return replace(self.scaled(factor), lean_bytes_saved=0.0, lean_transfer_s=0.0, copy_grad_bytes=0.0,
+                           summed_grad_bytes=0.0)
+        return replace(self, transfer_s=self.lean_transfer_s) if self.lean else self
 
     @property
     def step_s(self) -> float:
@@ -69,10 +94,26 @@ class TierCost:
         return TierCost(*(getattr(self, f.name) / factor for f in fields(self)))
 
 
+# what a gradient in flight is one of: a parameter's, or the layer's largest in a tied class (a sum of them never is)
+_LARGEST = ("copy_grad_bytes", "summed_grad_bytes")
+
+
 def summed(costs: Iterable[TierCost]) -> TierCost:
     """The tier of several parameters at once (a tied class of layers: `problem._sum`)."""
     costs = list(costs)
-    return TierCost(*(sum(getattr(c, f.name) for c in costs) for f in fields(TierCost)))
+    return TierCost(*((max if f.name in _LARGEST else sum)(getattr(c, f.name) for c in costs) for f in fields(TierCost)))
+
+
+def lean_in_flight_bytes(tier: TierCost, bucket_bytes: float, total_bytes: float) -> float:
+    """The device bytes of lean gradients in flight with `tier`'s parameter on the host tier (`runtime.grad_sync`'s host
+    buckets): a bucket at its launch, its copies' gradients and its packed sum (`bucket_bytes` of the reduce dtype, or
+    the parameter's alone where larger), beside the next bucket's copies' gradients as backward fills it; at most every
+    lean gradient at once, `total_bytes` (of copies and sums)."""
+    if not tier.lean or not tier.summed_grad_bytes:
+        return 0.0
+    summed_bytes = max(bucket_bytes, tier.summed_grad_bytes)
+    copies_bytes = summed_bytes * tier.copy_grad_bytes / tier.summed_grad_bytes
+    return min(total_bytes, summed_bytes + 2 * copies_bytes)
 
 
 # Of the machine's physical memory, what the host tier may take by default: the rest is the OS's, the data
@@ -104,6 +145,7 @@ def tier_cost(param: ParamProfile | ParamCost, shard: float, mesh: Mesh, host_pa
         return TierCost(0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0)
     # (under mixed precision param_bytes holds the master and its compute copy, which stays on the device)
     param_bytes, grad_bytes = (param.param_bytes - param.copy_bytes) / shard, param.grad_bytes / shard
+    copy_bytes = param.copy_bytes / shard
     device_step_s = param.update_launches * mesh.op_overhead_s + compute_time_s(0.0, param.update_write_bytes / shard, mesh)
     return TierCost(
         device_bytes_saved=param.optimizer_bytes / shard,
@@ -114,6 +156,10 @@ def tier_cost(param: ParamProfile | ParamCost, shard: float, mesh: Mesh, host_pa
         # a mesh without a host link (CPU, hand-made) is its own host: the step runs on the same cores and memory
         host_step_s=param.numel / shard / host_params_per_s if mesh.hardware in HOST_LINKS else device_step_s,
         device_step_s=device_step_s,
+        lean_bytes_saved=param_bytes + grad_bytes if copy_bytes else 0.0,
+        lean_transfer_s=2 * copy_bytes / mesh.host_link_bytes_per_s,
+        copy_grad_bytes=copy_bytes,
+        summed_grad_bytes=(param.grad_bytes if param.reduce_bytes is None else param.reduce_bytes) / shard if copy_bytes else 0.0,
     )
 
 
@@ -126,17 +172,29 @@ def offloaded_profile(profile: GraphProfile, names: AbstractSet[str]) -> GraphPr
     return replace(profile, params=params)
 
 
+def _planned_tier(param: ParamProfile, decision: ParamDecision, mesh: Mesh) -> TierCost:
+    """The host tier of `param`'s block as `decision` stores it: ZeRO-sharded, the float32 layout (the block priced
+    already); else ZeRO-Offload's where it has a copy."""
+    cost = tier_cost(param, storage_shard(decision.storage, mesh), mesh)
+    return cost if decision.zero else cost.layout(1)
+
+
 def with_offload(plan: Plan, profile: GraphProfile, names: AbstractSet[str]) -> Plan:
     """`plan` (solved for `offloaded_profile(profile, names)`) with `names` on the host tier: the parameters'
     tiers, the host bytes per rank and the tier's time."""
     if not names:
         return plan
-    costs = [tier_cost(profile.params[p.fqn], storage_shard(p.storage, plan.mesh), plan.mesh)
-             for p in plan.params if p.fqn in names and p.fqn in profile.params]
+    costs = [_planned_tier(profile.params[p.fqn], p, plan.mesh) for p in plan.params if p.fqn in names and p.fqn in profile.params]
+    lean = [c for c in costs if c.lean]
+    total = sum(c.copy_grad_bytes + c.summed_grad_bytes for c in lean)  # (the ILP, not knowing the tiers, takes every one)
+    in_flight = max((lean_in_flight_bytes(c, GRAD_BUCKET_BYTES, total) for c in lean), default=0.0)
+    m = plan.memory
     return replace(
         plan,
         params=tuple(replace(p, tier="host") if p.fqn in names else p for p in plan.params),
-        memory=replace(plan.memory, host_params_bytes=sum(c.host_params_bytes for c in costs),
+        memory=replace(m, params_bytes=m.params_bytes - sum(c.host_params_bytes for c in lean),
+                       grads_bytes=m.grads_bytes - sum(c.host_grads_bytes for c in lean) + in_flight,
+                       host_params_bytes=sum(c.host_params_bytes for c in costs),
                        host_grads_bytes=sum(c.host_grads_bytes for c in costs),
                        host_optimizer_bytes=sum(c.host_optimizer_bytes for c in costs)),
         time=replace(plan.time, offload_s=sum(c.step_s for c in costs)),

@@ -105,6 +105,7 @@ def test_infeasible_budget_names_the_minimum(capsys):
     first, fix = err.strip().splitlines()[-2:]  # after the phase timings
     assert "no plan fits: needs" in first and "per device" in first
     assert fix.strip().startswith("fix: pass --memory")
+    assert "add --offload auto (with --host-memory" in fix  # every optimizer state was on the device: the host tier is a way out
     # the budget the fix names fits: passed back as it is, the same command plans
     budget = fix.split("--memory ")[1].split()[0]
     code, _, err = run(capsys, "plan", MLP, "--size", "tiny", "--batch-size", "8", "--gpus", "2", "--hardware", "cpu", "--memory", budget)
@@ -131,6 +132,8 @@ def test_offload_puts_the_optimizer_state_in_the_host_column(capsys):
     assert code == 0 and chosen["host_bytes"] > 0 and chosen["total_bytes"] <= need
     code, _, err = run(capsys, *mlp, "--host-memory", "1GB")
     assert code != 0 and "add --offload auto" in err
+    code, _, err = run(capsys, *mlp, "--offload", "optimizer", "--memory", "1000")  # the host tier tried: not suggested
+    assert code == 1 and "fix: pass --memory" in err and "--offload auto" not in err
 
 
 def test_profile_command(capsys):

@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import pytest
-import torch
 
 from autopar.tracer import trace
 from tests.profiler.zoo import DYNAMIC, SEQ, load_example
@@ -12,8 +11,6 @@ _TRACES: dict[str, object] = {}
 
 @pytest.fixture(scope="session")
 def traced_zoo():
-    torch.set_num_threads(1)
-
     def get(name: str):
         if name not in _TRACES:
             seq = 16 if "seq" in DYNAMIC[name] else SEQ  # a static sequence length is the one the tests run

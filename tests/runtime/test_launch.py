@@ -23,7 +23,12 @@ def _sum_ranks(rank: int, world_size: int, scale: float) -> tuple[int, torch.Ten
 
 
 def test_results_in_rank_order(spmd):
-    results = spmd(_sum_ranks, 4, 2.0)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)  # the suite's processes run one thread (conftest): the ranks must set theirs to one
+    try:
+        results = spmd(_sum_ranks, 4, 2.0)
+    finally:
+        torch.set_num_threads(threads)
     # 0+1+2+3 = 6, scaled by 2 (tensors come back by value); each rank runs one intra-op thread.
     assert [(r, t.tolist(), n) for r, t, n in results] == [(r, [12.0], 1) for r in range(4)]
 

@@ -63,7 +63,7 @@ def test_json_round_trip_of_calibrated_fields_and_old_files():
 DEVICES = [("NVIDIA H100 80GB HBM3", None, "h100"), ("NVIDIA H100 PCIe", None, "h100-pcie"), ("NVIDIA H200", None, "h200"),
            ("NVIDIA A100-SXM4-40GB", None, "a100-40gb"), ("NVIDIA A100-SXM4-80GB", None, "a100"),
            ("NVIDIA A100 80GB PCIe", None, "a100"), ("NVIDIA A100-SXM4", 85.1e9, "a100"), ("NVIDIA A100-SXM4", 42.5e9, "a100-40gb"),
-           ("NVIDIA L4", None, "l4"), ("NVIDIA GeForce RTX 4090", None, "rtx4090")]
+           ("NVIDIA L4", None, "l4"), ("NVIDIA GeForce RTX 4090", None, "rtx4090"), ("Tesla V100-SXM2-32GB", None, "v100")]
 
 
 @pytest.mark.parametrize("name, memory_bytes, preset", DEVICES)

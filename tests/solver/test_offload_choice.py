@@ -90,9 +90,10 @@ def test_explain_prices_the_other_tier_as_the_forced_tier_does(case):
     assert other["fits"] == (other["peak_bytes"] <= budget)
 
 
-def _with_host_tier(p: Problem, rng: random.Random) -> Problem:
+def _with_host_tier(p: Problem, rng: random.Random, lean_rng: random.Random) -> Problem:
     """`p` with a host tier on every option the optimizer steps (random copies, host step and host bytes; a device
-    step within the option's compute, ZeRO saving part of it) and a host budget that binds for some plans."""
+    step within the option's compute, ZeRO saving part of it; on a coin's toss ZeRO-Offload's layout, a third of the
+    parameter's bytes its bf16 copy) and a host budget that binds for some plans."""
     nodes = []
     for node in p.nodes:
         opts = []
@@ -104,6 +105,11 @@ def _with_host_tier(p: Problem, rng: random.Random) -> Problem:
             zero = o.zero and replace(o.zero, update_saving_s=update_s * (1 - 1 / o.zero.factor))
             tier = TierCost(o.optimizer_bytes, o.param_bytes, o.grad_bytes, o.optimizer_bytes, rng.uniform(0, 2),
                             rng.uniform(0, 2), update_s)
+            if lean_rng.random() < 0.5:  # (its own draws: the problems are those `rng` makes without it)
+                master = 2 / 3 * o.param_bytes
+                tier = replace(tier, host_params_bytes=master, lean_bytes_saved=master + o.grad_bytes,
+                               lean_transfer_s=lean_rng.uniform(0, 1), copy_grad_bytes=o.param_bytes / 3,
+                               summed_grad_bytes=o.grad_bytes)
             opts.append(replace(o, update_s=update_s, zero=zero, host=tier))
         nodes.append(replace(node, options=tuple(opts)))
     return replace(p, nodes=tuple(nodes), host_budget_bytes=rng.uniform(1, 6) * GIB)
@@ -119,10 +125,10 @@ def _every_tier(p: Problem):
 def test_random_problems_with_the_host_tier_match_brute_force():
     """The ILP's tier (h, and h AND z under ZeRO) against every combination of option, recompute, ZeRO and tier,
     each priced by `evaluate`, within the device and host budgets."""
-    rng = random.Random(3)
-    chosen = both = 0
+    rng, lean_rng = random.Random(3), random.Random(4)
+    chosen = both = lean = 0
     for _ in range(12):
-        p = _with_host_tier(random_problem(rng), rng)
+        p = _with_host_tier(random_problem(rng), rng, lean_rng)
         fitting = [(t.total_s, a) for a in _every_tier(p) for m, t in [evaluate(p, a)]
                    if m.total_bytes <= p.budget_bytes * (1 + 1e-9) and m.host_bytes <= p.host_budget_bytes * (1 + 1e-9)]
         if not fitting:
@@ -136,4 +142,5 @@ def test_random_problems_with_the_host_tier_match_brute_force():
         a = sol.assignment
         chosen += any(a.offload)
         both += any(a.offloaded(v) and a.zero[v] for v in range(len(a.choice)))
-    assert chosen >= 3 and both >= 2  # the tier was the answer in several problems, with ZeRO storage in some
+        lean += any(a.offloaded(v) and not a.zero[v] and p.nodes[v].options[c].host.lean for v, c in enumerate(a.choice))
+    assert chosen >= 3 and both >= 2 and lean >= 2  # the tier was the answer in several problems, with ZeRO storage in some
