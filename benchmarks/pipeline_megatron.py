@@ -93,13 +93,21 @@ def predict(row: Row, time_limit_s: float) -> dict:
     try:
         plan = price_config(cache, Config(row.p, (row.d, row.t), microbatches), "1f1b", topology=A100_IB,
                             time_limit_s=time_limit_s, starts=starts)
+        slowest = max(range(len(plan.stages)), key=lambda i: plan.time.stage_s[i])
+        t = plan.stages[slowest].plan.time  # one micro-batch's, with 1/m of the sync and the optimizer's step
         out.update(step_s=plan.time.step_s, tflops=row.flops() / (plan.time.step_s * row.gpus) / 1e12,
                    bubble=plan.time.bubble_fraction, sync_s=plan.time.sync_s, p2p_s=plan.time.p2p_s,
                    recomputed=sum(len(s.plan.recomputed()) > 0 for s in plan.stages),
-                   # the second stage (the last when p = 2): its ZeRO parameters, micro-batch time and its plan's breakdown
-                   stage1_zero_params=sum(p.zero for p in plan.stages[1].plan.params), stage1_s=plan.time.stage_s[1],
-                   stage1_time=str(plan.stages[1].plan.time),
-                   mem_gib=max(plan.memory_bytes) / 2**30)
+                   zero_params=sum(p.zero for s in plan.stages for p in s.plan.params),
+                   # the stage that sets 1F1B's pace: a micro-batch's forward and backward, its compute, communication
+                   # (less its share of the once-a-step sync) and recomputed forward
+                   slowest=slowest, slowest_s=plan.time.stage_s[slowest], compute_s=t.compute_s - t.update_s,
+                   comm_s=plan.time.stage_s[slowest] - (t.compute_s - t.update_s) - t.recompute_s,
+                   recompute_s=t.recompute_s, mem_gib=max(plan.memory_bytes) / 2**30)
+        # Megatron recomputes every layer's forward (its eq. 3 counts it): the step if the slowest stage ran a third
+        # of its compute again each micro-batch beyond what its plan recomputes, over 1F1B's m + p - 1 slots
+        again_s = max(out["compute_s"] / 3 - t.recompute_s, 0.0) * (microbatches + row.p - 1)
+        out["tflops_recomputed"] = row.flops() / ((plan.time.step_s + again_s) * row.gpus) / 1e12
     except AutoparError as err:
         out["error"] = str(err).splitlines()[0]
     out["cpu_s"] = time.process_time() - began
@@ -107,8 +115,11 @@ def predict(row: Row, time_limit_s: float) -> dict:
 
 
 def print_table(rows: list[dict]) -> None:
+    """recomp.: predicted / published were every layer's forward recomputed, as Megatron's are (an estimate: a third
+    of the slowest stage's compute again each micro-batch); compute, comm, recomp: ms of one micro-batch's forward and backward on the stage that sets 1F1B's pace (its
+    compute, its in-graph collectives and sends, its recomputed forward); sync s: the slowest rank's gradient sync."""
     print(f"{'params':>8} {'t':>2} {'p':>3} {'d':>3} {'GPUs':>5} {'batch':>5} {'m':>4} {'published':>9} {'predicted':>9} "
-          f"{'pred/pub':>8} {'bubble':>6} {'mem GiB':>7} {'CPU s':>6}")
+          f"{'pred/pub':>8} {'recomp.':>7} {'bubble':>6} {'sync s':>6} {'compute':>7} {'comm':>6} {'recomp':>6} {'mem GiB':>7} {'CPU s':>6}")
     for r in rows:
         if "error" in r:
             print(f"{r['row']:>8} {r['t']:2d} {r['p']:3d} {r['d']:3d} {r['gpus']:5d} {r['batch']:5d} "
@@ -116,4 +127,5 @@ def print_table(rows: list[dict]) -> None:
             continue
         print(f"{r['row']:>8} {r['t']:2d} {r['p']:3d} {r['d']:3d} {r['gpus']:5d} {r['batch']:5d} {r['microbatches']:4d} "
               f"{r['published_tflops']:9.0f} {r['tflops']:9.1f} {r['tflops'] / r['published_tflops']:8.2f} "
-              f"{r['bubble']:6.1%} {r['mem_gib']:7.1f} {r['cpu_s']:6.0f}")
+              f"{r['tflops_recomputed'] / r['published_tflops']:7.2f} {r['bubble']:6.1%} {r['sync_s']:6.2f} {r['compute_s'] * 1e3:7.1f} {r['comm_s'] * 1e3:6.1f} "
+              f"{r['recompute_s'] * 1e3:6.1f} {r['mem_gib']:7.1f} {r['cpu_s']:6.0f}")

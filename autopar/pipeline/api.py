@@ -19,9 +19,11 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from autopar.api import _capture_device, trace_copy
+from autopar.api import _capture_device, trace_copy, traced_model
 from autopar.codegen import lower
 from autopar.errors import InfeasibleError
+from autopar.mixed_precision import MixedPrecision
+from autopar.pipeline.cache import SearchCache
 from autopar.pipeline.cut import CutError, StageGraph, cut, find_layers
 from autopar.pipeline.module import PipelineModule
 from autopar.pipeline.choose import PP, check_pp, choose
@@ -43,6 +45,20 @@ log = logging.getLogger(__name__)
 def microbatch_sample(sample: Any, microbatches: int, batch_dim: BatchDim = 0) -> Any:
     """The first of `microbatches` equal parts of the global batch `sample`: what a pipeline's graphs are traced on."""
     return batch_slice(sample, 0, microbatches, batch_dim)
+
+
+def search_cache(model: nn.Module, sample: Any, device: str, batch_dim: BatchDim = 0, optimizer: str = "adamw",
+                 time_limit_s: float = 30.0, mixed_precision: MixedPrecision | None = None) -> SearchCache:
+    """What the pipeline search traces and solves `model` with at each micro-batch count (`sample`: the global
+    batch): traced as `parallelize` traces it, under `mixed_precision` where given (bf16 compute and activations,
+    priced on the float32 masters and the reduce dtype, as the plan without stages is: `api.profiled`)."""
+    def trace_at(m: int) -> TracedGraph:
+        return traced_model(model, microbatch_sample(sample, m, batch_dim), device, batch_dim, mixed_precision)
+
+    if mixed_precision is None:
+        return SearchCache(trace_at, optimizer, time_limit_s)
+    return SearchCache(trace_at, optimizer, time_limit_s, masters=mixed_precision.masters(model),
+                       reduce_dtype=mixed_precision.reduce_dtype)
 
 
 def stages_for(traced: TracedGraph, plan: PipelinePlan) -> tuple[StageGraph, ...]:
@@ -94,17 +110,13 @@ def pipeline_or_flat(model: nn.Module, sample_input: Any, device_mesh: Any, pp: 
         preset = hardware or (_local_gpu_preset() if device == "meta" else "cpu")
         mesh = preset.with_shape(shape) if isinstance(preset, Mesh) else make_mesh(num_devices, shape, preset)
         whole = trace_copy(model, sample_input, device, batch_dim=batch_dim)
-
-        def trace_at(m: int) -> TracedGraph:
-            return trace_copy(model, microbatch_sample(sample_input, m, batch_dim), device, batch_dim=batch_dim)
-
         try:
             flat_plan = solve(whole, profile(whole, optimizer=optimizer), mesh, memory_budget_bytes=memory_budget,
                               time_limit_s=time_limit_s)
         except InfeasibleError:
             flat_plan = None
-        return choose(flat_plan, trace_at, global_batch(whole), num_devices, pp or "auto", preset, memory_budget,
-                      optimizer, time_limit_s)
+        return choose(flat_plan, search_cache(model, sample_input, device, batch_dim, optimizer, time_limit_s),
+                      global_batch(whole), num_devices, pp or "auto", preset, memory_budget, optimizer, time_limit_s)
 
     # (what rank 0 raises, no plan fitting the budget, is raised on every rank)
     found = from_rank0(chosen, _plan_text, _plan_of_text)

@@ -12,6 +12,7 @@ import logging
 from dataclasses import replace
 from typing import Callable, Literal
 
+from autopar.pipeline.cache import SearchCache
 from autopar.pipeline.plan import PipelinePlan
 from autopar.pipeline.search import PipelineSearchError, solve_pipeline
 from autopar.solver.mesh import Mesh
@@ -33,7 +34,7 @@ def check_pp(pp: object) -> None:
 
 def choose(
     flat: Plan | None,
-    trace_at: Callable[[int], TracedGraph],
+    trace_at: Callable[[int], TracedGraph] | SearchCache,
     global_batch: int,
     num_devices: int,
     pp: PP = "auto",
@@ -44,7 +45,8 @@ def choose(
     gpus_per_node: int = 8,
 ) -> Plan | PipelinePlan:
     """The faster of `flat` (the single-mesh plan; None when none fits) and the best pipeline plan of the model
-    `trace_at(m)` traces at micro-batches of global_batch / m rows. Each carries a note with the other's step."""
+    `trace_at(m)` traces at micro-batches of global_batch / m rows (or a `SearchCache` built on it: a model traced under
+    a mixed-precision policy is priced with its masters). Each carries a note with the other's step."""
     check_pp(pp)
     try:
         piped = solve_pipeline(trace_at, global_batch, num_devices, hardware, memory_budget_bytes, optimizer, time_limit_s,

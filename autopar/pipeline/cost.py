@@ -74,8 +74,9 @@ def data_parallel_axes(plan: Plan, stage: StageGraph) -> tuple[int, ...]:
 
 
 def stage_cost(plan: Plan, stage: StageGraph, next_stage: StageGraph | None, shared: frozenset[str] = frozenset()) -> StageCost:
-    """A stage's price from its plan (made for one micro-batch on the stage mesh). `shared`: FQNs of parameters
-    other stages hold too."""
+    """A stage's price from its plan (made for one micro-batch on the stage mesh; a mesh of M `microbatches` prices
+    1/M of the sync and the optimizer's step in it, as the ILP weighs them, and the stage's price takes them
+    whole). `shared`: FQNs of parameters other stages hold too."""
     mesh, n = plan.mesh, plan.mesh.num_devices
     dp = data_parallel_axes(plan, stage)
     sync, groups = 0.0, set()
@@ -91,10 +92,11 @@ def stage_cost(plan: Plan, stage: StageGraph, next_stage: StageGraph | None, sha
             groups.add(axes)
     sync += sum(sync_latency_s(mesh, g) for g in groups)
     update = plan.time.update_s
+    passes = mesh.microbatches  # the plan's sync and update are per micro-batch (`solver.cost`): a step's are these times
     received_dims = stage.traced.input_batch_dims[len(stage.user_inputs):]
     sent_dims = () if next_stage is None else next_stage.traced.input_batch_dims[len(next_stage.user_inputs):]
     return StageCost(
-        micro_s=max(plan.time.total_s - update - sync, 0.0), sync_s=sync, update_s=update,
+        micro_s=max(plan.time.total_s - update - sync, 0.0), sync_s=sync * passes, update_s=update * passes,
         static_bytes=plan.memory.total_bytes - plan.memory.activations_bytes,
         activation_bytes=plan.memory.activations_bytes,
         send_bytes=_local_bytes(stage, stage.sent, sent_dims, n),

@@ -62,16 +62,18 @@ class Topology:
         mesh = PRESETS[hardware] if isinstance(hardware, str) else hardware
         return Topology(mesh.axes[-1], mesh.axes[0], gpus_per_node, mesh)
 
-    def stage_mesh(self, shape: tuple[int, ...]) -> Mesh:
+    def stage_mesh(self, shape: tuple[int, ...], microbatches: int = 1) -> Mesh:
         """A stage's mesh, ranks in row-major order from the innermost axis: an axis stays on the fast link while
-        the ranks it spans (its size times the sizes inside it) fit in a node."""
+        the ranks it spans (its size times the sizes inside it) fit in a node. Its plans are priced per micro-batch
+        with the gradient sync and optimizer step once for `microbatches` of them (`Mesh.microbatches`): a plan
+        that gathers a weight in every micro-batch's forward to save the once-a-step sync pays it M times."""
         axes, span = [], 1
         names = default_axis_names(len(shape))
         for name, size in reversed(list(zip(names, shape))):
             span *= size
             link = self.intra if span <= self.gpus_per_node else self.inter
             axes.append(replace(link, name=name, size=size, per_kind=()))
-        return replace(self.base, axes=tuple(reversed(axes)), groups=())
+        return replace(self.base, axes=tuple(reversed(axes)), groups=(), microbatches=microbatches)
 
     def boundary_links(self, stage_size: int, num_stages: int, pp: int) -> list[MeshAxis]:
         """The link each boundary between consecutive stages crosses (stage s on pp rank s % pp, ranks of pp rank
@@ -296,17 +298,22 @@ def _estimates(config: Config, cache: SearchCache, topo: Topology, budget: float
                schedules: Sequence[str]) -> list[Estimate]:
     """The configuration's estimate under each schedule whose balanced cut fits the budget. The units are solved
     alone at the whole budget, where the ILP recomputes nothing; when no schedule fits so, they are estimated again
-    recomputed (`_recomputed`), as the exact round's lowered budgets make the stages' plans recompute."""
-    mesh = topo.stage_mesh(config.stage_shape)
+    recomputed (`_recomputed`), as the exact round's lowered budgets make the stages' plans recompute; and when
+    that does not fit either, solved at a stage's budget shared by its units, where the ILP keeps leaner plans
+    (weights sharded over the data-parallel axes, recompute) that a unit alone at the whole budget has no reason to."""
+    mesh = topo.stage_mesh(config.stage_shape, config.microbatches)
+    leaner = [s for s in schedules if s != "zero_bubble"]  # (zero bubble is solved without recompute: `_exact`)
+
+    def fitting(unit_budget: float) -> tuple[list[Estimate], int]:
+        units = cache.unit_costs(config.microbatches, mesh, unit_budget)
+        return (_fitting(config, units, topo, budget, schedules)
+                or _fitting(config, [_recomputed(u) for u in units], topo, budget, leaner)), len(units)
+
     try:
-        units = cache.unit_costs(config.microbatches, mesh, budget)
+        out, num_units = fitting(budget)
+        return out or fitting(budget * config.pp * config.virtual / num_units)[0]
     except InfeasibleError:
         return []
-    out = _fitting(config, units, topo, budget, schedules)
-    if not out:  # (zero bubble is solved without recompute: `_exact`)
-        out = _fitting(config, [_recomputed(u) for u in units], topo, budget,
-                       [s for s in schedules if s != "zero_bubble"])
-    return out
 
 
 def _recomputed(unit: StageCost) -> StageCost:
@@ -344,8 +351,8 @@ def _exact(e: Estimate, cache: SearchCache, topo: Topology, budget: float) -> Pi
     traced, layers = cache.traced(config.microbatches), cache.layers(config.microbatches)
     bounds = unit_bounds(layers)
     stages = cut(traced, tuple(bounds[u] for u in e.starts), layers)
-    mesh = topo.stage_mesh(config.stage_shape)
-    pmesh = with_pp(mesh, config.pp, topo.inter)
+    mesh = topo.stage_mesh(config.stage_shape, config.microbatches)
+    pmesh = with_pp(replace(mesh, microbatches=1), config.pp, topo.inter)
     links = topo.boundary_links(mesh.num_devices, len(stages), config.pp)
     shared = _shared(stages)
     budgets = [budget] * len(stages)
@@ -368,6 +375,21 @@ def _exact(e: Estimate, cache: SearchCache, topo: Topology, budget: float) -> Pi
             raise ValueError("the micro-batches in flight alone exceed the budget")
     else:
         raise ValueError(f"stages need {max(memory) / 2**30:.1f} GiB with their micro-batches in flight")
+    # a rank that does not set the pace gains nothing from a faster micro-batch, while its stages' sync and optimizer
+    # step still count whole: each of its stages is offered its plan solved with them weighed as one pass's (a rank
+    # within 1% of the pace has no time to give for them)
+    rank_s = [sum(step.stage_s[config.pp * k + r] for k in range(config.virtual)) for r in range(config.pp)]
+    for i, stage in enumerate(stages):
+        if config.microbatches == 1 or rank_s[i % config.pp] >= 0.99 * max(rank_s):
+            continue
+        try:
+            alone = cache.solver(stage.traced, replace(mesh, microbatches=1), budgets[i])
+        except InfeasibleError:
+            continue
+        trial = [*costs[:i], stage_cost(alone, stage, stages[i + 1] if i + 1 < len(stages) else None, shared), *costs[i + 1:]]
+        trial_step, trial_memory = price(trial, e.schedule, pmesh, config.microbatches, links)
+        if trial_step.step_s < step.step_s and max(trial_memory) <= budget:
+            plans[i], costs, step, memory = alone, trial, trial_step, trial_memory
     if e.schedule == "zero_bubble" and any(p.recomputed() for p in plans):
         raise ValueError("zero_bubble needs stage plans without recompute")
     ops = [n.name for n in traced.graph.nodes if n.op == "call_function"]

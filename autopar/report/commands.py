@@ -192,10 +192,11 @@ def cmd_plan(args: Any) -> int:
 def _plan_pipeline(args: Any, source: PlanSource, traced, prof, hardware: str) -> int:
     """`plan --pp`: the single-mesh plan against the pipeline search's (`pipeline.choose`), the chosen one saved
     and shown."""
-    from autopar.api import capture_device_for, trace_copy
+    from autopar.api import capture_device_for
     from autopar.errors import InfeasibleError
+    from autopar.mixed_precision import POLICIES
     from autopar.model_file import model_file_batch_dim
-    from autopar.pipeline.api import global_batch, microbatch_sample
+    from autopar.pipeline.api import global_batch, search_cache
     from autopar.pipeline.choose import choose
     from autopar.pipeline.plan import PipelinePlan, save_pipeline_plan
 
@@ -205,11 +206,12 @@ def _plan_pipeline(args: Any, source: PlanSource, traced, prof, hardware: str) -
         flat = None
     model, sample = _build(source)
     batch_dim = model_file_batch_dim(source.model_file) if source.model_file else 0
-    device = capture_device_for(hardware)
+    policy = POLICIES[source.precision or "fp32"]  # the stages traced and priced as the plan without them is
+    cache = search_cache(model, sample, capture_device_for(hardware, policy), batch_dim, source.optimizer, args.time_limit,
+                         policy)
     with phase("searching pipeline stages"):
-        chosen = choose(flat, lambda m: trace_copy(model, microbatch_sample(sample, m, batch_dim), device, batch_dim=batch_dim),
-                        global_batch(traced), args.gpus, args.pp, _hardware_arg(args), args.memory, source.optimizer,
-                        args.time_limit, args.gpus_per_node)
+        chosen = choose(flat, cache, global_batch(traced), args.gpus, args.pp, _hardware_arg(args), args.memory,
+                        source.optimizer, args.time_limit, args.gpus_per_node)
     if not isinstance(chosen, PipelinePlan):
         if args.save:
             from autopar.solver.plan_io import save_plan
@@ -218,16 +220,24 @@ def _plan_pipeline(args: Any, source: PlanSource, traced, prof, hardware: str) -
         _emit(summarize(chosen), args.json, saved=args.save)
         return 0
     chosen = replace(chosen, source=source)
+    if policy is not None:
+        chosen = replace(chosen, notes=(*chosen.notes, f"stages priced under --precision {source.precision} ({policy.describe()}); "
+                                        "parallelize runs pipeline stages in the model's own dtypes, not under "
+                                        "mixed_precision"))
     if args.save:
         save_pipeline_plan(chosen, args.save)
     return _emit_pipeline(chosen, args.json, args.save)
 
 
-def _hardware_arg(args: Any) -> Any:
-    """--hardware as the pipeline search takes it: a preset name, or the mesh a calibration file holds."""
+def _hardware_arg(args: Any) -> Mesh:
+    """--hardware as the pipeline search takes it: the preset at --precision's matmul rate (as the plan without
+    stages prices it), or the mesh a calibration file holds."""
     if args.hardware.endswith(".json") or Path(args.hardware).is_file():
         return _mesh(args.hardware, args.gpus, None)
-    return args.hardware
+    from autopar.solver.mesh import PRESETS
+
+    preset = PRESETS[args.hardware]
+    return preset.at_precision(args.precision) if args.precision and preset.rates is not None else preset
 
 
 def _is_pipeline_file(path: str) -> bool:

@@ -97,12 +97,13 @@ def bucket_latency_share(nbytes: float, bucket_bytes: float) -> float:
 
 
 def sync_latency_s(mesh: Mesh, axes: tuple[int, ...]) -> float:
-    """Latency of one bucketed gradient all-reduce over the group spanning `axes` (`flat_axis`)."""
+    """Latency of one bucketed gradient all-reduce over the group spanning `axes` (`flat_axis`), per pass: a step of
+    `mesh.microbatches` passes syncs once."""
     axis = flat_axis(mesh, axes)
     if axis.size == 1:
         return 0.0
     _, steps = _ring("all_reduce", axis.size)
-    return steps * axis.link("all_reduce")[0]
+    return steps * axis.link("all_reduce")[0] / mesh.microbatches
 
 
 def split_axes(strategy: Strategy, mesh_ndim: int) -> tuple[int, ...]:
@@ -121,10 +122,12 @@ def compute_time_s(flops: float, nbytes: float, mesh: Mesh, dtype: str = "") -> 
 
 
 def optimizer_step_s(param: ParamCost, shard: float, mesh: Mesh) -> float:
-    """The optimizer's step for `param`'s local part (1/`shard` of its bytes; its launches are per tensor)."""
+    """The optimizer's step for `param`'s local part (1/`shard` of its bytes; its launches are per tensor), per pass:
+    a step of `mesh.microbatches` passes steps once."""
     if not param.update_launches:
         return 0.0
-    return param.update_launches * mesh.op_overhead_s + compute_time_s(0.0, param.update_write_bytes / shard, mesh)
+    step_s = param.update_launches * mesh.op_overhead_s + compute_time_s(0.0, param.update_write_bytes / shard, mesh)
+    return step_s / mesh.microbatches
 
 
 def launches(node_cost: NodeCost) -> tuple[int, int]:
@@ -216,8 +219,10 @@ def strategy_cost(
 
 def bucketed_all_reduce_s(local_bytes: float, mesh: Mesh, axes: tuple[int, ...]) -> float:
     """A parameter gradient's part of the bucketed sync over the group spanning `axes`: its bandwidth
-    term in full, its share of a bucket's latency (`bucket_latency_share`)."""
-    return collective_time_s("all_reduce", local_bytes, flat_axis(mesh, axes), bucket_latency_share(local_bytes, GRAD_BUCKET_BYTES))
+    term in full, its share of a bucket's latency (`bucket_latency_share`); per pass: a step of
+    `mesh.microbatches` passes syncs once."""
+    whole_s = collective_time_s("all_reduce", local_bytes, flat_axis(mesh, axes), bucket_latency_share(local_bytes, GRAD_BUCKET_BYTES))
+    return whole_s / mesh.microbatches
 
 
 def bucketed_sync_s(node_cost: NodeCost, strategy: Strategy, mesh: Mesh, in_bytes: Sequence[float],

@@ -138,6 +138,11 @@ class Mesh:
     # torch's optimizers step every parameter at once (`foreach`: CUDA's default, one state-sized scratch
     # buffer for all parameters) or one after another (CPU's default: one parameter's scratch at a time)
     optimizer_foreach: bool = False
+    # Forward and backward passes a training step runs for one gradient sync and one optimizer step (a pipeline
+    # stage's micro-batches): a plan is priced per pass, so the bucketed sync and the step are charged 1/microbatches
+    # of theirs (`cost.bucketed_all_reduce_s`, `cost.sync_latency_s`, `cost.optimizer_step_s`), while whatever runs
+    # in the graph (tensor parallelism's collectives, resharding, ZeRO's gathers) is paid every pass
+    microbatches: int = 1
 
     def __post_init__(self) -> None:
         if not self.axes:
@@ -145,6 +150,8 @@ class Mesh:
         names = [a.name for a in self.axes]
         if len(set(names)) != len(names):
             raise ValueError(f"mesh axis names must be unique, got {names}")
+        if self.microbatches < 1:
+            raise ValueError(f"a mesh's microbatches (passes a step) must be >= 1, got {self.microbatches}")
         for a in self.axes:
             if a.size < 1:
                 raise ValueError(f"mesh axis {a.name!r} has size {a.size}; sizes must be >= 1")
@@ -409,6 +416,7 @@ def mesh_to_json(mesh: Mesh) -> dict:
         "precision": mesh.precision,
         "overheads": vars(mesh.overheads),
         "optimizer_foreach": mesh.optimizer_foreach,
+        "microbatches": mesh.microbatches,
     }
 
 
@@ -427,10 +435,12 @@ def mesh_from_json(data: dict) -> Mesh:
 
 
 def device_fields_from_json(data: dict) -> dict:
-    """The `Mesh` fields of a GPU preset (`rates`, `precision`, `overheads`, `optimizer_foreach`) from a mesh's
-    JSON, as keyword arguments; a file written before they existed gets the defaults (one rate, no overheads)."""
+    """The `Mesh` fields of a GPU preset (`rates`, `precision`, `overheads`, `optimizer_foreach`) and its passes a step
+    (`microbatches`) from a mesh's JSON, as keyword arguments; a file written before they existed gets the defaults
+    (one rate, no overheads, one pass)."""
     rates = data.get("rates")
     return {"rates": None if rates is None else ComputeRates(*(float(rates[p]) for p in PRECISIONS)),
             "precision": str(data.get("precision", "")),
             "overheads": FixedOverheads(**{k: float(v) for k, v in (data.get("overheads") or {}).items()}),
-            "optimizer_foreach": bool(data.get("optimizer_foreach", False))}
+            "optimizer_foreach": bool(data.get("optimizer_foreach", False)),
+            "microbatches": int(data.get("microbatches", 1))}

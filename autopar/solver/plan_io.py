@@ -220,6 +220,7 @@ def _device_fields_from(f: JsonField) -> dict:
         for _, nbytes in overheads.entries():
             nbytes.num()
     f.get("optimizer_foreach", False).of(bool)
+    f.get("microbatches", 1).count(least=1)
     return device_fields_from_json(f.value)
 
 

@@ -8,14 +8,21 @@ holds a micro-batch's activations until its backward), built for stand-in stages
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 from types import SimpleNamespace
 
 import pytest
 from torch.distributed.pipelining import ScheduleInterleaved1F1B, ScheduleInterleavedZeroBubble
 
-from autopar.pipeline.cost import StageCost, bubble_fraction, in_flight, price, send_s
+from autopar.api import trace_copy
+from autopar.pipeline.cost import StageCost, bubble_fraction, in_flight, price, send_s, stage_cost
+from autopar.pipeline.cut import cut, find_layers
 from autopar.pipeline.search import Config, Topology, _estimates, balanced_cuts
-from autopar.solver.mesh import Mesh, MeshAxis
+from autopar.profiler import profile
+from autopar.solver import solve
+from autopar.solver.mesh import PRESETS, Mesh, MeshAxis
+from autopar.solver.spec import Replicate, Shard, Spec
+from tests.zoo import load_zoo
 
 
 @pytest.mark.parametrize("pp,m", [(2, 4), (4, 8), (8, 8), (4, 16)])
@@ -101,3 +108,28 @@ def test_units_that_fit_only_recomputed_are_estimated_recomputed():
     [recomputed] = _estimates(config, cache, topology, 40.0, ("1f1b",))
     assert (recomputed.starts, recomputed.step_s) == ((2,), pytest.approx(5 * 2 * 4 / 3))  # forward run twice: 4/3
     assert _estimates(config, cache, topology, 27.0, ("1f1b",)) == []  # 20 + 2 * 2 + 4 receive buffers = 28
+
+
+def test_a_stage_of_many_micro_batches_pays_its_gradient_sync_once_a_step():
+    # the tiny MLP (12 parameters, 50,304 bytes of float32) on 2 ranks of a link of 1 MB/s and no latency, computing
+    # at 1 GFLOP/s: syncing every gradient each pass (50.3 ms) costs more than data parallelism saves of the compute,
+    # so a plan of one pass a step keeps every rank on the whole batch; a stage that runs 64 micro-batches a step
+    # syncs once for all of them (1/64 of it a pass) and splits the batch. The stage's price takes the sync whole:
+    # a ring all-reduce of B bytes over 2 ranks sends B / 1 MB/s
+    model, sample = load_zoo("mlp").build(batch_size=8, seq_len=8, size="tiny", device="cpu")
+    traced = trace_copy(model, sample, "cpu")
+    cpu = PRESETS["cpu"]
+    hardware = replace(cpu, axes=tuple(replace(a, alpha_s=0.0, beta_bytes_per_s=1e6) for a in cpu.axes),
+                       flops_per_s=1e9, mem_bandwidth_bytes_per_s=1e9, op_overhead_s=0.0)
+    costs = profile(traced)
+    [whole] = cut(traced, (), find_layers(traced))
+    one = solve(traced, costs, hardware.with_shape((2,)), time_limit_s=5)
+    assert one.comm_bytes_by_kind == (("all_gather", 1024.0),) and all(p.use == Spec((Replicate(),)) for p in one.params)
+    assert stage_cost(one, whole, None).sync_s == 0.0
+    many = solve(traced, costs, replace(hardware.with_shape((2,)), microbatches=64), time_limit_s=5)
+    grad_bytes = sum(traced.node(p.node).meta["val"].numel() * 4 for p in many.params)
+    assert grad_bytes == 50304 and dict(many.comm_bytes_by_kind) == {"all_reduce": grad_bytes}
+    assert many.node("x").strategy.output_specs[0] == Spec((Shard(0),))
+    assert stage_cost(many, whole, None).sync_s == pytest.approx(grad_bytes / 1e6)
+    assert many.time.comm_s == pytest.approx(grad_bytes / 1e6 / 64)
+    assert Mesh.from_json(many.mesh.to_json()) == many.mesh  # a stage plan's file keeps its micro-batches

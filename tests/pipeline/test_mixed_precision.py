@@ -6,12 +6,14 @@ layers, on fake tensors: at that width ZeRO's sharded gradients pay on a (32, 8)
 of the all-reduce ZeRO replaces was priced at the bytes held (master and bf16 copy) instead of the bytes summed."""
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 
 from autopar.api import traced_model
 from autopar.mixed_precision import MixedPrecision
-from autopar.pipeline.api import microbatch_sample
+from autopar.pipeline.api import microbatch_sample, search_cache
 from autopar.pipeline.cache import SearchCache
 from autopar.pipeline.search import Config, Topology, price_config
 from autopar.solver.mesh import PRESETS, MeshAxis
@@ -53,3 +55,20 @@ def test_a_mixed_precision_pipeline_prices_no_negative_time():
     schedule_s = (MICROBATCHES - 1) * max(step.stage_s) + sum(step.stage_s)
     assert step.bubble_s == pytest.approx(min(step.stage_s))
     assert max(step.sync_s, step.update_s) <= step.step_s - schedule_s <= step.sync_s + step.update_s + 1e-12
+
+
+def test_stages_traced_under_bf16_mixed_precision_are_priced_at_bf16_rates_and_bytes():
+    # the tiny MLP on 2 stages of one A100 each, priced with memory of no cost to read so that every op takes its
+    # math's rate: under the policy each stage's forward and backward computes in bf16 at 312 TFLOP/s against
+    # float32's 19.5, exactly 16 times faster, keeps less for backward, and holds a bf16 copy beside each float32
+    # master (1.5 times the parameter bytes), as the plan without stages prices them (`api.profiled`)
+    model, sample = load_zoo("mlp").build(batch_size=8, seq_len=8, size="tiny", device="cpu")
+    a100 = replace(PRESETS["a100"], mem_bandwidth_bytes_per_s=1e30)
+    link = MeshAxis("link", 1, 0.0, 1e9)
+    priced = [price_config(search_cache(model, sample, "cpu", time_limit_s=5, mixed_precision=policy), Config(2, (1,), 2),
+                           "1f1b", topology=Topology(link, link, 8, a100), time_limit_s=5, starts=(2,))
+              for policy in (None, MixedPrecision(torch.bfloat16))]
+    for fp32, bf16 in zip(*(p.stages for p in priced)):
+        assert fp32.plan.time.compute_s == pytest.approx(16 * bf16.plan.time.compute_s, rel=1e-9)
+        assert bf16.plan.memory.activations_bytes < fp32.plan.memory.activations_bytes
+        assert bf16.plan.memory.params_bytes == 1.5 * fp32.plan.memory.params_bytes

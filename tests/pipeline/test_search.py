@@ -9,20 +9,22 @@ import pytest
 import torch
 
 from autopar.api import parallelize, trace_copy
-from autopar.pipeline.api import global_batch, microbatch_sample
+from autopar.pipeline.api import global_batch, microbatch_sample, search_cache, stages_for
+from autopar.pipeline.cost import price, stage_cost
 from autopar.pipeline.choose import choose
 from autopar.pipeline.cut import find_layers
 from autopar.pipeline.plan import PipelinePlan, load_pipeline_plan, save_pipeline_plan
 from autopar.pipeline.cache import SearchCache, unit_bounds
-from autopar.pipeline.search import Config, PipelineSearchError, price_config, solve_pipeline
+from autopar.pipeline.search import Config, PipelineSearchError, Topology, price_config, solve_pipeline
 from autopar.profiler import profile
 from autopar.runtime.launch import run_ranks
 from autopar.solver import solve
-from autopar.solver.mesh import PRESETS, make_mesh
+from autopar.solver.mesh import PRESETS, MeshAxis, make_mesh
 from autopar.solver.plan import Plan
 from tests.codegen.harness import EPS, LR, trace_model
 from tests.pipeline.harness import STEPS, check_steps, zoo_model
 from tests.pipeline.test_cut import _Twice
+from tests.zoo import load_zoo
 
 MODEL = "mlp"  # three layers, traced in a fraction of a second at each micro-batch count
 
@@ -102,3 +104,43 @@ def test_a_model_that_cannot_be_cut_keeps_its_plan_and_says_why():
     assert kept.notes[-1].startswith("no pipeline stages:") and "do not run one after another" in kept.notes[-1]
     with pytest.raises(PipelineSearchError, match="do not run one after another"):
         choose(flat, lambda m: traced, 4, 2, 2, "cpu")
+
+
+def test_a_stage_recomputes_to_fit_its_micro_batches_in_flight():
+    # the tiny MLP at 65,536 rows (megabytes of activations a micro-batch), 2 stages of one CPU rank, 1F1B over 4
+    # micro-batches: rank 0 holds 2 of them in flight. Its memory as planned with the whole budget, less 4%, leaves
+    # no plan without recompute: the stage is solved again within less until its plan recomputes and the rank fits
+    model, sample = load_zoo(MODEL).build(batch_size=65536, seq_len=8, size="tiny", device="cpu")
+    link = MeshAxis("link", 1, 0.0, 1e9)
+    cache = search_cache(model, sample, "cpu", time_limit_s=5)
+    config, topology = Config(2, (1,), 4), Topology(link, link, 8, PRESETS["cpu"])
+    ample = price_config(cache, config, "1f1b", topology=topology, time_limit_s=5, starts=(2,))
+    assert not any(s.plan.recomputed() for s in ample.stages)
+    budget = 0.96 * ample.memory_bytes[0]
+    tight = price_config(cache, config, "1f1b", topology=topology, time_limit_s=5, starts=(2,), memory_budget_bytes=budget)
+    assert tight.stages[0].plan.recomputed() and max(tight.memory_bytes) <= budget
+    # rank 0: its stage's parameters, gradients, optimizer state and largest transient, 2 micro-batches' activations,
+    # and torch's buffers for the 4 micro-batches it sends (each 65,536 / 4 rows of 32 float32)
+    memory = tight.stages[0].plan.memory
+    sent = 4 * 65536 // 4 * 32 * 4
+    assert tight.memory_bytes[0] == memory.total_bytes + memory.activations_bytes + sent
+    assert tight.time.stage_s[0] > ample.time.stage_s[0]  # the recomputed forward runs again in backward
+
+
+def test_a_stage_off_the_pace_keeps_the_plan_that_syncs_less():
+    # GPT-2 tiny as pp=2 x dp=2, zero bubble, 2 micro-batches: stage 0 (the embeddings and a layer) is faster a
+    # micro-batch than stage 1 (a layer, the head and loss), which sets the pace. Solved for 2 micro-batches, stage 0
+    # buys a faster micro-batch with a larger gradient sync and optimizer step, which the step pays whole; its plan
+    # solved for one pass a step, which syncs less, gives the faster step and is kept
+    model, sample = load_zoo("gpt2").build(batch_size=8, seq_len=8, size="tiny", device="cpu")
+    cache = search_cache(model, sample, "cpu", time_limit_s=10)
+    plan = price_config(cache, Config(2, (2,), 2), "zero_bubble", "cpu", time_limit_s=10)
+    assert [s.plan.mesh.microbatches for s in plan.stages] == [1, 2]
+    assert plan.time.stage_s[0] < plan.time.stage_s[1]
+    stages = stages_for(cache.traced(2), plan)
+    mesh = plan.stages[1].plan.mesh
+    fast = [stage_cost(cache.solver(s.traced, mesh, plan.budget_bytes), s, stages[i + 1] if i == 0 else None,
+                       frozenset(["transformer.wte.weight"])) for i, s in enumerate(stages)]
+    kept = stage_cost(plan.stages[0].plan, stages[0], stages[1], frozenset(["transformer.wte.weight"]))
+    assert kept.sync_s + kept.update_s < fast[0].sync_s + fast[0].update_s
+    assert plan.time.step_s < price(fast, "zero_bubble", plan.mesh, 2)[0].step_s
