@@ -8,7 +8,7 @@ for compute and in-strategy collectives, `autopar.solver.reshard` for
 resharding the inputs from what their producers chose in the plan), so the
 numbers are the ones the ILP compared. An option that costs less at the node
 than the chosen one is priced once more as the whole plan with only that
-decision changed (`ilp.evaluate`): that says why it lost (it does not fit, or
+decision changed (`evaluate.evaluate`): that says why it lost (it does not fit, or
 it costs more elsewhere than it saves at the node).
 """
 from __future__ import annotations
@@ -74,7 +74,7 @@ def _planned(plan: Plan, built: BuiltProblem) -> Assignment | None:
 def other_tier(plan: Plan, node: str, ctx: ExplainContext) -> dict[str, Any] | None:
     """The plan priced with parameter node `node` on the other tier (`solver.offload`), every other decision as
     planned: its step, device peak and host bytes; None for a parameter the optimizer does not step."""
-    from autopar.solver.ilp import evaluate
+    from autopar.solver.evaluate import evaluate
 
     a = ctx.planned
     v = ctx.built.grouping.cluster_of[node]
@@ -90,7 +90,7 @@ def other_tier(plan: Plan, node: str, ctx: ExplainContext) -> dict[str, Any] | N
 def _with_option(ctx: ExplainContext, node: str, k: int) -> tuple[MemoryBreakdown, TimeBreakdown]:
     """The plan priced with graph node `node` taking its strategy `k`, every other decision as planned (ZeRO
     storage kept where strategy `k` has one; each parameter's tier kept)."""
-    from autopar.solver.ilp import evaluate
+    from autopar.solver.evaluate import evaluate
 
     a = ctx.planned
     assert a is not None
@@ -215,7 +215,7 @@ def _why(plan: Plan, r: dict[str, Any], saved_here_s: float) -> str:
 
 def evaluate_plan(ctx: ExplainContext) -> tuple[MemoryBreakdown, TimeBreakdown]:
     """The plan as `ctx.built` prices it: the base the changed plans are compared with."""
-    from autopar.solver.ilp import evaluate
+    from autopar.solver.evaluate import evaluate
 
     assert ctx.planned is not None
     return evaluate(ctx.built.problem, ctx.planned)

@@ -37,7 +37,8 @@ from autopar.errors import AutoparError
 from autopar.gc_pause import gc_paused
 from autopar.solver.clock import cpu_s
 from autopar.solver.backends import Backend
-from autopar.solver.ilp import DEFAULT_GAP, Outcome, Relaxed, Restrictions, Solution, _Model, evaluate, relax, run
+from autopar.solver.ilp import DEFAULT_GAP, Outcome, Relaxed, Restrictions, Solution, _Model, relax, run
+from autopar.solver.evaluate import evaluate
 from autopar.solver.needs import infeasible_error, least_need_bytes, timeout_error
 from autopar.solver.plan import SolverReport
 from autopar.solver.problem import Assignment, Problem

@@ -127,7 +127,7 @@ class Mesh:
     # step). Unmeasured groups use the slowest axis' link.
     groups: tuple[AxisGroup, ...] = ()
     # Fixed host cost of one checkpoint region (`runtime.checkpoint`: its call in forward, the rebuild and the
-    # nested backward in backward), charged per region codegen makes (`Problem.region_s`, `ilp.checkpoint_regions`).
+    # nested backward in backward), charged per region codegen makes (`Problem.region_s`, `evaluate.checkpoint_regions`).
     # Measured on CPU: ~0.1 ms a region on one idle core, against ~2 us per op recomputed in it.
     recompute_region_s: float = 0.0
     # The rate of each math mode (GPU presets), and the mode `flops_per_s` is for; None and "": one rate

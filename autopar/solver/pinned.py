@@ -11,7 +11,8 @@ from autopar.errors import AutoparError
 from autopar.profiler.types import ConcreteProfile, GraphProfile
 from autopar.solver.anytime import solve_problem
 from autopar.solver.assemble import budget_of, build_for, to_plan
-from autopar.solver.ilp import Restrictions, Solution, evaluate
+from autopar.solver.ilp import Restrictions, Solution
+from autopar.solver.evaluate import evaluate
 from autopar.solver.mesh import Mesh
 from autopar.solver.plan import ParamDecision, Plan, SolverReport
 from autopar.solver.problem import Assignment, BuiltProblem

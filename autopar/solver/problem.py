@@ -211,7 +211,7 @@ class Problem:
     # pairs of one layer's nodes that fall into two checkpoint regions (`regions.region_cuts`), by `second`'s graph order
     region_cuts: tuple[RegionCut, ...] = ()
     # fixed cost of a checkpoint region (`Mesh.recompute_region_s`), paid once per layer with recomputed nodes and
-    # once more per split (`region_cuts`), times the layers a tied class stands for (`ilp.checkpoint_regions`)
+    # once more per split (`region_cuts`), times the layers a tied class stands for (`evaluate.checkpoint_regions`)
     region_s: float = 0.0
     # parameters whose bucketed gradient sync several nodes' prices include: charged once, the largest
     shared_syncs: tuple[SharedSync, ...] = ()

@@ -3,7 +3,7 @@
 Codegen (`codegen.recompute`) outlines each run `region_runs` finds into a checkpoint region. The
 solver charges a region's fixed cost (`Mesh.recompute_region_s`) per layer with recomputed work, and
 once more where `region_cuts` says the layer's recomputed work falls into two regions
-(`ilp.checkpoint_regions`): GPT-2 with its attention and MLP activation recomputed and the projections
+(`evaluate.checkpoint_regions`): GPT-2 with its attention and MLP activation recomputed and the projections
 and norm between them kept makes two regions a layer, priced as one before. Kept here, upstream of
 codegen, so that both read the same rule.
 """

@@ -23,7 +23,8 @@ from autopar.solver.anytime import PRICING_GAP, fits, fit_memory, min_memory, pr
 from autopar.solver.assemble import budget_of, build_for, to_plan
 from autopar.solver.backends import Backend
 from autopar.solver.descent import descend
-from autopar.solver.ilp import Restrictions, Solution, evaluate, recomputable_options
+from autopar.solver.ilp import Restrictions, Solution
+from autopar.solver.evaluate import evaluate, recomputable_options
 from autopar.solver.mesh import Mesh
 from autopar.solver.plan import BaselineResult, Plan
 from autopar.solver.problem import Assignment, BuiltProblem, Problem

@@ -2,7 +2,7 @@
 
     plan.memory_timeline  # (("start: parameters, gradients, optimizer state", 1.2e9), ("forward: transformer.h.0", ...), ...)
 
-The ILP prices a plan's peak as a sum (`ilp.evaluate`): what stays through the step (parameters,
+The ILP prices a plan's peak as a sum (`evaluate.evaluate`): what stays through the step (parameters,
 gradients, optimizer state), every activation saved for backward, and the largest transient. This
 draws that sum out in graph order: the saved activations accumulate through forward, the largest
 transient sits on top of all of them, and backward frees them in reverse. Its largest point is the
@@ -10,7 +10,7 @@ plan's `MemoryBreakdown.total_bytes`, so a chart of it and the report's peak can
 """
 from __future__ import annotations
 
-from autopar.solver.ilp import evaluate
+from autopar.solver.evaluate import evaluate
 from autopar.solver.plan import MemoryBreakdown
 from autopar.solver.problem import Assignment, BuiltProblem
 from autopar.tracer import TracedGraph, module_path

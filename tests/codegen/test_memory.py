@@ -166,7 +166,7 @@ def test_solver_prices_the_rebuilt_layer_as_a_transient():
     """Backward rebuilds a recomputed layer whole (codegen's checkpoint region per layer): the ILP and
     `evaluate` add the largest rebuilt layer to the peak, one layer's share for a tied class."""
     from autopar.solver.anytime import solve_problem
-    from autopar.solver.ilp import evaluate
+    from autopar.solver.evaluate import evaluate
     from autopar.solver.problem import Assignment, Node, Option, Problem
 
     gib = 2**30
@@ -190,7 +190,7 @@ def test_a_rebuilt_layer_holds_its_regathered_zero_parameters():
 
     from autopar.errors import InfeasibleError
     from autopar.solver.anytime import solve_problem
-    from autopar.solver.ilp import evaluate
+    from autopar.solver.evaluate import evaluate
     from autopar.solver.problem import Assignment, Node, Option, Problem, ZeroOption
 
     gib = 2**30
@@ -222,7 +222,7 @@ def test_a_rebuilt_layer_holds_the_gradient_backward_carries_through_it():
 
     from autopar.errors import InfeasibleError
     from autopar.solver.anytime import solve_problem
-    from autopar.solver.ilp import evaluate
+    from autopar.solver.evaluate import evaluate
     from autopar.solver.problem import Assignment, Node, Option, Problem, ZeroOption
 
     gib = 2**30

@@ -17,7 +17,8 @@ from autopar.solver.backends import _reset_scheduler, make_solver
 from autopar.solver import ilp
 from autopar.solver import anytime
 from autopar.solver.anytime import min_memory, solve_problem
-from autopar.solver.ilp import Restrictions, _Model, evaluate
+from autopar.solver.ilp import Restrictions, _Model
+from autopar.solver.evaluate import evaluate
 from autopar.solver.needs import infeasible_error, need_and_budget
 from autopar.solver.problem import Assignment, Edge, Node, Option, Problem, ZeroOption
 

@@ -15,7 +15,8 @@ from autopar.report.explain import explain, make_context
 from autopar.solver import fixed_plan, solve
 from autopar.solver.mesh import make_mesh
 from autopar.solver.anytime import solve_problem
-from autopar.solver.ilp import Restrictions, evaluate
+from autopar.solver.ilp import Restrictions
+from autopar.solver.evaluate import evaluate
 from autopar.solver.offload import TierCost, offloaded_profile, storage_shard, tier_cost, with_offload
 from autopar.solver.problem import Problem
 from tests.solver.test_ilp import GIB, every_assignment, random_problem

@@ -8,7 +8,7 @@ import torch
 from torch import fx
 
 from autopar.solver.anytime import solve_problem
-from autopar.solver.ilp import checkpoint_regions, evaluate
+from autopar.solver.evaluate import checkpoint_regions, evaluate
 from autopar.solver.problem import Assignment, Node, Option, Problem, RegionCut
 from autopar.solver.regions import region_cuts, region_runs
 from tests.solver.test_ilp import brute_force

@@ -8,7 +8,7 @@ import pytest
 from autopar.profiler import profile
 from autopar.solver.cost import bucketed_all_reduce_s
 from autopar.solver.anytime import solve_problem
-from autopar.solver.ilp import evaluate
+from autopar.solver.evaluate import evaluate
 from autopar.solver.mesh import make_mesh
 from autopar.solver.problem import Assignment, Node, Option, Problem, SharedSync, build_problem
 from autopar.solver.strategies import enumerate_strategies
