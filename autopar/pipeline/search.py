@@ -208,7 +208,7 @@ def solve_pipeline(
         try:
             first, num_units = _cuttable(cache)
         except SearchTimeUp as up:
-            raise PipelineSearchError(f"the pipeline search found no plan: {up} while tracing the model") from None
+            raise PipelineSearchError(f"the pipeline search stopped: {up}, while tracing the model") from None
     if pp is not None and pp > num_units:
         raise PipelineSearchError(f"{first.model_name} has {num_units} parts between its cut points, too few for pp={pp}: "
                                   f"give pp <= {num_units}, or 'auto'")
