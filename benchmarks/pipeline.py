@@ -55,7 +55,8 @@ DEVICES = (64, 512, 1024)
 PP = {64: (4, 8), 512: (8, 16), 1024: (8, 16)}
 
 
-def run(name: str, devices: tuple[int, ...], time_limit_s: float, search_time_limit_s: float | None) -> list[dict]:
+def run(name: str, devices: tuple[int, ...], time_limit_s: float, search_time_limit_s: float | None,
+        pp_degrees: tuple[int, ...] | None = None) -> list[dict]:
     """One model's rows: one trace per micro-batch size and one profile and plan per structure and stage mesh,
     reused for every pp degree and device count (`SearchCache`). Each row is printed (a JSON line) when it is done,
     and what it finds on the way (the plan without stages, each pp degree's best) to stderr as it is found, so a
@@ -78,7 +79,7 @@ def run(name: str, devices: tuple[int, ...], time_limit_s: float, search_time_li
             row.update(flat_s=None, flat_error=str(err).splitlines()[0])
         _progress(row, "no pp", f"{_s(row['flat_s'])} s on {shape}" if row["flat_s"] else row["flat_error"], began)
         best = None
-        for pp in PP.get(n, (4, 8)):
+        for pp in pp_degrees or PP.get(n, (4, 8)):
             pp_began = time.process_time()
             try:
                 plan = solve_pipeline(cache, batch, n, HARDWARE, time_limit_s=time_limit_s, gpus_per_node=GPUS_PER_NODE,
@@ -131,6 +132,7 @@ def main() -> None:
     parser.add_argument("--time-limit", type=float, default=20.0, help="CPU seconds per ILP solve")
     parser.add_argument("--search-time-limit", type=float, help="CPU seconds each pipeline search (one pp degree of one "
                         "row) may take; where it runs out the search keeps the best plan solved so far (default: no limit)")
+    parser.add_argument("--pp", type=int, action="append", help="try only these pp degrees (default: PP's for the device count)")
     parser.add_argument("--megatron", action="store_true", help="predict Megatron-LM's Table 1 configurations instead")
     parser.add_argument("--gloo", action="store_true", help="measure pp=2 x dp=2 on 4 gloo ranks instead")
     args = parser.parse_args()
@@ -146,7 +148,8 @@ def main() -> None:
         return
     rows = []
     for name in args.only or list(MODELS):
-        rows += run(name, tuple(args.devices or DEVICES), args.time_limit, args.search_time_limit)
+        rows += run(name, tuple(args.devices or DEVICES), args.time_limit, args.search_time_limit,
+                    tuple(args.pp or ()))
     print_table(rows)
     print(provenance_line("pipeline", hardware=HARDWARE, gpus_per_node=GPUS_PER_NODE))
 
