@@ -103,13 +103,17 @@ def evaluate(problem: Problem, a: Assignment, saved_by_node: list[float] | None 
             comm_s -= e.zero_saving(i, j)
         # The consumer's backward step makes a parameter's gradient at its input spec beside its own gradients: where
         # the edge reshards the parameter or it is stored ZeRO (re-gathered then), a transient before the reduce
-        # to the parameter's spec
+        # to the parameter's spec. The step is dst's, or where dst is a view of the parameter, its consumer's (`Edge.grad_step`)
         zero = problem.nodes[e.src].options[i].zero if a.zero[e.src] else None
         held_bytes = e.grads(i, j) + (zero.backward_bytes if zero is not None else 0.0)
         if held_bytes > 0:
-            temp = max(temp, held_bytes + dst.options[j].temp_bytes)
-            if e.dst in flows:  # in a rebuilt layer: the parameter is saved by the rebuild (`regathered`, `resaved`)
-                param_grads[e.dst] = param_grads.get(e.dst, 0.0) + e.grads(i, j) + (zero.grad_bytes if zero is not None else 0.0)
+            m = e.grad_maker
+            temp = max(temp, held_bytes + problem.nodes[m].options[a.choice[m]].temp_bytes)
+            # in a rebuilt layer: the parameter is saved by the rebuild (`regathered`, `resaved`)
+            if e.dst in flows and e.grads(i, j):  # made at dst's input spec while dst is rebuilt
+                param_grads[e.dst] = param_grads.get(e.dst, 0.0) + e.grads(i, j)
+            if m in flows and zero is not None:
+                param_grads[m] = param_grads.get(m, 0.0) + zero.grad_bytes
     # a rebuilt layer holds its re-gathered ZeRO parameters and what it rebuilt so far, beside a reshard's buffers
     # while its recompute runs one. Backward then runs through it in reverse: at a node's step, what the layer
     # rebuilt before the node is still held, and the inputs the node saved again, beside the gradients of the step

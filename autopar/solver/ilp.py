@@ -51,7 +51,8 @@ Constraint families (each PuLP constraint is named after its family):
   param_grad_{k}      T >= sum_{a,b} grad[k,a,b] e[k,a,b] + sum_g (gathered + grad)[u,g] z[u,g] + sum_s temp[v,s] x[v,s]:
                       the backward step of consumer v of parameter u makes u's whole gradient at its input spec beside
                       its own gradients, where edge k reshards u (`Edge.grad_bytes`) or u is stored ZeRO (re-gathered
-                      then: `ZeroOption.backward_bytes`), before the reduce to u's spec
+                      then: `ZeroOption.backward_bytes`), before the reduce to u's spec (where v is a view of u, the
+                      step and its temp are those of the op past the view: `Edge.grad_step`)
   optimizer_step      T >= c (sum_{v,s} param[v,s] x[v,s] - sum_g (1 - 1/f[v,g]) param[v,g] z[v,g]): the optimizer
                       step's scratch, c per byte of the stepped parameters' local blocks, summed over them under
                       foreach (one row), one row per parameter v otherwise (`optimizer_step_{v}`, `_add_optimizer_step`)
@@ -544,8 +545,8 @@ class _Model:
             grads = _pair_terms(self.e[k], e.grad_bytes, self.per_byte) if e.grad_bytes is not None and k in self.e else []
             if not grads and e.src not in self.zero_backward:
                 continue
-            own = [(self.x[e.dst][s], o.temp_bytes * self.per_byte) for s, o in enumerate(self.problem.nodes[e.dst].options)
-                   if o.temp_bytes > 0]
+            own = [(self.x[e.grad_maker][s], o.temp_bytes * self.per_byte)
+                   for s, o in enumerate(self.problem.nodes[e.grad_maker].options) if o.temp_bytes > 0]
             self.prob += self.temp >= _affine(self.zero_backward.get(e.src, []) + grads + own), f"param_grad_{k}"
         self._add_optimizer_step()
         # a reshard's buffers (`Edge.buffer_bytes`); rows that no plan's T can bind (each node's least temp) left out
@@ -600,10 +601,10 @@ class _Model:
         gathered: dict[str, list[tuple[pulp.LpVariable, float]]] = {}  # layer -> its parameters' (z, gathered GiB)
         for v, zs in self.gathered.items():
             gathered.setdefault(self.problem.nodes[v].region, []).extend(zs)
-        zero_feeds: dict[int, list[int]] = {}  # consumer -> the parameters with ZeRO options feeding it
+        zero_feeds: dict[int, list[int]] = {}  # consumer -> the parameters with ZeRO options it makes the gradient of
         for e in self.problem.edges:
             if e.src in self.zero_grads:
-                zero_feeds.setdefault(e.dst, []).append(e.src)
+                zero_feeds.setdefault(e.grad_maker, []).append(e.src)
         for r, (region, nodes) in enumerate(layers.items()):
             ys = {v: {self.y[v, s]: o for s, o in enumerate(self.problem.nodes[v].options) if (v, s) in self.y} for v in nodes}
             # "layer r rebuilt", linearised from below (the memory row and the region's cost push it down)

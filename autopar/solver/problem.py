@@ -142,6 +142,10 @@ class Edge:
     # reshards the parameter: beside the consumer's own gradients until the reshard's backward brings it to the
     # parameter's spec (a transient; the gradient the plan keeps is the parameter's `grad_bytes`). None: none.
     grad_bytes: tuple[tuple[float, ...], ...] | None = None
+    # The node whose backward step makes the gradient those terms (`grad_bytes`, a ZeRO parameter's `backward_bytes`)
+    # price, when not dst: dst a view of the parameter (`t` of a weight, a problem node of its own where nodes are
+    # not grouped), which receives the gradient its consumer's step makes. None: dst.
+    grad_step: int | None = None
 
     @staticmethod
     def dense(src: int, dst: int, cost_s: list[list[float]] | tuple[tuple[float, ...], ...]) -> "Edge":
@@ -167,6 +171,11 @@ class Edge:
 
     def grads(self, i: int, j: int) -> float:
         return self._at(self.grad_bytes, i, j)
+
+    @property
+    def grad_maker(self) -> int:
+        """The node whose backward step holds the parameter gradient this edge prices (`grad_step`)."""
+        return self.dst if self.grad_step is None else self.grad_step
 
     def forward_cost(self, i: int, j: int) -> float:
         return self._at(self.forward_s, i, j)
@@ -385,13 +394,30 @@ class _Pricer:
     def param_root(self, node: fx.Node) -> str | None:
         return _param_root(node, self.params, self.costs, self.inputs)
 
+    def views_param(self, node: fx.Node) -> bool:
+        """Whether `node` is a view of a parameter (through views: `t`, `permute`, `view` of a weight): the gradient
+        its backward receives is the parameter's own, which the parameter's terms price (its `grad_bytes`, or as a
+        transient the edges' `grad_bytes` and its ZeRO `backward_bytes`), so the view carries none of its own."""
+        return node.op == "call_function" and node.name not in self.params and self.is_view(node) \
+            and self.param_root(node) is not None
+
+    def grad_maker(self, node: fx.Node) -> fx.Node:
+        """The node whose backward step makes the gradient of `node`'s inputs: `node`, or for a view of a parameter
+        the one op past its views that reads it (the views' backward passes that op's gradient on as it is)."""
+        while self.views_param(node):
+            users = [u for u in node.users if u.op == "call_function" and u.name in self.strategies]
+            if len(users) != 1:
+                break
+            node = users[0]
+        return node
+
     def option(self, name: str, k: int) -> Option:
         role, cost, outs, ins, param, base = self._node(name)
         strat = self.strategies[name][k]
         key = (base, strat)
         hit = self._cache.get(key)
         if hit is None:
-            hit = self._cache[key] = self._price(role, cost, strat, outs, ins, param)
+            hit = self._cache[key] = self._price(role, cost, strat, outs, ins, param, base[-1])
         total_s, forward_s = in_node_comm_s(self.nodes[name], strat, self.mesh)
         if total_s:  # depends on the node's dim arguments, so not cached by shapes
             hit = replace(hit, comm_s=hit.comm_s + total_s, recompute_s=hit.recompute_s + forward_s)
@@ -423,7 +449,7 @@ class _Pricer:
             base = (role, cost.op, cost.fwd_flops, cost.bwd_flops, cost.output_bytes, cost.saved_outputs,
                     cost.extra_saved_bytes, cost.temp_bytes, cost.requires_grad, cost.value_bytes, cost.grad_input_bytes,
                     cost.self_saved_bytes, cost.dtype, outs, ins,
-                    param and (param.param_bytes, param.grad_bytes, param.optimizer_bytes))
+                    param and (param.param_bytes, param.grad_bytes, param.optimizer_bytes), self.views_param(node))
             info = self._nodes[name] = (role, cost, outs, ins, param, base)
         return info
 
@@ -472,7 +498,7 @@ class _Pricer:
             return ()
         return (_ints(val.shape), val.element_size(), dim)
 
-    def _price(self, role, cost, strat: Strategy, outs, ins, param) -> Option:
+    def _price(self, role, cost, strat: Strategy, outs, ins, param, views_param: bool) -> Option:
         mesh = self.mesh
         if role in ("param", "buffer", "placeholder", "get_attr"):
             if not strat.output_specs:  # a Python number the model takes (`temperature=2.0`): nothing to place
@@ -503,7 +529,7 @@ class _Pricer:
         saved = sum(b / shards[min(i, len(shards) - 1)] for i, (b, s) in enumerate(zip(cost.output_bytes, cost.saved_outputs)) if s)
         saved += cost.extra_saved_bytes / shards[0]
         grads = 0.0
-        if cost.requires_grad:  # the gradient arriving, and those made for inputs that are not parameters (theirs are grads)
+        if cost.requires_grad and not views_param:  # the gradient arriving, and those made for inputs that are not parameters (theirs are grads)
             grads = max((b / shards[min(i, len(shards) - 1)] for i, b in enumerate(cost.value_bytes)), default=0.0)
             grads += sum(b / spec.shard_factor(mesh.shape)
                          for b, spec, param in zip(cost.grad_input_bytes, strat.input_specs, bucketed) if b and not param)
@@ -648,11 +674,15 @@ def build_problem(
         return src, tuple(dst)
 
     arcs: dict[tuple[int, int, _Arc], int] = {}  # (src class, dst class, arc) -> how many (copies of tied layers)
+    grad_steps: dict[int, int] = {}  # dst class -> the class whose step makes its inputs' gradients (`Edge.grad_step`)
     free = count_hidden_in_forward(traced)
     for node in traced.graph.nodes:
         if node.op != "call_function" or node.name not in strategies:
             continue
         v = grouping.cluster_of[node.name]
+        maker = grouping.class_of[grouping.cluster_of[pricer.grad_maker(node).name]]
+        if maker != grouping.class_of[v]:
+            grad_steps[grouping.class_of[v]] = maker
         for a, (p, k) in enumerate(pricer.inputs(node)):
             u = grouping.cluster_of[p.name]
             if u == v or (node.name, a) in free:
@@ -741,7 +771,7 @@ def build_problem(
                           zero if any(t for row in zero for t in row) else None,
                           held if any(b for row in held for b in row) else None,
                           buffer if any(b for row in buffer for b in row) else None,
-                          grad if any(b for row in grad for b in row) else None))
+                          grad if any(b for row in grad for b in row) else None, grad_steps.get(b_cls)))
     nodes = []
     for cls, members in enumerate(grouping.classes):
         leader = pricer.nodes[clusters[members[0]].leader]
