@@ -146,6 +146,10 @@ class Edge:
     # price, when not dst: dst a view of the parameter (`t` of a weight, a problem node of its own where nodes are
     # not grouped), which receives the gradient its consumer's step makes. None: dst.
     grad_step: int | None = None
+    # A parameter another use made the gradient of first (a tied embedding: the LM head's step runs before the
+    # lookup's): the gradient this use adds and autograd's sum of the two, at the parameter's spec, beside the
+    # consumer's step. Stored ZeRO, each use's gradient is reduce-scattered before the sum: none. None: none.
+    accumulated_bytes: tuple[tuple[float, ...], ...] | None = None
 
     @staticmethod
     def dense(src: int, dst: int, cost_s: list[list[float]] | tuple[tuple[float, ...], ...]) -> "Edge":
@@ -176,6 +180,9 @@ class Edge:
     def grad_maker(self) -> int:
         """The node whose backward step holds the parameter gradient this edge prices (`grad_step`)."""
         return self.dst if self.grad_step is None else self.grad_step
+
+    def accumulated(self, i: int, j: int) -> float:
+        return self._at(self.accumulated_bytes, i, j)
 
     def forward_cost(self, i: int, j: int) -> float:
         return self._at(self.forward_s, i, j)
@@ -340,6 +347,8 @@ class _Arc(NamedTuple):
     # itself: per src option the axes the producer splits, per dst option (partial axes, local bytes). None: none
     lift: tuple | None = None
     learned: bool = False  # a trained parameter's value (or a view of one): the consumer's backward makes its gradient
+    # another use of the parameter made its gradient first (`_later_uses`): the consumer's is summed into that one
+    accumulated: bool = False
 
 
 def _param_root(node, params: Mapping[str, object], costs: Mapping[str, object],
@@ -675,6 +684,7 @@ def build_problem(
 
     arcs: dict[tuple[int, int, _Arc], int] = {}  # (src class, dst class, arc) -> how many (copies of tied layers)
     grad_steps: dict[int, int] = {}  # dst class -> the class whose step makes its inputs' gradients (`Edge.grad_step`)
+    later = _later_uses(traced, pricer)
     free = count_hidden_in_forward(traced)
     for node in traced.graph.nodes:
         if node.op != "call_function" or node.name not in strategies:
@@ -695,7 +705,7 @@ def build_problem(
             src = tuple(strategies[p.name][grouping_choice(clusters[u], p.name, i)].output_specs[k] for i in range(len(clusters[u].choices)))
             dst = tuple(strategies[node.name][grouping_choice(clusters[v], node.name, j)].input_specs[a] for j in range(len(clusters[v].choices)))
             arc = _Arc(src, dst, _ints(val.shape), val.element_size(), differentiable(val), kept, persistent, zero_terms(p, node, a, u, v),
-                       lift_terms(p, val, node, a, u, v), learned)
+                       lift_terms(p, val, node, a, u, v), learned, learned and (node.name, pricer.param_root(p)) in later)
             key = (grouping.class_of[u], grouping.class_of[v], arc)
             arcs[key] = arcs.get(key, 0) + 1
     pair_arcs: dict[tuple[int, int], list[tuple[_Arc, int]]] = {}
@@ -733,6 +743,13 @@ def build_problem(
             return sum(math.prod(arc.shape) * arc.itemsize / arc.dst[j].shard_factor(mesh.shape)
                        for arc, _ in items if arc.learned and arc.src[i] != arc.dst[j])
 
+        def accumulated(i: int) -> float:
+            """For a parameter another use made the gradient of first (a tied embedding's lookup, whose step follows
+            the LM head's): this use's gradient at the parameter's spec and autograd's sum of the two, beside that one
+            (measured: GPT-2 with a vocabulary-sized tied embedding holds three whole gradients at the lookup's step)."""
+            return sum(2 * math.prod(arc.shape) * arc.itemsize / arc.src[i].shard_factor(mesh.shape)
+                       for arc, _ in items if arc.accumulated)
+
         def zero_saving(i: int, j: int) -> float:
             """The bucketed all-reduce the consumer pays for the parameter's gradient over its ZeRO axes, which
             the ZeRO reduce-scatter takes over: only when the consumer is split on all of them."""
@@ -766,12 +783,14 @@ def build_problem(
         held = tuple(tuple(replaced(i, j) for j in first_dst) for i in first_src)
         buffer = tuple(tuple(buffers(i, j) for j in first_dst) for i in first_src)
         grad = tuple(tuple(grads(i, j) for j in first_dst) for i in first_src)
+        summed = tuple(tuple(accumulated(i) for _ in first_dst) for i in first_src)
         edges.append(Edge(a_cls, b_cls, tuple(src_ids), tuple(dst_ids), cost, forward,
                           kept if any(b for row in kept for b in row) else None,
                           zero if any(t for row in zero for t in row) else None,
                           held if any(b for row in held for b in row) else None,
                           buffer if any(b for row in buffer for b in row) else None,
-                          grad if any(b for row in grad for b in row) else None, grad_steps.get(b_cls)))
+                          grad if any(b for row in grad for b in row) else None, grad_steps.get(b_cls),
+                          summed if any(b for row in summed for b in row) else None))
     nodes = []
     for cls, members in enumerate(grouping.classes):
         leader = pricer.nodes[clusters[members[0]].leader]
@@ -797,6 +816,22 @@ def build_problem(
                       shared, step_scratch, mesh.optimizer_foreach, host_budget_bytes)
     wire = {p.node: _summed_per_computed(p) for p in profile.params.values() if _summed_per_computed(p) != 1.0}
     return BuiltProblem(problem, grouping, strategies, dict(pricer.storage), len(grouping.cluster_of), wire)
+
+
+def _later_uses(traced: TracedGraph, pricer: _Pricer) -> set[tuple[str, str]]:
+    """(node, parameter) for each use of a parameter read by several ops (directly or through its views) but the
+    last in graph order: backward runs that last use's step first, which makes the gradient the others' steps add
+    theirs to (autograd sums them before the parameter's gradient is set)."""
+    uses: dict[str, list[str]] = {}  # parameter -> the ops making its gradient, in graph order
+    for node in traced.graph.nodes:
+        if node.op != "call_function" or node.name not in pricer.strategies or pricer.views_param(node):
+            continue
+        for p, _ in pricer.inputs(node):
+            if p.name in pricer.params or pricer.views_param(p):
+                names = uses.setdefault(pricer.param_root(p), [])
+                if node.name not in names:
+                    names.append(node.name)
+    return {(name, param) for param, names in uses.items() for name in names[:-1]}
 
 
 def _lift_correction(arc: _Arc, i: int, j: int, mesh: Mesh) -> float:

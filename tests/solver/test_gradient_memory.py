@@ -7,6 +7,8 @@ the matmul's step): the view carries none of its own, and the node-by-node price
 """
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from autopar.profiler import profile
@@ -69,4 +71,47 @@ def test_a_transposed_weight_has_its_gradient_priced_once():
     # rank's half batch), not a third copy for the transpose
     out_grad_bytes = BATCH // 2 * OUT * 4
     assert 2 * w_bytes <= zero.memory.temp_bytes <= 2 * w_bytes + out_grad_bytes, zero.memory.temp_bytes
+    assert zero.memory == _grouped_memory(traced, prof, mesh, zero)
+
+
+VOCAB, WIDTH = 512, 64  # the embedding far larger than the logits of a rank's 4 tokens
+
+
+class _Tied(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = torch.nn.Embedding(VOCAB, WIDTH)
+        self.head = torch.nn.Linear(WIDTH, VOCAB, bias=False)
+        self.head.weight = self.emb.weight
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.cross_entropy(self.head(self.emb(ids)).flatten(0, 1), ids.flatten())
+
+
+def test_a_tied_weights_later_use_holds_its_gradient_and_the_sum():
+    """Backward runs the LM head's step first: the lookup's step makes a second whole gradient of the tied weight,
+    and autograd sums the two (a third) before setting it: two beyond the gradient the plan keeps. Stored ZeRO,
+    each use's gradient is reduce-scattered first, and nothing whole is summed."""
+    with torch.device("meta"):
+        model, ids = _Tied(), torch.randint(0, VOCAB, (4, 2))
+    traced = trace(model, (ids,))
+    # the optimizer step's scratch one byte per parameter byte (foreach), under the summed gradients
+    mesh, prof = dataclasses.replace(cpu_mesh((2,)), optimizer_foreach=True), profile(traced)
+    dp = {d.node: d.strategy for d in greedy_plan(traced, mesh, {name: "S(0)" for name in traced.input_names}).nodes}
+    w_bytes = VOCAB * WIDTH * 4
+    built = build_for(traced, prof, mesh, None, grouped=False)
+    names = [n.name for n in built.problem.nodes]
+    summed = [e for e in built.problem.edges if e.accumulated_bytes is not None]
+    weight = next(node for node, fqn in traced.param_fqns.items() if fqn in ("emb.weight", "head.weight"))
+    assert [(names[e.src], names[e.dst]) for e in summed] == [(weight, "embedding")]
+
+    replicated = fixed_plan(traced, prof, mesh, dp)
+    lookup = built.problem.nodes[names.index("embedding")]
+    lookup_temp = lookup.options[built.strategies["embedding"].index(dp["embedding"])].temp_bytes
+    assert replicated.memory.grads_bytes == w_bytes
+    assert replicated.memory.temp_bytes == 2 * w_bytes + lookup_temp
+    assert replicated.memory == _grouped_memory(traced, prof, mesh, replicated)
+
+    zero = fixed_plan(traced, prof, mesh, dp, zero_params=frozenset(traced.param_fqns.values()))
+    assert 2 * w_bytes <= zero.memory.temp_bytes < 3 * w_bytes  # re-gathered and its whole gradient, no sum
     assert zero.memory == _grouped_memory(traced, prof, mesh, zero)
