@@ -106,7 +106,9 @@ def evaluate(problem: Problem, a: Assignment, saved_by_node: list[float] | None 
         # the edge reshards the parameter or it is stored ZeRO (re-gathered then), a transient before the reduce
         # to the parameter's spec. The step is dst's, or where dst is a view of the parameter, its consumer's (`Edge.grad_step`)
         zero = problem.nodes[e.src].options[i].zero if a.zero[e.src] else None
-        held_bytes = e.grads(i, j) + (zero.backward_bytes if zero is not None else e.accumulated(i, j))
+        held_bytes = e.grads(i, j) + (zero.backward_bytes if zero is not None else 0.0)
+        if zero is None:  # a tied parameter's later use: its gradient and the sum beside the first (`Edge.accumulated_bytes`)
+            temp = max(temp, e.accumulated(i, j))
         if held_bytes > 0:
             m = e.grad_maker
             temp = max(temp, held_bytes + problem.nodes[m].options[a.choice[m]].temp_bytes)

@@ -53,9 +53,10 @@ Constraint families (each PuLP constraint is named after its family):
                       its own gradients, where edge k reshards u (`Edge.grad_bytes`) or u is stored ZeRO (re-gathered
                       then: `ZeroOption.backward_bytes`), before the reduce to u's spec (where v is a view of u, the
                       step and its temp are those of the op past the view: `Edge.grad_step`)
-  param_grad_summed_{k}  T >= sum_{a,b} (grad + summed)[k,a,b] e[k,a,b] + sum_s temp[v,s] x[v,s] - M sum_g z[u,g]: a
-                      later use of a parameter another use made the gradient of first (tied) holds its gradient and
-                      autograd's sum beside it (`Edge.accumulated_bytes`), unless u is stored ZeRO
+  param_grad_summed_{k}  T >= sum_{a,b} summed[k,a,b] e[k,a,b] - M sum_g z[u,g]: a later use of a parameter another
+                      use made the gradient of first (tied) adds its gradient to that one, at u's spec once its step
+                      and reshard are done: its gradient and autograd's sum (`Edge.accumulated_bytes`), unless u is
+                      stored ZeRO (M: the largest summed)
   optimizer_step      T >= c (sum_{v,s} param[v,s] x[v,s] - sum_g (1 - 1/f[v,g]) param[v,g] z[v,g]): the optimizer
                       step's scratch, c per byte of the stepped parameters' local blocks, summed over them under
                       foreach (one row), one row per parameter v otherwise (`optimizer_step_{v}`, `_add_optimizer_step`)
@@ -556,7 +557,7 @@ class _Model:
             if summed:  # a later use's gradient summed into the first's, unless the parameter is stored ZeRO (z = 1)
                 big_m = max(c for _, c in summed)
                 off = [(z, -big_m) for z, _ in self.zero_grads.get(e.src, [])]
-                self.prob += self.temp >= _affine(grads + summed + own + off), f"param_grad_summed_{k}"
+                self.prob += self.temp >= _affine(summed + off), f"param_grad_summed_{k}"
         self._add_optimizer_step()
         # a reshard's buffers (`Edge.buffer_bytes`); rows that no plan's T can bind (each node's least temp) left out
         floor = max((min(o.temp_bytes for o in node.options) for node in self.problem.nodes), default=0.0) * self.per_byte

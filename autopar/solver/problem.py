@@ -147,8 +147,9 @@ class Edge:
     # not grouped), which receives the gradient its consumer's step makes. None: dst.
     grad_step: int | None = None
     # A parameter another use made the gradient of first (a tied embedding: the LM head's step runs before the
-    # lookup's): the gradient this use adds and autograd's sum of the two, at the parameter's spec, beside the
-    # consumer's step. Stored ZeRO, each use's gradient is reduce-scattered before the sum: none. None: none.
+    # lookup's): the gradient this use adds and autograd's sum of the two, at the parameter's spec, beside that one
+    # once the consumer's step (and the reshard's backward) is done; a transient of its own. Stored ZeRO, the
+    # sum is of shards the reduce-scatter made: not priced. None: none.
     accumulated_bytes: tuple[tuple[float, ...], ...] | None = None
 
     @staticmethod
@@ -746,7 +747,7 @@ def build_problem(
         def accumulated(i: int) -> float:
             """For a parameter another use made the gradient of first (a tied embedding's lookup, whose step follows
             the LM head's): this use's gradient at the parameter's spec and autograd's sum of the two, beside that one
-            (measured: GPT-2 with a vocabulary-sized tied embedding holds three whole gradients at the lookup's step)."""
+            (measured: GPT-2 with a vocabulary-sized tied embedding holds three whole gradients after the lookup's step)."""
             return sum(2 * math.prod(arc.shape) * arc.itemsize / arc.src[i].shard_factor(mesh.shape)
                        for arc, _ in items if arc.accumulated)
 
