@@ -123,7 +123,7 @@ def compute_time_s(flops: float, nbytes: float, mesh: Mesh, dtype: str = "") -> 
 
 def optimizer_step_s(param: ParamCost, shard: float, mesh: Mesh) -> float:
     """The optimizer's step for `param`'s local part (1/`shard` of its bytes; its launches are per tensor), per pass:
-    a step of `mesh.microbatches` passes steps once. A parameter pinned to the host tier (`offload.offloaded_profile`)
+    a step of `mesh.microbatches` passes steps once. A parameter forced onto the host tier (`offload.offloaded_profile`)
     is stepped there."""
     if not param.update_launches or param.host_optimizer_bytes:
         return 0.0

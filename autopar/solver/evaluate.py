@@ -50,7 +50,7 @@ def evaluate(problem: Problem, a: Assignment, saved_by_node: list[float] | None 
                 regathered[node.region] = regathered.get(node.region, 0.0) + o.zero.gathered_bytes
         params += o.param_bytes / factor
         grads += o.grad_bytes / factor
-        tiers = [] if o.pinned is None else [o.pinned.layout(factor)]  # its members pinned to the host tier
+        tiers = [] if o.forced_host is None else [o.forced_host.layout(factor)]  # its members the caller put on the host tier
         if a.offloaded(v):  # its state on the host, stepped there instead of on the device
             if o.host is None:
                 raise ValueError(f"node {node.name!r} option {o.label} has no host tier (nothing the optimizer steps)")
@@ -144,10 +144,10 @@ def evaluate(problem: Problem, a: Assignment, saved_by_node: list[float] | None 
 
 def lean_gradient_bytes(problem: Problem, chosen: bool) -> float:
     """Every lean gradient at once (copies' and sums' bytes, each node's largest option): the most in flight. Of the
-    tiers pinned, and with `chosen` of those the solver may choose (where the problem offers them, or an assignment
+    tiers forced, and with `chosen` of those the solver may choose (where the problem offers them, or an assignment
     puts a parameter there)."""
     def lean(o: Option) -> float:
-        tiers = [o.pinned] + ([o.host] if chosen else [])
+        tiers = [o.forced_host] + ([o.host] if chosen else [])
         return sum(t.copy_grad_bytes + t.summed_grad_bytes for t in tiers if t is not None)
     return sum(max((lean(o) for o in node.options), default=0.0) for node in problem.nodes)
 

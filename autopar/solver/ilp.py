@@ -85,7 +85,7 @@ Constraint families (each PuLP constraint is named after its family):
   lean_in_flight_{v}_{g}  G >= in_flight[v,g] (h - hz): under mixed precision h without ZeRO is ZeRO-Offload's layout
                       (`TierCost.layout`: the master and its gradient off the device, the bf16 copy's bytes over the link);
                       its gradient is on the device only in the sync's buckets, G the most in flight (in the memory row)
-  host_zero_pinned_{v}_{g}, lean_in_flight_pinned_{v}_{g}: a tier the caller pinned (`Option.pinned`, `offload=`
+  host_zero_forced_{v}_{g}, lean_in_flight_forced_{v}_{g}: a tier the caller forced (`Option.forced_host`, `offload=`
                       names) priced as above with h = sum_{s in g} x[v,s] (no binary: 1 wherever v takes group g)
   memory              sum_{v,s} static[v,s] x - sum_g (1 - 1/f[v,g]) static[v,g] z
                       + saved[v,s] x - sum_g (saved[v,g] - held[v,g]) y + sum_k (kept . e - kept . f + r[k]) + T <= budget
@@ -447,7 +447,7 @@ class _Model:
         within `Problem.host_budget_bytes`. Under mixed precision h alone (not hz) takes ZeRO-Offload's layout
         (`TierCost.layout`): the master and its gradient off the device too, the copies' bytes over the link, and
         G >= in-flight bytes (h - hz) per parameter (`lean_in_flight`): the largest lean gradient in flight.
-        A tier the caller pinned (`Option.pinned`) is priced alike with h = the sum of its group's x (fixed to 1
+        A tier the caller forced (`Option.forced_host`) is priced alike with h = the sum of its group's x (fixed to 1
         wherever the parameter is), its device state and step out of the option's numbers already."""
         self.h: dict[tuple[int, int], pulp.LpVariable] = {}
         self.host_terms: list[tuple[pulp.LpVariable, float]] = []
@@ -457,9 +457,9 @@ class _Model:
         lean_total = lean_gradient_bytes(self.problem, offered)
         for v, node in enumerate(self.problem.nodes):
             zs = _node_vars(self.z, v, len(node.options))
-            pinned = self._groups(v, lambda o: o.pinned and (o.pinned, o.zero.factor if o.zero else 1))
-            for g, ((tier, factor), members) in enumerate(pinned.items()):
-                self._add_tier(f"pinned_{v}_{g}", v, [self.x[v][s] for s in members], tier, factor, zs, lean_total)
+            forced = self._groups(v, lambda o: o.forced_host and (o.forced_host, o.zero.factor if o.zero else 1))
+            for g, ((tier, factor), members) in enumerate(forced.items()):
+                self._add_tier(f"forced_{v}_{g}", v, [self.x[v][s] for s in members], tier, factor, zs, lean_total)
             if not offered:
                 continue
             def key(o: Option):
@@ -481,7 +481,7 @@ class _Model:
         """The terms and rows of one host tier of node v on h (the sum of `h`: 1 when the tier is v's): its step,
         the device bytes it frees and holds in flight, its host bytes; under ZeRO storage (hz) its float32 layout of
         1/factor. `update_s`, `optimizer_bytes`, `param_bytes`, `update_saving_s`: what the device's step and state
-        would be without it (0 for a pinned tier, out of the option already)."""
+        would be without it (0 for a forced tier, out of the option already)."""
         def on(coef: float) -> list[tuple[pulp.LpVariable, float]]:
             return [(var, coef) for var in h]
         lean = tier.layout(1)

@@ -21,12 +21,12 @@ The solver weighs the tier per parameter (`parallelize(offload="auto")`, `autopa
 parameter option carries its `TierCost` (`problem.Option.host`) and the ILP decides the tier beside sharding,
 ZeRO and recompute, under a host-memory budget per rank (`host_budget_per_rank`). A forced tier
 (`offload="optimizer"` or names) pins the named parameters to the host tier: the profile keeps no device state for
-them and each option carries their tier (`problem.Option.pinned`, `pinned_tier`), which the ILP prices as it prices a
+them and each option carries their tier (`problem.Option.forced_host`, `forced_tier`), which the ILP prices as it prices a
 chosen tier with h fixed to 1, so their sharding, ZeRO storage and recompute are chosen knowing what the tier keeps on
 the device (ZeRO-Offload's layout or the float32 one) and what it costs:
 
     cost = tier_cost(profile.params[fqn], shard=2, mesh=mesh)   # one parameter's two tiers, per rank
-    profile = offloaded_profile(profile, names)                   # their tier pinned: no device state for them
+    profile = offloaded_profile(profile, names)                   # their tier forced: no device state for them
     plan = with_offload(solve(traced, profile, mesh), names)      # the solved plan, `names` marked on the host tier
 """
 from __future__ import annotations
@@ -169,7 +169,7 @@ def tier_cost(param: ParamProfile | ParamCost, shard: float, mesh: Mesh, host_pa
 def offloaded_profile(profile: GraphProfile, names: AbstractSet[str]) -> GraphProfile:
     """`profile` with `names` on the host tier by the caller's choice: no optimizer state on the device for them
     and no step there (`cost.optimizer_step_s`), their state kept as `host_optimizer_bytes`, from which the solver
-    prices the tier it pins them to (`pinned_tier`)."""
+    prices the tier they are forced to (`forced_tier`)."""
     if not names:
         return profile
     params = {fqn: replace(p, optimizer_bytes=0, host_optimizer_bytes=p.optimizer_bytes)
@@ -177,8 +177,8 @@ def offloaded_profile(profile: GraphProfile, names: AbstractSet[str]) -> GraphPr
     return replace(profile, params=params)
 
 
-def pinned_tier(param: ParamProfile | ParamCost, shard: float, mesh: Mesh) -> TierCost | None:
-    """The host tier `param` is pinned to (`offloaded_profile`), of its block of 1/`shard` on a rank of `mesh`; None
+def forced_tier(param: ParamProfile | ParamCost, shard: float, mesh: Mesh) -> TierCost | None:
+    """The host tier `param` is forced to (`offloaded_profile`), of its block of 1/`shard` on a rank of `mesh`; None
     for a parameter the caller left to the device or to the solver."""
     if not param.host_optimizer_bytes:
         return None

@@ -27,7 +27,7 @@ from autopar.solver.cost import (bucketed_all_reduce_s, bucketed_sync_s, collect
                                  recompute_time_s, split_axes, split_factor, strategy_cost, sync_latency_s)
 from autopar.gc_pause import gc_paused
 from autopar.solver.mesh import Mesh
-from autopar.solver.offload import TierCost, pinned_tier, summed, tier_cost
+from autopar.solver.offload import TierCost, forced_tier, summed, tier_cost
 from autopar.solver.regions import layer_key, region_cuts
 from autopar.solver.reshard import reshard_buffer_bytes, reshard_cost
 from autopar.solver.spec import Replicate, Shard, Spec, Strategy
@@ -87,9 +87,9 @@ class Option:
     # a stepped parameter's block on the host tier (`solver.offload`): what it keeps on the host and costs a step
     # under the use spec (1/`zero.factor` of it under ZeRO storage); None: nothing the optimizer steps
     host: TierCost | None = None
-    # the host tier of the members the caller pinned there (`solver.offload.offloaded_profile`): their device state
+    # the host tier of the members the caller put there (`solver.offload.offloaded_profile`): their device state
     # and step are out of the numbers above already; what the tier keeps on and off the device and costs, as `host`
-    pinned: TierCost | None = None
+    forced_host: TierCost | None = None
 
     @property
     def static_bytes(self) -> float:
@@ -491,7 +491,7 @@ class _Pricer:
                 return Option(str(spec), compute_s=update_s, update_s=update_s, param_bytes=param.param_bytes / shard,
                               grad_bytes=param.grad_bytes / shard, optimizer_bytes=param.optimizer_bytes / shard, zero=zero,
                               host=tier_cost(param, shard, mesh) if param.optimizer_bytes else None,
-                              pinned=pinned_tier(param, shard, mesh))
+                              forced_host=forced_tier(param, shard, mesh))
             if role == "buffer":
                 return Option(str(spec), param_bytes=sum(cost.output_bytes) / shard)
             saved = sum(b for b, s in zip(cost.output_bytes, cost.saved_outputs) if s) / shard
@@ -548,7 +548,7 @@ def _sum(options: list[Option], label: str) -> Option:
         zero = ZeroOption(zeros[0].factor, sum(z.comm_s for z in zeros), max(z.gathered_bytes for z in zeros),
                           sum(z.update_saving_s for z in zeros), max(z.grad_bytes for z in zeros))
     hosts = [o.host for o in options if o.host is not None]
-    pinned = [o.pinned for o in options if o.pinned is not None]
+    forced = [o.forced_host for o in options if o.forced_host is not None]
     return Option(
         label,
         compute_s=sum(o.compute_s for o in options), update_s=sum(o.update_s for o in options), comm_s=sum(o.comm_s for o in options),
@@ -558,7 +558,7 @@ def _sum(options: list[Option], label: str) -> Option:
         param_bytes=sum(o.param_bytes for o in options),
         grad_bytes=sum(o.grad_bytes for o in options), optimizer_bytes=sum(o.optimizer_bytes for o in options), zero=zero,
         sync_groups=frozenset().union(*(o.sync_groups for o in options)), host=summed(hosts) if hosts else None,
-        pinned=summed(pinned) if pinned else None,
+        forced_host=summed(forced) if forced else None,
     )
 
 
