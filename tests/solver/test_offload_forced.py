@@ -13,12 +13,15 @@ from torch import nn
 
 from autopar.api import profiled
 from autopar.errors import InfeasibleError
+from autopar.report.explain import explain, make_context
+from autopar.report.terminal import host_tier_words
+from autopar.report.units import fmt_bytes, fmt_seconds
 from autopar.solver import solve
 from autopar.solver.assemble import build_for
 from autopar.solver.evaluate import evaluate
 from autopar.solver.ilp import Restrictions, _affine, _Model, run
 from autopar.solver.mesh import make_mesh
-from autopar.solver.offload import TierCost, offloaded_profile
+from autopar.solver.offload import HOST_ADAMW_PARAMS_PER_S, TierCost, offloaded_profile, with_offload
 from autopar.solver.problem import Problem
 from tests.codegen.mixed import BF16, trace_mixed
 from tests.solver.test_ilp import GIB, brute_force, random_problem
@@ -90,15 +93,21 @@ def _least_bytes(traced, prof, mesh) -> float:
     return err.value.min_memory_bytes
 
 
-def test_under_bf16_a_budget_only_zero_offloads_layout_meets_fits_with_the_forced_tier():
+@pytest.fixture(scope="module")
+def bf16_wide():
+    """`Wide` traced and profiled under bf16 (float32 masters, AdamW)."""
+    torch.manual_seed(0)
+    model, sample = Wide(), torch.randn(4, 512)
+    traced = trace_mixed(model, sample)
+    return traced, profiled(traced, "adamw", model, BF16)
+
+
+def test_under_bf16_a_budget_only_zero_offloads_layout_meets_fits_with_the_forced_tier(bf16_wide):
     """One device, every parameter forced onto the host tier under bf16, and a budget below what the device needs
     with the float32 masters and gradients kept there (the profile without the parameters' optimizer state, as a
     tier priced only after the solve sees it): the ILP alone finds a plan within it, which keeps only the bf16
     copies of the parameters on the device, its memory row `evaluate`'s bytes."""
-    torch.manual_seed(0)
-    model, sample = Wide(), torch.randn(4, 512)
-    traced = trace_mixed(model, sample)
-    prof = profiled(traced, "adamw", model, BF16)
+    traced, prof = bf16_wide
     mesh = make_mesh(1, hardware="l4", precision="bf16")
     forced = offloaded_profile(prof, frozenset(prof.params))
     float32_layout = replace(prof, params={f: replace(p, optimizer_bytes=0, update_launches=0) for f, p in prof.params.items()})
@@ -114,3 +123,24 @@ def test_under_bf16_a_budget_only_zero_offloads_layout_meets_fits_with_the_force
     assert memory.total_bytes <= budget and memory.optimizer_bytes == 0
     assert memory.params_bytes == sum(p.copy_bytes for p in prof.params.values())  # the bf16 copies alone
     assert memory.host_params_bytes == sum(p.param_bytes - p.copy_bytes for p in prof.params.values())
+
+
+def test_explain_says_what_the_host_tier_holds_under_bf16_and_its_price(bf16_wide):
+    """`autopar explain` on a host-tier parameter under bf16: its float32 master, gradient and AdamW state on the host,
+    its bf16 copy alone on the device, and the tier's copies and host step, against a hand count."""
+    traced, prof = bf16_wide
+    mesh = make_mesh(1, hardware="l4", precision="bf16")
+    names = frozenset(prof.params)
+    plan = with_offload(solve(traced, offloaded_profile(prof, names), mesh, time_limit_s=5), names)
+    result = explain(plan, "fc1.weight", make_context(plan, traced, prof.evaluate()))
+    n = 512 * 1024
+    held = result["nodes"][0]["host_tier"]
+    assert held["lean"] and held["device_bytes"] == 2 * n  # the bf16 copy
+    assert (held["host_params_bytes"], held["host_grads_bytes"], held["host_optimizer_bytes"]) == (4 * n, 4 * n, 8 * n + 4)
+    assert held["transfer_s"] == pytest.approx(2 * 2 * n / 25e9)  # the copy's bf16 bytes each way over PCIe 4
+    assert held["host_step_s"] == pytest.approx(n / HOST_ADAMW_PARAMS_PER_S)
+    words = host_tier_words(held)
+    assert f"float32 master ({fmt_bytes(4 * n)})" in words and f"optimizer state ({fmt_bytes(8 * n + 4)})" in words
+    assert f"only its bf16 copy ({fmt_bytes(2 * n)}) is on the device" in words
+    assert f"adds {fmt_seconds(held['step_s'])} to the step" in words and held["step_s"] == pytest.approx(
+        4 * n / 25e9 + n / HOST_ADAMW_PARAMS_PER_S)
