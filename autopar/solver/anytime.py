@@ -77,9 +77,8 @@ class _Clock:
 
 
 def fits(problem: Problem, sol: Solution) -> bool:
-    """Within the device budget, and the host tier within the host budget."""
-    host_ok = not sol.memory.host_bytes or (problem.host_budget_bytes is not None
-                                            and sol.memory.host_bytes <= problem.host_budget_bytes)
+    """Within the device budget, and the host tier within the host budget (none bounds a tier the caller forced)."""
+    host_ok = problem.host_budget_bytes is None or sol.memory.host_bytes <= problem.host_budget_bytes
     return host_ok and (problem.budget_bytes is None or sol.memory.total_bytes <= problem.budget_bytes)
 
 
