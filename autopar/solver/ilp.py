@@ -723,10 +723,14 @@ class Outcome:
 
 def run(
     model: _Model, backend: Backend, time_limit_s: float, presolve: bool = False, mip_rel_gap: float = DEFAULT_GAP,
-    warm_start: bool = False,
+    warm_start: bool = False, settled_s: float | None = None,
 ) -> Outcome:
-    """Solve (`warm_start`: from the assignment `_Model.start_from` set) for at most `time_limit_s`."""
-    solver, used = make_solver(backend, max(time_limit_s, _LEAST_RUN_S), presolve, mip_rel_gap, warm_start)
+    """Solve (`warm_start`: from the assignment `_Model.start_from` set) for at most `time_limit_s`. `settled_s`: a
+    plan found is as good as optimal once the search proves no plan's step below this (a caller whose choice no
+    plan slower than it changes): the search stops there, "optimal"."""
+    stop_at = None if settled_s is None else units_of_step(model, settled_s)
+    solver, used = make_solver(backend, max(time_limit_s, _LEAST_RUN_S), presolve, mip_rel_gap, warm_start,
+                               stop_at_bound=stop_at)
     began = cpu_s()
     model.prob.solve(solver)
     solve_s = cpu_s() - began
@@ -739,7 +743,8 @@ def run(
             sol = pulp.LpSolutionInfeasible if sol == pulp.LpSolutionInfeasible else pulp.LpSolutionNoSolutionFound
         if sol in (pulp.LpSolutionOptimal, pulp.LpSolutionIntegerFeasible):
             gap = info.mip_gap if info.mip_gap > DEFAULT_GAP else None
-    if sol == pulp.LpSolutionOptimal:  # optimal within mip_rel_gap
+    settled = stop_at is not None and bound is not None and bound >= stop_at
+    if sol == pulp.LpSolutionOptimal or (settled and sol == pulp.LpSolutionIntegerFeasible):  # within mip_rel_gap
         return Outcome("optimal", used, solve_s, gap, bound)
     if sol == pulp.LpSolutionIntegerFeasible:  # stopped by the time limit with a plan in hand
         return Outcome("time_limit", used, solve_s, gap, bound)
@@ -777,5 +782,15 @@ def relax(model: _Model, backend: Backend, time_limit_s: float) -> Relaxed | Non
     finally:
         model.drop_memory_limit()
     choice = tuple(max(range(len(xs)), key=lambda s: xs[s].varValue or 0.0) for xs in model.x)
-    # the objective adds 1 us per GiB of memory (at most the budget) as a tie-break; HiGHS' tolerances are relative
-    return Relaxed(objective, (objective - _TIE_MS_PER_GIB * budget / _GIB) / _MS * (1 - 1e-6), choice)
+    return Relaxed(objective, (objective - _most_tie_ms(model)) / _MS * (1 - 1e-6), choice)
+
+
+def _most_tie_ms(model: _Model) -> float:
+    """The most the objective's tie-break adds to a plan's step within the budget: 1 us per GiB of memory."""
+    return _TIE_MS_PER_GIB * (model.problem.budget_bytes or 0.0) / _GIB
+
+
+def units_of_step(model: _Model, step_s: float) -> float:
+    """The objective at or above which every plan's step is at least `step_s` (the tie-break at its most; HiGHS'
+    tolerances are relative)."""
+    return (step_s * _MS + _most_tie_ms(model)) * (1 + 1e-6)
