@@ -10,7 +10,7 @@ from typing import Sequence
 from autopar.solver.cost import GRAD_BUCKET_BYTES
 from autopar.solver.offload import lean_in_flight_bytes
 from autopar.solver.plan import MemoryBreakdown, TimeBreakdown
-from autopar.solver.problem import Assignment, Problem
+from autopar.solver.problem import Assignment, Option, Problem
 
 
 def evaluate(problem: Problem, a: Assignment, saved_by_node: list[float] | None = None) -> tuple[MemoryBreakdown, TimeBreakdown]:
@@ -51,22 +51,25 @@ def evaluate(problem: Problem, a: Assignment, saved_by_node: list[float] | None 
                 regathered[node.region] = regathered.get(node.region, 0.0) + o.zero.gathered_bytes
         params += o.param_bytes / factor
         grads += o.grad_bytes / factor
+        tiers = [] if o.forced_host is None else [o.forced_host.layout(factor)]  # its members the caller put on the host tier
         if a.offloaded(v):  # its state on the host, stepped there instead of on the device
             if o.host is None:
                 raise ValueError(f"node {node.name!r} option {o.label} has no host tier (nothing the optimizer steps)")
-            tier = o.host.layout(factor)
-            if tier.lean:  # ZeRO-Offload's layout: the master and its gradient are the host's alone
-                params -= tier.host_params_bytes
-                grads -= tier.host_grads_bytes
-                lean_total = lean_gradient_bytes(problem) if lean_total is None else lean_total
-                in_flight = max(in_flight, lean_in_flight_bytes(tier, GRAD_BUCKET_BYTES, lean_total))
+            tiers.append(o.host.layout(factor))
             device_step_s = o.update_s - (o.zero.update_saving_s if a.zero[v] else 0.0)
             compute_s -= device_step_s
             update_s -= device_step_s
-            offload_s += tier.step_s
-            host = [h + b for h, b in zip(host, (tier.host_params_bytes, tier.host_grads_bytes, tier.host_optimizer_bytes))]
         else:
             opt += o.optimizer_bytes / factor
+        for tier in tiers:
+            if tier.lean:  # ZeRO-Offload's layout: the master and its gradient are the host's alone
+                params -= tier.host_params_bytes
+                grads -= tier.host_grads_bytes
+                lean_total = lean_gradient_bytes(problem, problem.host_budget_bytes is not None or any(a.offload)) \
+                    if lean_total is None else lean_total
+                in_flight = max(in_flight, lean_in_flight_bytes(tier, GRAD_BUCKET_BYTES, lean_total))
+            offload_s += tier.step_s
+            host = [h + b for h, b in zip(host, (tier.host_params_bytes, tier.host_grads_bytes, tier.host_optimizer_bytes))]
         if a.recompute[v]:
             if not node.recomputable:
                 raise ValueError(f"node {node.name!r} cannot be recomputed (a placeholder, or it saves nothing)")
@@ -147,10 +150,14 @@ def evaluate(problem: Problem, a: Assignment, saved_by_node: list[float] | None 
     )
 
 
-def lean_gradient_bytes(problem: Problem) -> float:
-    """Every lean gradient at once (copies' and sums' bytes, each node's largest option): the most in flight."""
-    return sum(max((o.host.copy_grad_bytes + o.host.summed_grad_bytes for o in node.options if o.host is not None),
-                   default=0.0) for node in problem.nodes)
+def lean_gradient_bytes(problem: Problem, chosen: bool) -> float:
+    """Every lean gradient at once (copies' and sums' bytes, each node's largest option): the most in flight. Of the
+    tiers forced, and with `chosen` of those the solver may choose (where the problem offers them, or an assignment
+    puts a parameter there)."""
+    def lean(o: Option) -> float:
+        tiers = [o.forced_host] + ([o.host] if chosen else [])
+        return sum(t.copy_grad_bytes + t.summed_grad_bytes for t in tiers if t is not None)
+    return sum(max((lean(o) for o in node.options), default=0.0) for node in problem.nodes)
 
 
 def checkpoint_regions(problem: Problem, recompute: Sequence[bool]) -> int:

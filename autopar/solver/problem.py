@@ -27,7 +27,7 @@ from autopar.solver.cost import (bucketed_all_reduce_s, bucketed_sync_s, collect
                                  recompute_time_s, split_axes, split_factor, strategy_cost, sync_latency_s)
 from autopar.gc_pause import gc_paused
 from autopar.solver.mesh import Mesh
-from autopar.solver.offload import TierCost, summed, tier_cost
+from autopar.solver.offload import TierCost, forced_tier, summed, tier_cost
 from autopar.solver.regions import layer_key, region_cuts
 from autopar.solver.reshard import reshard_buffer_bytes, reshard_cost
 from autopar.solver.spec import Replicate, Shard, Spec, Strategy
@@ -87,6 +87,9 @@ class Option:
     # a stepped parameter's block on the host tier (`solver.offload`): what it keeps on the host and costs a step
     # under the use spec (1/`zero.factor` of it under ZeRO storage); None: nothing the optimizer steps
     host: TierCost | None = None
+    # the host tier of the members the caller put there (`solver.offload.offloaded_profile`): their device state
+    # and step are out of the numbers above already; what the tier keeps on and off the device and costs, as `host`
+    forced_host: TierCost | None = None
 
     @property
     def static_bytes(self) -> float:
@@ -459,7 +462,8 @@ class _Pricer:
             base = (role, cost.op, cost.fwd_flops, cost.bwd_flops, cost.output_bytes, cost.saved_outputs,
                     cost.extra_saved_bytes, cost.temp_bytes, cost.requires_grad, cost.value_bytes, cost.grad_input_bytes,
                     cost.self_saved_bytes, cost.dtype, outs, ins,
-                    param and (param.param_bytes, param.grad_bytes, param.optimizer_bytes), self.views_param(node))
+                    param and (param.param_bytes, param.grad_bytes, param.optimizer_bytes, param.host_optimizer_bytes),
+                    self.views_param(node))
             info = self._nodes[name] = (role, cost, outs, ins, param, base)
         return info
 
@@ -523,7 +527,8 @@ class _Pricer:
                     zero = replace(found[1], update_saving_s=update_s - optimizer_step_s(param, shard * found[1].factor, mesh))
                 return Option(str(spec), compute_s=update_s, update_s=update_s, param_bytes=param.param_bytes / shard,
                               grad_bytes=param.grad_bytes / shard, optimizer_bytes=param.optimizer_bytes / shard, zero=zero,
-                              host=tier_cost(param, shard, mesh) if param.optimizer_bytes else None)
+                              host=tier_cost(param, shard, mesh) if param.optimizer_bytes else None,
+                              forced_host=forced_tier(param, shard, mesh))
             if role == "buffer":
                 return Option(str(spec), param_bytes=sum(cost.output_bytes) / shard)
             saved = sum(b for b, s in zip(cost.output_bytes, cost.saved_outputs) if s) / shard
@@ -580,6 +585,7 @@ def _sum(options: list[Option], label: str) -> Option:
         zero = ZeroOption(zeros[0].factor, sum(z.comm_s for z in zeros), max(z.gathered_bytes for z in zeros),
                           sum(z.update_saving_s for z in zeros), max(z.grad_bytes for z in zeros))
     hosts = [o.host for o in options if o.host is not None]
+    forced = [o.forced_host for o in options if o.forced_host is not None]
     return Option(
         label,
         compute_s=sum(o.compute_s for o in options), update_s=sum(o.update_s for o in options), comm_s=sum(o.comm_s for o in options),
@@ -589,6 +595,7 @@ def _sum(options: list[Option], label: str) -> Option:
         param_bytes=sum(o.param_bytes for o in options),
         grad_bytes=sum(o.grad_bytes for o in options), optimizer_bytes=sum(o.optimizer_bytes for o in options), zero=zero,
         sync_groups=frozenset().union(*(o.sync_groups for o in options)), host=summed(hosts) if hosts else None,
+        forced_host=summed(forced) if forced else None,
     )
 
 

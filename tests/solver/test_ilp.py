@@ -167,12 +167,12 @@ def _finding_nothing(monkeypatch, finds):
     real_run = anytime.run
     runs = []
 
-    def run(model, backend, time_limit_s, presolve=False, mip_rel_gap=ilp.DEFAULT_GAP, warm_start=False):
+    def run(model, backend, time_limit_s, presolve=False, mip_rel_gap=ilp.DEFAULT_GAP, warm_start=False, settled_s=None):
         bound = "memory" in model.prob.constraints
         runs.append((model.prob.name, bound, warm_start))
         if not finds(model, bound, warm_start):
             return ilp.Outcome("none", "highs", time_limit_s, None)
-        return real_run(model, backend, time_limit_s, presolve, mip_rel_gap, warm_start)
+        return real_run(model, backend, time_limit_s, presolve, mip_rel_gap, warm_start, settled_s)
 
     monkeypatch.setattr(anytime, "run", run)
     return runs
@@ -345,6 +345,27 @@ def test_the_relaxation_bounds_every_plan_that_fits_and_a_cutoff_at_or_below_it_
         assert solve_problem(p, cutoff_s=ref[0] * 1.01).time.total_s == pytest.approx(ref[0], rel=1e-6, abs=1e-9)
         checked += 1
     assert checked >= 6
+
+
+def test_a_settled_step_proven_out_ends_the_search_at_a_plan_that_fits_and_a_faster_optimum_is_still_found():
+    rng = random.Random(0)
+    checked = 0
+    for _ in range(5):
+        p = random_problem(rng, layered=True)
+        ref = brute_force(p)
+        if ref is None:
+            continue
+        relaxed = ilp.relax(_Model(p, Restrictions(), "time"), "highs", 10.0)
+        # a settled step the optimum does not beat, proven by the relaxation or within the MIP: the answer fits and
+        # reports "optimal", whichever plan the search had in hand when it stopped
+        for settled_s in (relaxed.bound_s, (relaxed.bound_s + ref[0]) / 2):
+            settled = solve_problem(p, settled_s=settled_s)
+            assert settled.memory.total_bytes <= p.budget_bytes * (1 + 1e-6)
+            assert settled.time.total_s >= ref[0] * (1 - 1e-9) and settled.report.status == "optimal"
+        # a settled step the optimum beats: the search goes on to it
+        assert solve_problem(p, settled_s=ref[0] * 1.01).time.total_s == pytest.approx(ref[0], rel=1e-6, abs=1e-9)
+        checked += 1
+    assert checked >= 3
 
 
 @pytest.mark.parametrize("sizes", [{}, TINY, dict(layered=True)], ids=["gib", "tiny", "layered"])
