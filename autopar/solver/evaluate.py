@@ -30,6 +30,7 @@ def evaluate(problem: Problem, a: Assignment, saved_by_node: list[float] | None 
     regathered: dict[str, float] = {}  # layer -> its ZeRO parameters' gathered bytes (saved by the rebuild)
     flows: dict[int, float] = {}  # recomputed node -> what backward holds at its step through the rebuilt layer
     param_grads: dict[int, float] = {}  # recomputed node -> the whole gradients it makes of parameters resharded or ZeRO
+    regathered_grads: set[tuple[int, int]] = set()  # (recomputed node, ZeRO parameter) whose whole gradient it counts
     kept = {u for u, v in problem.recompute_with if not a.recompute[v]}  # a consumer that is not recomputed saves them
     kept |= {u for u, v in problem.region_inputs if a.recompute[v]}  # ... and a recomputed one of another region too
     for v, node in enumerate(problem.nodes):
@@ -106,13 +107,20 @@ def evaluate(problem: Problem, a: Assignment, saved_by_node: list[float] | None 
             comm_s -= e.zero_saving(i, j)
         # The consumer's backward step makes a parameter's gradient at its input spec beside its own gradients: where
         # the edge reshards the parameter or it is stored ZeRO (re-gathered then), a transient before the reduce
-        # to the parameter's spec
+        # to the parameter's spec. The step is dst's, or where dst is a view of the parameter, its consumer's (`Edge.grad_step`)
         zero = problem.nodes[e.src].options[i].zero if a.zero[e.src] else None
         held_bytes = e.grads(i, j) + (zero.backward_bytes if zero is not None else 0.0)
+        if zero is None:  # a tied parameter's later use: its gradient and the sum beside the first (`Edge.accumulated_bytes`)
+            temp = max(temp, e.accumulated(i, j))
         if held_bytes > 0:
-            temp = max(temp, held_bytes + dst.options[j].temp_bytes)
-            if e.dst in flows:  # in a rebuilt layer: the parameter is saved by the rebuild (`regathered`, `resaved`)
-                param_grads[e.dst] = param_grads.get(e.dst, 0.0) + e.grads(i, j) + (zero.grad_bytes if zero is not None else 0.0)
+            m = e.grad_maker
+            temp = max(temp, held_bytes + problem.nodes[m].options[a.choice[m]].temp_bytes)
+            # in a rebuilt layer: the parameter is saved by the rebuild (`regathered`, `resaved`)
+            if e.dst in flows and e.grads(i, j):  # made at dst's input spec while dst is rebuilt
+                param_grads[e.dst] = param_grads.get(e.dst, 0.0) + e.grads(i, j)
+            if m in flows and zero is not None and (m, e.src) not in regathered_grads:  # once, through however many edges
+                regathered_grads.add((m, e.src))
+                param_grads[m] = param_grads.get(m, 0.0) + zero.grad_bytes
     # a rebuilt layer holds its re-gathered ZeRO parameters and what it rebuilt so far, beside a reshard's buffers
     # while its recompute runs one. Backward then runs through it in reverse: at a node's step, what the layer
     # rebuilt before the node is still held, and the inputs the node saved again, beside the gradients of the step

@@ -51,7 +51,12 @@ Constraint families (each PuLP constraint is named after its family):
   param_grad_{k}      T >= sum_{a,b} grad[k,a,b] e[k,a,b] + sum_g (gathered + grad)[u,g] z[u,g] + sum_s temp[v,s] x[v,s]:
                       the backward step of consumer v of parameter u makes u's whole gradient at its input spec beside
                       its own gradients, where edge k reshards u (`Edge.grad_bytes`) or u is stored ZeRO (re-gathered
-                      then: `ZeroOption.backward_bytes`), before the reduce to u's spec
+                      then: `ZeroOption.backward_bytes`), before the reduce to u's spec (where v is a view of u, the
+                      step and its temp are those of the op past the view: `Edge.grad_step`)
+  param_grad_summed_{k}  T >= sum_{a,b} summed[k,a,b] e[k,a,b] - M sum_g z[u,g]: a later use of a parameter another
+                      use made the gradient of first (tied) adds its gradient to that one, at u's spec once its step
+                      and reshard are done: its gradient and autograd's sum (`Edge.accumulated_bytes`), unless u is
+                      stored ZeRO (M: the largest summed)
   optimizer_step      T >= c (sum_{v,s} param[v,s] x[v,s] - sum_g (1 - 1/f[v,g]) param[v,g] z[v,g]): the optimizer
                       step's scratch, c per byte of the stepped parameters' local blocks, summed over them under
                       foreach (one row), one row per parameter v otherwise (`optimizer_step_{v}`, `_add_optimizer_step`)
@@ -269,7 +274,7 @@ class _Model:
         self.e: dict[int, list[list[pulp.LpVariable | None]]] = {}  # edge index -> e[k][a][b]
         for k, e in enumerate(self.problem.edges):
             if not any(c for row in e.cost_s for c in row) and e.saved_bytes is None and e.zero_saving_s is None \
-                    and e.replaced_bytes is None and e.buffer_bytes is None and e.grad_bytes is None:
+                    and e.replaced_bytes is None and e.buffer_bytes is None and e.grad_bytes is None and e.accumulated_bytes is None:
                 continue  # free in every combination, saves and holds nothing, no ZeRO saving: no variables needed
             rows, cols = len(e.cost_s), len(e.cost_s[0])
             src = {e.src_class[s] for s in self._allowed(e.src)}
@@ -559,11 +564,17 @@ class _Model:
             self.prob += self.temp >= pulp.LpAffineExpression(terms), f"gather_{v}"
         for k, e in enumerate(self.problem.edges):  # a consumer's step making a resharded or ZeRO parameter's gradient
             grads = _pair_terms(self.e[k], e.grad_bytes, self.per_byte) if e.grad_bytes is not None and k in self.e else []
-            if not grads and e.src not in self.zero_backward:
+            summed = _pair_terms(self.e[k], e.accumulated_bytes, self.per_byte) if e.accumulated_bytes is not None and k in self.e else []
+            if not (grads or summed or e.src in self.zero_backward):
                 continue
-            own = [(self.x[e.dst][s], o.temp_bytes * self.per_byte) for s, o in enumerate(self.problem.nodes[e.dst].options)
-                   if o.temp_bytes > 0]
-            self.prob += self.temp >= _affine(self.zero_backward.get(e.src, []) + grads + own), f"param_grad_{k}"
+            own = [(self.x[e.grad_maker][s], o.temp_bytes * self.per_byte)
+                   for s, o in enumerate(self.problem.nodes[e.grad_maker].options) if o.temp_bytes > 0]
+            if grads or e.src in self.zero_backward:
+                self.prob += self.temp >= _affine(self.zero_backward.get(e.src, []) + grads + own), f"param_grad_{k}"
+            if summed:  # a later use's gradient summed into the first's, unless the parameter is stored ZeRO (z = 1)
+                big_m = max(c for _, c in summed)
+                off = [(z, -big_m) for z, _ in self.zero_grads.get(e.src, [])]
+                self.prob += self.temp >= _affine(summed + off), f"param_grad_summed_{k}"
         self._add_optimizer_step()
         # a reshard's buffers (`Edge.buffer_bytes`); rows that no plan's T can bind (each node's least temp) left out
         floor = max((min(o.temp_bytes for o in node.options) for node in self.problem.nodes), default=0.0) * self.per_byte
@@ -617,10 +628,11 @@ class _Model:
         gathered: dict[str, list[tuple[pulp.LpVariable, float]]] = {}  # layer -> its parameters' (z, gathered GiB)
         for v, zs in self.gathered.items():
             gathered.setdefault(self.problem.nodes[v].region, []).extend(zs)
-        zero_feeds: dict[int, list[int]] = {}  # consumer -> the parameters with ZeRO options feeding it
+        zero_feeds: dict[int, list[int]] = {}  # consumer -> the parameters with ZeRO options it makes the gradient of
         for e in self.problem.edges:
-            if e.src in self.zero_grads:
-                zero_feeds.setdefault(e.dst, []).append(e.src)
+            feeds = zero_feeds.setdefault(e.grad_maker, [])
+            if e.src in self.zero_grads and e.src not in feeds:  # once per parameter, through however many edges
+                feeds.append(e.src)
         for r, (region, nodes) in enumerate(layers.items()):
             ys = {v: {self.y[v, s]: o for s, o in enumerate(self.problem.nodes[v].options) if (v, s) in self.y} for v in nodes}
             # "layer r rebuilt", linearised from below (the memory row and the region's cost push it down)

@@ -272,7 +272,7 @@ def random_problem(rng: random.Random, gib: float = GIB, second: float = 1.0, la
     """3-5 nodes of 1-3 options, sizes in units of `gib` bytes and times in units of `second`. Layered: nodes
     after the first fall into two layers (regions), so a recomputed layer's rebuild is priced (gradients at each
     backward step, reshards run again and the inputs they save, a consumer keeping its producer's output, the whole
-    gradients a consumer makes of a parameter resharded into it or stored ZeRO)."""
+    gradients a consumer makes of a parameter resharded into it or stored ZeRO, a tied parameter's later use)."""
     nodes = []
     count = rng.randint(3, 5)
     for v in range(count):
@@ -296,6 +296,8 @@ def random_problem(rng: random.Random, gib: float = GIB, second: float = 1.0, la
             table = lambda scale: tuple(tuple(rng.choice([0.0, rng.uniform(0, scale) * gib]) for _ in nodes[v].options)
                                         for _ in nodes[u].options)
             edge = dataclasses.replace(edge, saved_bytes=table(1), buffer_bytes=table(2), grad_bytes=table(1))
+            if rng.random() < 0.5:  # a later use of a tied parameter; its gradient made at another node's step
+                edge = dataclasses.replace(edge, accumulated_bytes=table(1), grad_step=rng.randrange(len(nodes)))
         edges.append(edge)
     keeps = tuple((e.src, e.dst) for e in edges if e.src > 0 and rng.random() < 0.5) if layered else ()
     return Problem(tuple(nodes), tuple(edges), rng.uniform(2, 12) * gib, recompute_with=keeps)
