@@ -12,7 +12,7 @@ import random
 import pulp
 import pytest
 
-from autopar.errors import PARALLELIZE_KNOBS, AutoparError, InfeasibleError, SearchTimeoutError
+from autopar.errors import PARALLELIZE_KNOBS, InfeasibleError, SearchTimeoutError
 from autopar.solver.backends import _reset_scheduler, make_solver
 from autopar.solver import ilp
 from autopar.solver import anytime
@@ -329,15 +329,19 @@ def test_random_problems_match_brute_force(sizes):
     assert checked >= 15 and infeasible >= 1  # both outcomes exercised
 
 
-def test_the_relaxation_bounds_every_plan_that_fits_and_a_cutoff_at_or_below_it_stops_the_search():
+def _relaxed_cases(count: int):
+    """Random layered problems with a plan that fits: (problem, brute-force optimum, the LP relaxation)."""
     rng = random.Random(0)
-    checked = 0
-    for _ in range(12):
+    for _ in range(count):
         p = random_problem(rng, layered=True)
         ref = brute_force(p)
-        if ref is None:
-            continue
-        relaxed = ilp.relax(_Model(p, Restrictions(), "time"), "highs", 10.0)
+        if ref is not None:
+            yield p, ref, ilp.relax(_Model(p, Restrictions(), "time"), "highs", 10.0)
+
+
+def test_the_relaxation_bounds_every_plan_that_fits_and_a_cutoff_at_or_below_it_stops_the_search():
+    checked = 0
+    for p, ref, relaxed in _relaxed_cases(12):
         assert relaxed.bound_s <= ref[0] * (1 + 1e-9)
         with pytest.raises(anytime.Outpaced):
             solve_problem(p, cutoff_s=relaxed.bound_s)
@@ -348,14 +352,8 @@ def test_the_relaxation_bounds_every_plan_that_fits_and_a_cutoff_at_or_below_it_
 
 
 def test_a_settled_step_proven_out_ends_the_search_at_a_plan_that_fits_and_a_faster_optimum_is_still_found():
-    rng = random.Random(0)
     checked = 0
-    for _ in range(5):
-        p = random_problem(rng, layered=True)
-        ref = brute_force(p)
-        if ref is None:
-            continue
-        relaxed = ilp.relax(_Model(p, Restrictions(), "time"), "highs", 10.0)
+    for p, ref, relaxed in _relaxed_cases(5):
         # a settled step the optimum does not beat, proven by the relaxation or within the MIP: the answer fits and
         # reports "optimal", whichever plan the search had in hand when it stopped
         for settled_s in (relaxed.bound_s, (relaxed.bound_s + ref[0]) / 2):

@@ -9,7 +9,6 @@ from dataclasses import replace
 import pulp
 import pytest
 import torch
-from torch import nn
 
 from autopar.api import profiled
 from autopar.errors import InfeasibleError
@@ -24,6 +23,7 @@ from autopar.solver.mesh import make_mesh
 from autopar.solver.offload import HOST_ADAMW_PARAMS_PER_S, TierCost, offloaded_profile, with_offload
 from autopar.solver.problem import Problem
 from tests.codegen.mixed import BF16, trace_mixed
+from tests.solver.test_offload_cost import Wide
 from tests.solver.test_ilp import GIB, brute_force, random_problem
 
 
@@ -75,15 +75,6 @@ def test_a_forced_tier_is_priced_by_the_ilp_as_evaluate_prices_it():
         lean += any(t is not None and t.lean and not a.zero[v] for v, t in forced)
         both += any(t is not None and a.zero[v] for v, t in forced)
     assert solved >= 5 and lean >= 2 and both >= 2  # ZeRO-Offload's layout and the float32 one under ZeRO exercised
-
-
-class Wide(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.fc1, self.fc2 = nn.Linear(512, 1024), nn.Linear(1024, 8)
-
-    def forward(self, x):
-        return self.fc2(torch.relu(self.fc1(x))).square().mean()
 
 
 def _least_bytes(traced, prof, mesh) -> float:
