@@ -377,7 +377,7 @@ def _solve_on_rank0(traced: TracedGraph, pmesh: ProcessMesh, memory_budget: floa
         except InfeasibleError as err:  # its fix in parallelize's words: memory_budget=, offload=
             device_only = host_budget_bytes is None and not offloaded
             raise err.worded_for(PARALLELIZE_DEVICE_ONLY_KNOBS if device_only else PARALLELIZE_KNOBS) from None
-        return with_offload(plan, prof, offloaded)
+        return with_offload(plan, offloaded)
     return _on_rank0(solved)
 
 

@@ -56,6 +56,9 @@ class ParamProfile:
     # bytes these are (0: the graph computes on the parameter itself); grad_bytes and optimizer_bytes are the master's
     copy_bytes: int = 0
     reduce_bytes: int | None = None  # its gradient as summed over ranks, in the reduce dtype (None: grad_bytes)
+    # on the host tier by the caller's choice (`solver.offload.offloaded_profile`): its optimizer state, kept on the
+    # host and stepped there (optimizer_bytes, the device's, is 0 then); 0: the tier is the solver's to choose, or none
+    host_optimizer_bytes: int = 0
 
 
 @dataclass(frozen=True)
@@ -90,6 +93,7 @@ class ParamCost:
     copy_bytes: float = 0.0
     reduce_bytes: float | None = None
     numel: float = 0.0  # elements (what a host optimizer step's time goes by, `solver.offload`)
+    host_optimizer_bytes: float = 0.0  # (`ParamProfile.host_optimizer_bytes`)
 
     @property
     def compute_bytes(self) -> float:
@@ -138,7 +142,8 @@ class GraphProfile:
         params = {
             fqn: ParamCost(fqn, p.node, float(p.param_bytes), float(p.grad_bytes), float(p.optimizer_bytes),
                            p.update_launches, float(p.update_write_bytes), float(p.copy_bytes),
-                           None if p.reduce_bytes is None else float(p.reduce_bytes), float(p.numel))
+                           None if p.reduce_bytes is None else float(p.reduce_bytes), float(p.numel),
+                           float(p.host_optimizer_bytes))
             for fqn, p in self.params.items()
         }
         return ConcreteProfile(nodes=nodes, params=params, optimizer=self.optimizer)

@@ -117,7 +117,7 @@ def _solve(args: Any, traced, prof, budget: float | None) -> tuple[Plan, list]:
             plan, shapes = solve_for_devices(traced, device_prof, args.gpus, hardware=args.hardware, memory_budget_bytes=budget,
                                              time_limit_s=args.time_limit, baselines=True, precision=args.precision,
                                              progress=progress, host_budget_bytes=host_budget)
-    return with_offload(plan, prof, offloaded), shapes
+    return with_offload(plan, offloaded), shapes
 
 
 @contextlib.contextmanager

@@ -26,7 +26,7 @@ from autopar.report.summary import memory_dict, summarize, time_dict, unrecorded
 from autopar.report.tables import headline, mesh_line
 from autopar.report.units import fmt_bytes, fmt_seconds, fmt_signed_seconds
 from autopar.report.words import LAYOUT_WORDS, LEGEND, activation_words, param_words
-from autopar.solver.plan import MemoryBreakdown, NodeDecision, Plan, TimeBreakdown
+from autopar.solver.plan import MemoryBreakdown, NodeDecision, ParamDecision, Plan, TimeBreakdown
 from autopar.solver.problem import Assignment, BuiltProblem
 from autopar.solver.spec import Strategy
 from autopar.tracer import TracedGraph, output_vals
@@ -85,6 +85,24 @@ def other_tier(plan: Plan, node: str, ctx: ExplainContext) -> dict[str, Any] | N
     memory, time = evaluate(ctx.built.problem, replace(a, offload=tuple(flags)))
     return {"tier": "host" if flags[v] else "device", "step_s": time.total_s, "peak_bytes": memory.total_bytes,
             "host_bytes": memory.host_bytes, "fits": plan.memory.budget_bytes is None or memory.total_bytes <= plan.memory.budget_bytes}
+
+
+def host_tier(plan: Plan, p: ParamDecision, ctx: ExplainContext) -> dict[str, Any] | None:
+    """Parameter `p` on the host tier: what it keeps per rank on the host and on the device, and what the tier costs
+    a step (`solver.offload.tier_cost`, as the solver priced it): ZeRO-Offload's layout (`lean`: its bf16 copy alone on
+    the device) where mixed precision computes it on a copy and it is not ZeRO-sharded, else the float32 one (its
+    parameter and gradient kept on the device too). None on the device tier, or for a parameter nothing steps."""
+    from autopar.solver.offload import storage_shard, tier_cost
+
+    param = ctx.costs.params.get(p.fqn)
+    if p.tier != "host" or param is None or not param.optimizer_bytes:
+        return None
+    use, stored = storage_shard(p.use, plan.mesh), storage_shard(p.storage, plan.mesh)
+    tier = tier_cost(param, use, plan.mesh).layout(stored / use)
+    device_bytes = param.copy_bytes / use if tier.lean else (param.param_bytes + param.grad_bytes) / stored
+    return {"lean": tier.lean, "device_bytes": device_bytes, "host_params_bytes": tier.host_params_bytes,
+            "host_grads_bytes": tier.host_grads_bytes, "host_optimizer_bytes": tier.host_optimizer_bytes,
+            "transfer_s": tier.transfer_s, "host_step_s": tier.host_step_s, "step_s": tier.step_s}
 
 
 def _with_option(ctx: ExplainContext, node: str, k: int) -> tuple[MemoryBreakdown, TimeBreakdown]:
@@ -243,6 +261,8 @@ def explain(plan: Plan, query: str, ctx: ExplainContext | None = None) -> dict[s
             entry["alternatives"] = alternatives(plan, d, ctx)
             if p is not None and (other := other_tier(plan, d.node, ctx)) is not None:
                 entry["other_tier"] = other
+            if p is not None and (held := host_tier(plan, p, ctx)) is not None:
+                entry["host_tier"] = held
         out.append(entry)
     s = summarize(plan)
     return {"query": query, "mesh": mesh_line(s), "headline": headline(s), "legend": LEGEND.format(axes=", ".join(axis_names)),

@@ -27,13 +27,31 @@ def _alternatives_table(alts: list[dict[str, Any]]) -> Table:
     return t
 
 
+def host_tier_words(t: dict[str, Any]) -> str:
+    """What a parameter on the host tier keeps where, per rank, and its price (`explain.host_tier`)."""
+    if t["lean"]:
+        held = (f"its float32 master ({fmt_bytes(t['host_params_bytes'])}), its gradient ({fmt_bytes(t['host_grads_bytes'])}) "
+                f"and its optimizer state ({fmt_bytes(t['host_optimizer_bytes'])}) are in host memory, stepped there; only its "
+                f"bf16 copy ({fmt_bytes(t['device_bytes'])}) is on the device (ZeRO-Offload's layout)")
+    else:
+        held = (f"its master ({fmt_bytes(t['host_params_bytes'])}), a copy of its gradient ({fmt_bytes(t['host_grads_bytes'])}) "
+                f"and its optimizer state ({fmt_bytes(t['host_optimizer_bytes'])}) are in host memory, stepped there; its "
+                f"parameter and gradient stay on the device too ({fmt_bytes(t['device_bytes'])})")
+    return (f"{held}, per rank; the host tier adds {fmt_seconds(t['step_s'])} to the step: {fmt_seconds(t['transfer_s'])} "
+            f"of copies over the host link and {fmt_seconds(t['host_step_s'])} of the host's optimizer step")
+
+
 def explain_report(result: dict[str, Any]) -> list:
     parts: list = [Text(result["mesh"], style="bold"), Text(result["headline"]), Text(result["legend"], style="dim")]
     for n in result["nodes"]:
         parts.append(Text(f"{n['node']} ({n['op']}) in {n['module'] or '(top level)'}: {n['strategy']}", style="bold"))
         if "parameter" in n:
-            stepped = ("its optimizer state is in host memory, stepped there" if n.get("tier") == "host"
-                       else "its compute is the optimizer's step on each device's block")
+            if "host_tier" in n:
+                stepped = host_tier_words(n["host_tier"])
+            elif n.get("tier") == "host":
+                stepped = "its optimizer state is in host memory, stepped there"
+            else:
+                stepped = "its compute is the optimizer's step on each device's block"
             parts.append(Text(f"  parameter {n['parameter']} ({n['layout']}): {n['words']} (use {n['use']}, storage {n['storage']}); "
                               f"{stepped}"))
             if (other := n.get("other_tier")) is not None:

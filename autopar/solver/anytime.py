@@ -20,6 +20,11 @@
    or its bound is above the budget (`InfeasibleError`, proven), or neither: step 3 searches without a start and,
    finding nothing, raises `SearchTimeoutError` (an `InfeasibleError`) with the least need found.
 
+With `settled_s` (a plan of that step or slower would not change the caller's choice: `search.solve` passes the
+fastest fitting textbook plan's step over the robust margin, the textbook plan being chosen over any such plan),
+step 2 ends once the relaxation's bound is at or above it, and step 3 once the MIP's bound is: what is left to
+find would not be chosen (Hugging Face GPT-2 and BERT tiny on 2x2 at their tight budgets).
+
 With `cutoff_s` (a plan of that step or slower is of no use to the caller: `search.solve_for_devices` passes what a
 plan on a later mesh shape must beat to be chosen), the LP relaxation of the model with the memory row is solved
 first: when its bound is at or above the cutoff, no plan can beat it and the search stops there (`Outpaced`).
@@ -72,9 +77,8 @@ class _Clock:
 
 
 def fits(problem: Problem, sol: Solution) -> bool:
-    """Within the device budget, and the host tier within the host budget."""
-    host_ok = not sol.memory.host_bytes or (problem.host_budget_bytes is not None
-                                            and sol.memory.host_bytes <= problem.host_budget_bytes)
+    """Within the device budget, and the host tier within the host budget (none bounds a tier the caller forced)."""
+    host_ok = problem.host_budget_bytes is None or sol.memory.host_bytes <= problem.host_budget_bytes
     return host_ok and (problem.budget_bytes is None or sol.memory.total_bytes <= problem.budget_bytes)
 
 
@@ -114,6 +118,7 @@ def solve_problem(
     bounded: bool = False,
     improve: Callable[[Sequence[Solution], float], Sequence[Solution]] | None = None,
     cutoff_s: float | None = None,
+    settled_s: float | None = None,
 ) -> Solution:
     """The fastest assignment that fits the budget, found within `time_limit_s` in all (see the module docstring).
     `starts`: valid assignments the search starts from (the answer is at least as fast as the fastest that fits);
@@ -122,7 +127,9 @@ def solve_problem(
     `bounded`: a start that fits is given, search with the memory row at once (step 3 only: a small model's);
     `improve(fitting, seconds)`: more starts from the fitting ones, found in the seconds given, before step 3
     (a graph's search improves them one mesh axis at a time: `descent.py`); `cutoff_s`: stop with `Outpaced` when
-    the LP relaxation proves no plan faster than this (see the module docstring)."""
+    the LP relaxation proves no plan faster than this (see the module docstring); `settled_s`: no plan of this step
+    or slower changes the caller's choice (a plan is in hand that the caller takes over any such plan): the search
+    stops with its best plan, "optimal", once the relaxation or the MIP proves no plan faster than this."""
     began = cpu_s()
     clock = _Clock(began + time_limit_s)
     budget = problem.budget_bytes
@@ -162,7 +169,8 @@ def solve_problem(
             best = min((c for c in [*candidates, rounded] if c is not None and fits(problem, c)),
                        key=lambda c: c.time.total_s, default=None)
             gap = _step_gap(best.time.total_s, bound) if best is not None else 1.0
-            if best is not None and (gap is None or gap <= mip_rel_gap):  # proven near enough: no MIP with the row
+            settled = settled_s is not None and relaxed.bound_s >= settled_s
+            if best is not None and (gap is None or gap <= mip_rel_gap or settled):  # proven enough: no MIP with the row
                 report = SolverReport(backend, "optimal", cpu_s() - began, len(model.variables),
                                       len(model.prob.constraints), gap)
                 return _logged(replace(best, report=report))
@@ -191,7 +199,8 @@ def solve_problem(
         # run seconds past the limit on a large model to take the start back (LLaMA-7B on 2x4: 3.1 s, 66k columns)
         out = Outcome("none", backend, 0.0, None)
     else:
-        out = run(model, backend, clock.left_s(), presolve=True, mip_rel_gap=mip_rel_gap, warm_start=best is not None)
+        out = run(model, backend, clock.left_s(), presolve=True, mip_rel_gap=mip_rel_gap, warm_start=best is not None,
+                  settled_s=settled_s if best is not None else None)
     if out.status == "infeasible":  # proven: no plan needs as little
         leanest = leanest or min_memory(problem, max(clock.left_s(), time_limit_s / 4), backend, restrictions,
                                         PRICING_GAP if or_leanest else DEFAULT_GAP)

@@ -6,6 +6,7 @@ and a solver that prints nothing.
 from __future__ import annotations
 
 import logging
+import math
 from typing import Literal
 
 import numpy as np
@@ -26,6 +27,7 @@ _reset_scheduler = None if highspy is None else (
 # the points at which HiGHS asks whether to stop: inside simplex, interior point and branch and bound
 _INTERRUPTS = () if highspy is None else tuple(getattr(highspy.cb.HighsCallbackType, name) for name in (
     "kCallbackSimplexInterrupt", "kCallbackIpmInterrupt", "kCallbackMipInterrupt"))
+_MIP_INTERRUPT = None if highspy is None else highspy.cb.HighsCallbackType.kCallbackMipInterrupt
 # HiGHS' own limit, in wall seconds, a safety beside the CPU limit should the callback not be reached: this many
 # times it, and this much more (the 2-core test machines have run a solve at 1/16 of a core)
 _WALL_PER_CPU = 30.0
@@ -53,12 +55,15 @@ class BulkHighs(pulp.HiGHS):
     variables given an initial value, `LpVariable.setInitialValue`, which HiGHS completes: pulp 3.3 has no MIP
     start for HiGHS), and a limit in CPU seconds (`cpu_limit_s`, the solver's clock: `clock.py`), which HiGHS'
     own limit, in wall seconds, is not: a callback interrupts it (HiGHS calls it between simplex iterations and
-    MIP nodes: seen 1-1.6 s late on a model of 65k columns)."""
+    MIP nodes: seen 1-1.6 s late on a model of 65k columns). `stop_at_bound`: the same callback stops the search
+    once its proven bound reaches this objective (the caller's choice no longer depends on a better plan)."""
 
-    def __init__(self, *args, warm_start: bool = False, cpu_limit_s: float | None = None, **kwargs):
+    def __init__(self, *args, warm_start: bool = False, cpu_limit_s: float | None = None,
+                 stop_at_bound: float | None = None, **kwargs):
         super().__init__(*args, **kwargs)
         self.warm_start = warm_start
         self.cpu_limit_s = cpu_limit_s
+        self.stop_at_bound = stop_at_bound
 
     def createAndConfigureSolver(self, lp: pulp.LpProblem) -> None:
         """pulp's, on a `_QuietHighs` (pulp makes a plain `highspy.Highs`, which prints its banner), with the
@@ -78,9 +83,11 @@ class BulkHighs(pulp.HiGHS):
         _reset_scheduler(True)
         if self.cpu_limit_s is not None:
             deadline_s = cpu_s() + self.cpu_limit_s
+            stop_at = math.inf if self.stop_at_bound is None else self.stop_at_bound
 
             def interrupt(kind, message, data_out, data_in, user_data) -> None:
-                if cpu_s() > deadline_s:
+                bound_reached = kind == _MIP_INTERRUPT and data_out.mip_dual_bound >= stop_at
+                if bound_reached or cpu_s() > deadline_s:
                     data_in.user_interrupt = True
 
             lp.solverModel.setCallback(interrupt, None)
@@ -125,9 +132,11 @@ class BulkHighs(pulp.HiGHS):
 
 
 def make_solver(backend: Backend, time_limit_s: float, presolve: bool, mip_rel_gap: float,
-                warm_start: bool = False, relaxation: bool = False) -> tuple[pulp.LpSolver, str]:
+                warm_start: bool = False, relaxation: bool = False, stop_at_bound: float | None = None
+                ) -> tuple[pulp.LpSolver, str]:
     """`time_limit_s`: CPU seconds (`clock.py`; CBC, a process of its own, counts its own); `warm_start`: start
-    from the variables' initial values (`LpVariable.setInitialValue`); `relaxation`: the LP relaxation (HiGHS only)."""
+    from the variables' initial values (`LpVariable.setInitialValue`); `relaxation`: the LP relaxation (HiGHS only);
+    `stop_at_bound`: stop once the proven bound reaches this objective (HiGHS only: CBC searches on)."""
     if backend == "highs":
         # One thread: deterministic. Presolve is on only once the memory row is in: without it,
         # presolve removes <1% of rows yet took 60-70% of the solve (GPT-2 small on 2x2: 0.47 ->
@@ -140,7 +149,8 @@ def make_solver(backend: Backend, time_limit_s: float, presolve: bool, mip_rel_g
         if relaxation:
             options["solve_relaxation"] = True
         highs = BulkHighs(msg=False, timeLimit=_WALL_PER_CPU * time_limit_s + _WALL_EXTRA_S, threads=1, random_seed=0,
-                          gapRel=mip_rel_gap, warm_start=warm_start, cpu_limit_s=time_limit_s, **options)
+                          gapRel=mip_rel_gap, warm_start=warm_start, cpu_limit_s=time_limit_s,
+                          stop_at_bound=stop_at_bound, **options)
         if highspy is not None and highs.available():
             return highs, "highs"
         log.warning("solver: highspy is not importable; falling back to CBC (pip install highspy)")

@@ -17,7 +17,7 @@ input for reduce-scatter. Five sources, as the runtime runs them:
 - ZeRO parameter gathers: storage -> use spec before forward and again before backward.
 - Collectives inside a node's lowering (`localize.in_node_collectives`: the per-row
   exchanges of a log-softmax over a split vocabulary).
-- Local steps (slice, R -> P) move nothing and are not counted.
+- Local steps (slice, R -> P) and any step over a mesh axis of one rank move nothing and are not counted.
 """
 from __future__ import annotations
 
@@ -57,7 +57,9 @@ def _add_reshard(total: dict[str, float], src: Spec, dst: Spec, shape: tuple[int
     spec = src
     for step in reshard_steps(src, dst, shape, mesh, itemsize):
         local = step_bytes(step, spec, shape, itemsize, mesh)
-        if step.kind == "all_gather":
+        if mesh.shape[step.mesh_axis] == 1:
+            pass  # a spec change over an axis of one rank is a local relabelling: nothing leaves the device
+        elif step.kind == "all_gather":
             total["all_gather"] += times * local * mesh.shape[step.mesh_axis]
         elif step.kind in total:
             total[step.kind] += times * local
@@ -82,7 +84,7 @@ def comm_bytes_by_kind(traced: TracedGraph, plan: Plan, summed_per_computed: Map
             continue
         strategy = chosen[node.name]
         for c in in_node_collectives(node, strategy, mesh.shape):
-            total[c.kind] += c.nbytes
+            total[c.kind] += c.nbytes if mesh.shape[c.mesh_axis] > 1 else 0.0
         split = [a for a in split_axes(strategy, len(mesh.shape)) if mesh.shape[a] > 1]
         for a, (producer, k) in enumerate(strategy_inputs(node)):
             val = output_vals(producer)[k]

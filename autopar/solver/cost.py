@@ -123,8 +123,9 @@ def compute_time_s(flops: float, nbytes: float, mesh: Mesh, dtype: str = "") -> 
 
 def optimizer_step_s(param: ParamCost, shard: float, mesh: Mesh) -> float:
     """The optimizer's step for `param`'s local part (1/`shard` of its bytes; its launches are per tensor), per pass:
-    a step of `mesh.microbatches` passes steps once."""
-    if not param.update_launches:
+    a step of `mesh.microbatches` passes steps once. A parameter forced onto the host tier (`offload.offloaded_profile`)
+    is stepped there."""
+    if not param.update_launches or param.host_optimizer_bytes:
         return 0.0
     step_s = param.update_launches * mesh.op_overhead_s + compute_time_s(0.0, param.update_write_bytes / shard, mesh)
     return step_s / mesh.microbatches

@@ -10,7 +10,7 @@ from typing import Sequence
 from autopar.solver.cost import GRAD_BUCKET_BYTES
 from autopar.solver.offload import lean_in_flight_bytes
 from autopar.solver.plan import MemoryBreakdown, TimeBreakdown
-from autopar.solver.problem import Assignment, Problem
+from autopar.solver.problem import Assignment, Option, Problem
 
 
 def evaluate(problem: Problem, a: Assignment, saved_by_node: list[float] | None = None) -> tuple[MemoryBreakdown, TimeBreakdown]:
@@ -30,6 +30,7 @@ def evaluate(problem: Problem, a: Assignment, saved_by_node: list[float] | None 
     regathered: dict[str, float] = {}  # layer -> its ZeRO parameters' gathered bytes (saved by the rebuild)
     flows: dict[int, float] = {}  # recomputed node -> what backward holds at its step through the rebuilt layer
     param_grads: dict[int, float] = {}  # recomputed node -> the whole gradients it makes of parameters resharded or ZeRO
+    regathered_grads: set[tuple[int, int]] = set()  # (recomputed node, ZeRO parameter) whose whole gradient it counts
     kept = {u for u, v in problem.recompute_with if not a.recompute[v]}  # a consumer that is not recomputed saves them
     kept |= {u for u, v in problem.region_inputs if a.recompute[v]}  # ... and a recomputed one of another region too
     for v, node in enumerate(problem.nodes):
@@ -50,22 +51,25 @@ def evaluate(problem: Problem, a: Assignment, saved_by_node: list[float] | None 
                 regathered[node.region] = regathered.get(node.region, 0.0) + o.zero.gathered_bytes
         params += o.param_bytes / factor
         grads += o.grad_bytes / factor
+        tiers = [] if o.forced_host is None else [o.forced_host.layout(factor)]  # its members the caller put on the host tier
         if a.offloaded(v):  # its state on the host, stepped there instead of on the device
             if o.host is None:
                 raise ValueError(f"node {node.name!r} option {o.label} has no host tier (nothing the optimizer steps)")
-            tier = o.host.layout(factor)
-            if tier.lean:  # ZeRO-Offload's layout: the master and its gradient are the host's alone
-                params -= tier.host_params_bytes
-                grads -= tier.host_grads_bytes
-                lean_total = lean_gradient_bytes(problem) if lean_total is None else lean_total
-                in_flight = max(in_flight, lean_in_flight_bytes(tier, GRAD_BUCKET_BYTES, lean_total))
+            tiers.append(o.host.layout(factor))
             device_step_s = o.update_s - (o.zero.update_saving_s if a.zero[v] else 0.0)
             compute_s -= device_step_s
             update_s -= device_step_s
-            offload_s += tier.step_s
-            host = [h + b for h, b in zip(host, (tier.host_params_bytes, tier.host_grads_bytes, tier.host_optimizer_bytes))]
         else:
             opt += o.optimizer_bytes / factor
+        for tier in tiers:
+            if tier.lean:  # ZeRO-Offload's layout: the master and its gradient are the host's alone
+                params -= tier.host_params_bytes
+                grads -= tier.host_grads_bytes
+                lean_total = lean_gradient_bytes(problem, problem.host_budget_bytes is not None or any(a.offload)) \
+                    if lean_total is None else lean_total
+                in_flight = max(in_flight, lean_in_flight_bytes(tier, GRAD_BUCKET_BYTES, lean_total))
+            offload_s += tier.step_s
+            host = [h + b for h, b in zip(host, (tier.host_params_bytes, tier.host_grads_bytes, tier.host_optimizer_bytes))]
         if a.recompute[v]:
             if not node.recomputable:
                 raise ValueError(f"node {node.name!r} cannot be recomputed (a placeholder, or it saves nothing)")
@@ -103,13 +107,20 @@ def evaluate(problem: Problem, a: Assignment, saved_by_node: list[float] | None 
             comm_s -= e.zero_saving(i, j)
         # The consumer's backward step makes a parameter's gradient at its input spec beside its own gradients: where
         # the edge reshards the parameter or it is stored ZeRO (re-gathered then), a transient before the reduce
-        # to the parameter's spec
+        # to the parameter's spec. The step is dst's, or where dst is a view of the parameter, its consumer's (`Edge.grad_step`)
         zero = problem.nodes[e.src].options[i].zero if a.zero[e.src] else None
         held_bytes = e.grads(i, j) + (zero.backward_bytes if zero is not None else 0.0)
+        if zero is None:  # a tied parameter's later use: its gradient and the sum beside the first (`Edge.accumulated_bytes`)
+            temp = max(temp, e.accumulated(i, j))
         if held_bytes > 0:
-            temp = max(temp, held_bytes + dst.options[j].temp_bytes)
-            if e.dst in flows:  # in a rebuilt layer: the parameter is saved by the rebuild (`regathered`, `resaved`)
-                param_grads[e.dst] = param_grads.get(e.dst, 0.0) + e.grads(i, j) + (zero.grad_bytes if zero is not None else 0.0)
+            m = e.grad_maker
+            temp = max(temp, held_bytes + problem.nodes[m].options[a.choice[m]].temp_bytes)
+            # in a rebuilt layer: the parameter is saved by the rebuild (`regathered`, `resaved`)
+            if e.dst in flows and e.grads(i, j):  # made at dst's input spec while dst is rebuilt
+                param_grads[e.dst] = param_grads.get(e.dst, 0.0) + e.grads(i, j)
+            if m in flows and zero is not None and (m, e.src) not in regathered_grads:  # once, through however many edges
+                regathered_grads.add((m, e.src))
+                param_grads[m] = param_grads.get(m, 0.0) + zero.grad_bytes
     # a rebuilt layer holds its re-gathered ZeRO parameters and what it rebuilt so far, beside a reshard's buffers
     # while its recompute runs one. Backward then runs through it in reverse: at a node's step, what the layer
     # rebuilt before the node is still held, and the inputs the node saved again, beside the gradients of the step
@@ -139,10 +150,14 @@ def evaluate(problem: Problem, a: Assignment, saved_by_node: list[float] | None 
     )
 
 
-def lean_gradient_bytes(problem: Problem) -> float:
-    """Every lean gradient at once (copies' and sums' bytes, each node's largest option): the most in flight."""
-    return sum(max((o.host.copy_grad_bytes + o.host.summed_grad_bytes for o in node.options if o.host is not None),
-                   default=0.0) for node in problem.nodes)
+def lean_gradient_bytes(problem: Problem, chosen: bool) -> float:
+    """Every lean gradient at once (copies' and sums' bytes, each node's largest option): the most in flight. Of the
+    tiers forced, and with `chosen` of those the solver may choose (where the problem offers them, or an assignment
+    puts a parameter there)."""
+    def lean(o: Option) -> float:
+        tiers = [o.forced_host] + ([o.host] if chosen else [])
+        return sum(t.copy_grad_bytes + t.summed_grad_bytes for t in tiers if t is not None)
+    return sum(max((lean(o) for o in node.options), default=0.0) for node in problem.nodes)
 
 
 def checkpoint_regions(problem: Problem, recompute: Sequence[bool]) -> int:

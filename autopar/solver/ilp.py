@@ -51,7 +51,12 @@ Constraint families (each PuLP constraint is named after its family):
   param_grad_{k}      T >= sum_{a,b} grad[k,a,b] e[k,a,b] + sum_g (gathered + grad)[u,g] z[u,g] + sum_s temp[v,s] x[v,s]:
                       the backward step of consumer v of parameter u makes u's whole gradient at its input spec beside
                       its own gradients, where edge k reshards u (`Edge.grad_bytes`) or u is stored ZeRO (re-gathered
-                      then: `ZeroOption.backward_bytes`), before the reduce to u's spec
+                      then: `ZeroOption.backward_bytes`), before the reduce to u's spec (where v is a view of u, the
+                      step and its temp are those of the op past the view: `Edge.grad_step`)
+  param_grad_summed_{k}  T >= sum_{a,b} summed[k,a,b] e[k,a,b] - M sum_g z[u,g]: a later use of a parameter another
+                      use made the gradient of first (tied) adds its gradient to that one, at u's spec once its step
+                      and reshard are done: its gradient and autograd's sum (`Edge.accumulated_bytes`), unless u is
+                      stored ZeRO (M: the largest summed)
   optimizer_step      T >= c (sum_{v,s} param[v,s] x[v,s] - sum_g (1 - 1/f[v,g]) param[v,g] z[v,g]): the optimizer
                       step's scratch, c per byte of the stepped parameters' local blocks, summed over them under
                       foreach (one row), one row per parameter v otherwise (`optimizer_step_{v}`, `_add_optimizer_step`)
@@ -85,6 +90,8 @@ Constraint families (each PuLP constraint is named after its family):
   lean_in_flight_{v}_{g}  G >= in_flight[v,g] (h - hz): under mixed precision h without ZeRO is ZeRO-Offload's layout
                       (`TierCost.layout`: the master and its gradient off the device, the bf16 copy's bytes over the link);
                       its gradient is on the device only in the sync's buckets, G the most in flight (in the memory row)
+  host_zero_forced_{v}_{g}, lean_in_flight_forced_{v}_{g}: a tier the caller forced (`Option.forced_host`, `offload=`
+                      names) priced as above with h = sum_{s in g} x[v,s] (no binary: 1 wherever v takes group g)
   memory              sum_{v,s} static[v,s] x - sum_g (1 - 1/f[v,g]) static[v,g] z
                       + saved[v,s] x - sum_g (saved[v,g] - held[v,g]) y + sum_k (kept . e - kept . f + r[k]) + T <= budget
                       (`add_memory_limit`; held: a recomputed region's inputs from other layers)
@@ -115,7 +122,7 @@ import pulp
 from autopar.solver.clock import cpu_s
 from autopar.solver.cost import GRAD_BUCKET_BYTES
 from autopar.solver.evaluate import lean_gradient_bytes, recomputable_options
-from autopar.solver.offload import lean_in_flight_bytes
+from autopar.solver.offload import TierCost, lean_in_flight_bytes
 from autopar.solver.backends import Backend, make_solver
 from autopar.solver.plan import MemoryBreakdown, SolverReport, TimeBreakdown
 from autopar.solver.problem import Assignment, Option, Problem
@@ -267,7 +274,7 @@ class _Model:
         self.e: dict[int, list[list[pulp.LpVariable | None]]] = {}  # edge index -> e[k][a][b]
         for k, e in enumerate(self.problem.edges):
             if not any(c for row in e.cost_s for c in row) and e.saved_bytes is None and e.zero_saving_s is None \
-                    and e.replaced_bytes is None and e.buffer_bytes is None and e.grad_bytes is None:
+                    and e.replaced_bytes is None and e.buffer_bytes is None and e.grad_bytes is None and e.accumulated_bytes is None:
                 continue  # free in every combination, saves and holds nothing, no ZeRO saving: no variables needed
             rows, cols = len(e.cost_s), len(e.cost_s[0])
             src = {e.src_class[s] for s in self._allowed(e.src)}
@@ -444,58 +451,73 @@ class _Model:
         1/factor, and the device step ZeRO saved is not saved twice. host_memory: the tier's host bytes per rank
         within `Problem.host_budget_bytes`. Under mixed precision h alone (not hz) takes ZeRO-Offload's layout
         (`TierCost.layout`): the master and its gradient off the device too, the copies' bytes over the link, and
-        G >= in-flight bytes (h - hz) per parameter (`lean_in_flight`): the largest lean gradient in flight."""
+        G >= in-flight bytes (h - hz) per parameter (`lean_in_flight`): the largest lean gradient in flight.
+        A tier the caller forced (`Option.forced_host`) is priced alike with h = the sum of its group's x (fixed to 1
+        wherever the parameter is), its device state and step out of the option's numbers already."""
         self.h: dict[tuple[int, int], pulp.LpVariable] = {}
         self.host_terms: list[tuple[pulp.LpVariable, float]] = []
         self.unstepped: dict[int, list[tuple[pulp.LpVariable, float]]] = {}  # node -> its step scratch taken off
-        self._both: dict[tuple[int, int], pulp.LpVariable] = {}  # (node, group) -> hz
-        if self.restrictions.offload == "never" or self.problem.host_budget_bytes is None:
-            return
-        lean_total = lean_gradient_bytes(self.problem)
-        in_flight = None  # G, made with the first lean parameter
+        self._in_flight: pulp.LpVariable | None = None  # G, made with the first lean tier
+        offered = self.restrictions.offload != "never" and self.problem.host_budget_bytes is not None
+        lean_total = lean_gradient_bytes(self.problem, offered)
         for v, node in enumerate(self.problem.nodes):
+            zs = _node_vars(self.z, v, len(node.options))
+            forced = self._groups(v, lambda o: o.forced_host and (o.forced_host, o.zero.factor if o.zero else 1))
+            for g, ((tier, factor), members) in enumerate(forced.items()):
+                self._add_tier(f"forced_{v}_{g}", v, [self.x[v][s] for s in members], tier, factor, zs, lean_total)
+            if not offered:
+                continue
             def key(o: Option):
                 if o.host is None:
                     return None
                 return o.host, o.update_s, o.optimizer_bytes, o.param_bytes, o.zero
-            zs = _node_vars(self.z, v, len(self.problem.nodes[v].options))
             for g, ((tier, update_s, optimizer_bytes, param_bytes, zero), members) in enumerate(self._groups(v, key).items()):
                 h = pulp.LpVariable(f"h_{v}_{g}", cat=pulp.LpBinary)
                 self.prob += h <= pulp.lpSum(self.x[v][s] for s in members), f"host_{v}_{g}"
                 self.h.update(((v, s), h) for s in members)
-                lean = tier.layout(1)
-                self.time_terms.append((h, (lean.step_s - update_s) * _MS))
-                self.memory_terms.append((h, -(optimizer_bytes + lean.lean_bytes_saved) * self.per_byte))
-                self.host_terms.append((h, tier.host_bytes * self.per_byte))
-                self.unstepped.setdefault(v, []).append((h, -param_bytes))
-                flight = lean_in_flight_bytes(lean, GRAD_BUCKET_BYTES, lean_total) * self.per_byte
-                sharded = zero is not None and zero.factor > 1 and bool(zs)
-                if flight > 0:
-                    if in_flight is None:
-                        in_flight = pulp.LpVariable("G", lowBound=0)
-                        self.memory_terms.append((in_flight, 1.0))
-                    both = self._host_and_zero(v, g, h, zs) if sharded else None
-                    self.prob += in_flight >= flight * (h - (both if both is not None else 0)), f"lean_in_flight_{v}_{g}"
-                if not sharded:
-                    continue
-                both = self._host_and_zero(v, g, h, zs)
-                rest = 1 - 1 / zero.factor
-                self.time_terms.append((both, (zero.update_saving_s + tier.layout(zero.factor).step_s - lean.step_s) * _MS))
-                self.memory_terms.append((both, (rest * optimizer_bytes + lean.lean_bytes_saved) * self.per_byte))
-                self.host_terms.append((both, -rest * tier.host_bytes * self.per_byte))
-                self.unstepped[v].append((both, rest * param_bytes))
-        if self.host_terms:
+                self._add_tier(f"{v}_{g}", v, [h], tier, zero.factor if zero else 1, zs, lean_total,
+                               update_s, optimizer_bytes, param_bytes, zero.update_saving_s if zero else 0.0)
+        if self.host_terms and self.problem.host_budget_bytes is not None:
             self.prob += _affine(self.host_terms) <= self.problem.host_budget_bytes * self.per_byte, "host_memory"
 
-    def _host_and_zero(self, v: int, g: int, h: pulp.LpVariable, zs: list[pulp.LpVariable]) -> pulp.LpVariable:
-        """hz[v,g] = h AND "v ZeRO-sharded" (continuous, exact at integral points by its three rows), made once."""
-        if (v, g) not in self._both:
-            both = pulp.LpVariable(f"hz_{v}_{g}", lowBound=0, upBound=1)
-            self.prob += both <= h, f"host_zero_{v}_{g}_h"
-            self.prob += both <= pulp.lpSum(zs), f"host_zero_{v}_{g}_z"
-            self.prob += both >= h + pulp.lpSum(zs) - 1, f"host_zero_{v}_{g}"
-            self._both[v, g] = both
-        return self._both[v, g]
+    def _add_tier(self, name: str, v: int, h: list[pulp.LpVariable], tier: TierCost, factor: float,
+                  zs: list[pulp.LpVariable], lean_total: float, update_s: float = 0.0, optimizer_bytes: float = 0.0,
+                  param_bytes: float = 0.0, update_saving_s: float = 0.0) -> None:
+        """The terms and rows of one host tier of node v on h (the sum of `h`: 1 when the tier is v's): its step,
+        the device bytes it frees and holds in flight, its host bytes; under ZeRO storage (hz) its float32 layout of
+        1/factor. `update_s`, `optimizer_bytes`, `param_bytes`, `update_saving_s`: what the device's step and state
+        would be without it (0 for a forced tier, out of the option already)."""
+        def on(coef: float) -> list[tuple[pulp.LpVariable, float]]:
+            return [(var, coef) for var in h]
+        lean = tier.layout(1)
+        self.time_terms.extend(on((lean.step_s - update_s) * _MS))
+        self.memory_terms.extend(on(-(optimizer_bytes + lean.lean_bytes_saved) * self.per_byte))
+        self.host_terms.extend(on(tier.host_bytes * self.per_byte))
+        if param_bytes:
+            self.unstepped.setdefault(v, []).extend(on(-param_bytes))
+        both = self._host_and_zero(name, h, zs) if factor > 1 and zs else None
+        flight = lean_in_flight_bytes(lean, GRAD_BUCKET_BYTES, lean_total) * self.per_byte
+        if flight > 0:
+            if self._in_flight is None:
+                self._in_flight = pulp.LpVariable("G", lowBound=0)
+                self.memory_terms.append((self._in_flight, 1.0))
+            self.prob += self._in_flight >= flight * (pulp.lpSum(h) - (both if both is not None else 0)), f"lean_in_flight_{name}"
+        if both is None:
+            return
+        rest = 1 - 1 / factor
+        self.time_terms.append((both, (update_saving_s + tier.layout(factor).step_s - lean.step_s) * _MS))
+        self.memory_terms.append((both, (rest * optimizer_bytes + lean.lean_bytes_saved) * self.per_byte))
+        self.host_terms.append((both, -rest * tier.host_bytes * self.per_byte))
+        if param_bytes:
+            self.unstepped[v].append((both, rest * param_bytes))
+
+    def _host_and_zero(self, name: str, h: list[pulp.LpVariable], zs: list[pulp.LpVariable]) -> pulp.LpVariable:
+        """hz = h AND "v ZeRO-sharded" (continuous, exact at integral points by its three rows)."""
+        both = pulp.LpVariable(f"hz_{name}", lowBound=0, upBound=1)
+        self.prob += both <= pulp.lpSum(h), f"host_zero_{name}_h"
+        self.prob += both <= pulp.lpSum(zs), f"host_zero_{name}_z"
+        self.prob += both >= pulp.lpSum(h) + pulp.lpSum(zs) - 1, f"host_zero_{name}"
+        return both
 
     def _add_zero_savings(self) -> None:
         """A ZeRO parameter's reduce-scatter takes over the bucketed all-reduce of its gradient that a consumer
@@ -542,11 +564,17 @@ class _Model:
             self.prob += self.temp >= pulp.LpAffineExpression(terms), f"gather_{v}"
         for k, e in enumerate(self.problem.edges):  # a consumer's step making a resharded or ZeRO parameter's gradient
             grads = _pair_terms(self.e[k], e.grad_bytes, self.per_byte) if e.grad_bytes is not None and k in self.e else []
-            if not grads and e.src not in self.zero_backward:
+            summed = _pair_terms(self.e[k], e.accumulated_bytes, self.per_byte) if e.accumulated_bytes is not None and k in self.e else []
+            if not (grads or summed or e.src in self.zero_backward):
                 continue
-            own = [(self.x[e.dst][s], o.temp_bytes * self.per_byte) for s, o in enumerate(self.problem.nodes[e.dst].options)
-                   if o.temp_bytes > 0]
-            self.prob += self.temp >= _affine(self.zero_backward.get(e.src, []) + grads + own), f"param_grad_{k}"
+            own = [(self.x[e.grad_maker][s], o.temp_bytes * self.per_byte)
+                   for s, o in enumerate(self.problem.nodes[e.grad_maker].options) if o.temp_bytes > 0]
+            if grads or e.src in self.zero_backward:
+                self.prob += self.temp >= _affine(self.zero_backward.get(e.src, []) + grads + own), f"param_grad_{k}"
+            if summed:  # a later use's gradient summed into the first's, unless the parameter is stored ZeRO (z = 1)
+                big_m = max(c for _, c in summed)
+                off = [(z, -big_m) for z, _ in self.zero_grads.get(e.src, [])]
+                self.prob += self.temp >= _affine(summed + off), f"param_grad_summed_{k}"
         self._add_optimizer_step()
         # a reshard's buffers (`Edge.buffer_bytes`); rows that no plan's T can bind (each node's least temp) left out
         floor = max((min(o.temp_bytes for o in node.options) for node in self.problem.nodes), default=0.0) * self.per_byte
@@ -600,10 +628,11 @@ class _Model:
         gathered: dict[str, list[tuple[pulp.LpVariable, float]]] = {}  # layer -> its parameters' (z, gathered GiB)
         for v, zs in self.gathered.items():
             gathered.setdefault(self.problem.nodes[v].region, []).extend(zs)
-        zero_feeds: dict[int, list[int]] = {}  # consumer -> the parameters with ZeRO options feeding it
+        zero_feeds: dict[int, list[int]] = {}  # consumer -> the parameters with ZeRO options it makes the gradient of
         for e in self.problem.edges:
-            if e.src in self.zero_grads:
-                zero_feeds.setdefault(e.dst, []).append(e.src)
+            feeds = zero_feeds.setdefault(e.grad_maker, [])
+            if e.src in self.zero_grads and e.src not in feeds:  # once per parameter, through however many edges
+                feeds.append(e.src)
         for r, (region, nodes) in enumerate(layers.items()):
             ys = {v: {self.y[v, s]: o for s, o in enumerate(self.problem.nodes[v].options) if (v, s) in self.y} for v in nodes}
             # "layer r rebuilt", linearised from below (the memory row and the region's cost push it down)
@@ -706,10 +735,14 @@ class Outcome:
 
 def run(
     model: _Model, backend: Backend, time_limit_s: float, presolve: bool = False, mip_rel_gap: float = DEFAULT_GAP,
-    warm_start: bool = False,
+    warm_start: bool = False, settled_s: float | None = None,
 ) -> Outcome:
-    """Solve (`warm_start`: from the assignment `_Model.start_from` set) for at most `time_limit_s`."""
-    solver, used = make_solver(backend, max(time_limit_s, _LEAST_RUN_S), presolve, mip_rel_gap, warm_start)
+    """Solve (`warm_start`: from the assignment `_Model.start_from` set) for at most `time_limit_s`. `settled_s`: a
+    plan found is as good as optimal once the search proves no plan's step below this (a caller whose choice no
+    plan slower than it changes): the search stops there, "optimal"."""
+    stop_at = None if settled_s is None else units_of_step(model, settled_s)
+    solver, used = make_solver(backend, max(time_limit_s, _LEAST_RUN_S), presolve, mip_rel_gap, warm_start,
+                               stop_at_bound=stop_at)
     began = cpu_s()
     model.prob.solve(solver)
     solve_s = cpu_s() - began
@@ -722,7 +755,8 @@ def run(
             sol = pulp.LpSolutionInfeasible if sol == pulp.LpSolutionInfeasible else pulp.LpSolutionNoSolutionFound
         if sol in (pulp.LpSolutionOptimal, pulp.LpSolutionIntegerFeasible):
             gap = info.mip_gap if info.mip_gap > DEFAULT_GAP else None
-    if sol == pulp.LpSolutionOptimal:  # optimal within mip_rel_gap
+    settled = stop_at is not None and bound is not None and bound >= stop_at
+    if sol == pulp.LpSolutionOptimal or (settled and sol == pulp.LpSolutionIntegerFeasible):  # within mip_rel_gap
         return Outcome("optimal", used, solve_s, gap, bound)
     if sol == pulp.LpSolutionIntegerFeasible:  # stopped by the time limit with a plan in hand
         return Outcome("time_limit", used, solve_s, gap, bound)
@@ -760,5 +794,15 @@ def relax(model: _Model, backend: Backend, time_limit_s: float) -> Relaxed | Non
     finally:
         model.drop_memory_limit()
     choice = tuple(max(range(len(xs)), key=lambda s: xs[s].varValue or 0.0) for xs in model.x)
-    # the objective adds 1 us per GiB of memory (at most the budget) as a tie-break; HiGHS' tolerances are relative
-    return Relaxed(objective, (objective - _TIE_MS_PER_GIB * budget / _GIB) / _MS * (1 - 1e-6), choice)
+    return Relaxed(objective, (objective - _most_tie_ms(model)) / _MS * (1 - 1e-6), choice)
+
+
+def _most_tie_ms(model: _Model) -> float:
+    """The most the objective's tie-break adds to a plan's step within the budget: 1 us per GiB of memory."""
+    return _TIE_MS_PER_GIB * (model.problem.budget_bytes or 0.0) / _GIB
+
+
+def units_of_step(model: _Model, step_s: float) -> float:
+    """The objective at or above which every plan's step is at least `step_s` (the tie-break at its most; HiGHS'
+    tolerances are relative)."""
+    return (step_s * _MS + _most_tie_ms(model)) * (1 + 1e-6)

@@ -20,11 +20,14 @@ block of 1/factor of the parameter runs it: ZeRO storage (factor > 1) keeps the 
 The solver weighs the tier per parameter (`parallelize(offload="auto")`, `autopar plan --offload auto`): each
 parameter option carries its `TierCost` (`problem.Option.host`) and the ILP decides the tier beside sharding,
 ZeRO and recompute, under a host-memory budget per rank (`host_budget_per_rank`). A forced tier
-(`offload="optimizer"` or names) is solved for the profile without the named parameters' device state:
+(`offload="optimizer"` or names) pins the named parameters to the host tier: the profile keeps no device state for
+them and each option carries their tier (`problem.Option.forced_host`, `forced_tier`), which the ILP prices as it prices a
+chosen tier with h fixed to 1, so their sharding, ZeRO storage and recompute are chosen knowing what the tier keeps on
+the device (ZeRO-Offload's layout or the float32 one) and what it costs:
 
     cost = tier_cost(profile.params[fqn], shard=2, mesh=mesh)   # one parameter's two tiers, per rank
-    profile = offloaded_profile(profile, names)                   # what the solver sees: no device state for them
-    plan = with_offload(solve(traced, profile, mesh), profile_before, names)
+    profile = offloaded_profile(profile, names)                   # their tier forced: no device state for them
+    plan = with_offload(solve(traced, profile, mesh), names)      # the solved plan, `names` marked on the host tier
 """
 from __future__ import annotations
 
@@ -34,9 +37,9 @@ from dataclasses import dataclass, fields, replace
 from typing import AbstractSet, Iterable
 
 from autopar.profiler.types import GraphProfile, ParamCost, ParamProfile
-from autopar.solver.cost import GRAD_BUCKET_BYTES, compute_time_s
+from autopar.solver.cost import compute_time_s
 from autopar.solver.mesh import HOST_LINKS, Mesh
-from autopar.solver.plan import ParamDecision, Plan
+from autopar.solver.plan import Plan
 from autopar.solver.spec import Shard, Spec
 
 # torch.optim.AdamW(foreach=True) on float32 CPU tensors: 2.1e8 parameters a second of one core's CPU time,
@@ -164,38 +167,27 @@ def tier_cost(param: ParamProfile | ParamCost, shard: float, mesh: Mesh, host_pa
 
 
 def offloaded_profile(profile: GraphProfile, names: AbstractSet[str]) -> GraphProfile:
-    """`profile` as the device sees it with `names` on the host tier: no optimizer state and no step for them."""
+    """`profile` with `names` on the host tier by the caller's choice: no optimizer state on the device for them
+    and no step there (`cost.optimizer_step_s`), their state kept as `host_optimizer_bytes`, from which the solver
+    prices the tier they are forced to (`forced_tier`)."""
     if not names:
         return profile
-    params = {fqn: replace(p, optimizer_bytes=0, update_launches=0, update_write_bytes=0) if fqn in names else p
-              for fqn, p in profile.params.items()}
+    params = {fqn: replace(p, optimizer_bytes=0, host_optimizer_bytes=p.optimizer_bytes)
+              if fqn in names else p for fqn, p in profile.params.items()}
     return replace(profile, params=params)
 
 
-def _planned_tier(param: ParamProfile, decision: ParamDecision, mesh: Mesh) -> TierCost:
-    """The host tier of `param`'s block as `decision` stores it: ZeRO-sharded, the float32 layout (the block priced
-    already); else ZeRO-Offload's where it has a copy."""
-    cost = tier_cost(param, storage_shard(decision.storage, mesh), mesh)
-    return cost if decision.zero else cost.layout(1)
+def forced_tier(param: ParamProfile | ParamCost, shard: float, mesh: Mesh) -> TierCost | None:
+    """The host tier `param` is forced to (`offloaded_profile`), of its block of 1/`shard` on a rank of `mesh`; None
+    for a parameter the caller left to the device or to the solver."""
+    if not param.host_optimizer_bytes:
+        return None
+    return tier_cost(replace(param, optimizer_bytes=param.host_optimizer_bytes), shard, mesh)
 
 
-def with_offload(plan: Plan, profile: GraphProfile, names: AbstractSet[str]) -> Plan:
-    """`plan` (solved for `offloaded_profile(profile, names)`) with `names` on the host tier: the parameters'
-    tiers, the host bytes per rank and the tier's time."""
+def with_offload(plan: Plan, names: AbstractSet[str]) -> Plan:
+    """`plan` (solved for `offloaded_profile(profile, names)`, which priced their tier) with `names` marked on the
+    host tier."""
     if not names:
         return plan
-    costs = [_planned_tier(profile.params[p.fqn], p, plan.mesh) for p in plan.params if p.fqn in names and p.fqn in profile.params]
-    lean = [c for c in costs if c.lean]
-    total = sum(c.copy_grad_bytes + c.summed_grad_bytes for c in lean)  # (the ILP, not knowing the tiers, takes every one)
-    in_flight = max((lean_in_flight_bytes(c, GRAD_BUCKET_BYTES, total) for c in lean), default=0.0)
-    m = plan.memory
-    return replace(
-        plan,
-        params=tuple(replace(p, tier="host") if p.fqn in names else p for p in plan.params),
-        memory=replace(m, params_bytes=m.params_bytes - sum(c.host_params_bytes for c in lean),
-                       grads_bytes=m.grads_bytes - sum(c.host_grads_bytes for c in lean) + in_flight,
-                       host_params_bytes=sum(c.host_params_bytes for c in costs),
-                       host_grads_bytes=sum(c.host_grads_bytes for c in costs),
-                       host_optimizer_bytes=sum(c.host_optimizer_bytes for c in costs)),
-        time=replace(plan.time, offload_s=sum(c.step_s for c in costs)),
-    )
+    return replace(plan, params=tuple(replace(p, tier="host") if p.fqn in names else p for p in plan.params))

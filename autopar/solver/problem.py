@@ -27,7 +27,7 @@ from autopar.solver.cost import (bucketed_all_reduce_s, bucketed_sync_s, collect
                                  recompute_time_s, split_axes, split_factor, strategy_cost, sync_latency_s)
 from autopar.gc_pause import gc_paused
 from autopar.solver.mesh import Mesh
-from autopar.solver.offload import TierCost, summed, tier_cost
+from autopar.solver.offload import TierCost, forced_tier, summed, tier_cost
 from autopar.solver.regions import layer_key, region_cuts
 from autopar.solver.reshard import reshard_buffer_bytes, reshard_cost
 from autopar.solver.spec import Replicate, Shard, Spec, Strategy
@@ -87,6 +87,9 @@ class Option:
     # a stepped parameter's block on the host tier (`solver.offload`): what it keeps on the host and costs a step
     # under the use spec (1/`zero.factor` of it under ZeRO storage); None: nothing the optimizer steps
     host: TierCost | None = None
+    # the host tier of the members the caller put there (`solver.offload.offloaded_profile`): their device state
+    # and step are out of the numbers above already; what the tier keeps on and off the device and costs, as `host`
+    forced_host: TierCost | None = None
 
     @property
     def static_bytes(self) -> float:
@@ -142,6 +145,15 @@ class Edge:
     # reshards the parameter: beside the consumer's own gradients until the reshard's backward brings it to the
     # parameter's spec (a transient; the gradient the plan keeps is the parameter's `grad_bytes`). None: none.
     grad_bytes: tuple[tuple[float, ...], ...] | None = None
+    # The node whose backward step makes the gradient those terms (`grad_bytes`, a ZeRO parameter's `backward_bytes`)
+    # price, when not dst: dst a view of the parameter (`t` of a weight, a problem node of its own where nodes are
+    # not grouped), which receives the gradient its consumer's step makes. None: dst.
+    grad_step: int | None = None
+    # A parameter another use made the gradient of first (a tied embedding: the LM head's step runs before the
+    # lookup's): the gradient this use adds and autograd's sum of the two, at the parameter's spec, beside that one
+    # once the consumer's step (and the reshard's backward) is done; a transient of its own. Stored ZeRO, the
+    # sum is of shards the reduce-scatter made: not priced. None: none.
+    accumulated_bytes: tuple[tuple[float, ...], ...] | None = None
 
     @staticmethod
     def dense(src: int, dst: int, cost_s: list[list[float]] | tuple[tuple[float, ...], ...]) -> "Edge":
@@ -167,6 +179,14 @@ class Edge:
 
     def grads(self, i: int, j: int) -> float:
         return self._at(self.grad_bytes, i, j)
+
+    @property
+    def grad_maker(self) -> int:
+        """The node whose backward step holds the parameter gradient this edge prices (`grad_step`)."""
+        return self.dst if self.grad_step is None else self.grad_step
+
+    def accumulated(self, i: int, j: int) -> float:
+        return self._at(self.accumulated_bytes, i, j)
 
     def forward_cost(self, i: int, j: int) -> float:
         return self._at(self.forward_s, i, j)
@@ -331,6 +351,8 @@ class _Arc(NamedTuple):
     # itself: per src option the axes the producer splits, per dst option (partial axes, local bytes). None: none
     lift: tuple | None = None
     learned: bool = False  # a trained parameter's value (or a view of one): the consumer's backward makes its gradient
+    # another use of the parameter made its gradient first (`_later_uses`): the consumer's is summed into that one
+    accumulated: bool = False
 
 
 def _param_root(node, params: Mapping[str, object], costs: Mapping[str, object],
@@ -385,13 +407,30 @@ class _Pricer:
     def param_root(self, node: fx.Node) -> str | None:
         return _param_root(node, self.params, self.costs, self.inputs)
 
+    def views_param(self, node: fx.Node) -> bool:
+        """Whether `node` is a view of a parameter (through views: `t`, `permute`, `view` of a weight): the gradient
+        its backward receives is the parameter's own, which the parameter's terms price (its `grad_bytes`, or as a
+        transient the edges' `grad_bytes` and its ZeRO `backward_bytes`), so the view carries none of its own."""
+        return node.op == "call_function" and node.name not in self.params and self.is_view(node) \
+            and self.param_root(node) is not None
+
+    def grad_maker(self, node: fx.Node) -> fx.Node:
+        """The node whose backward step makes the gradient of `node`'s inputs: `node`, or for a view of a parameter
+        the one op past its views that reads it (the views' backward passes that op's gradient on as it is)."""
+        while self.views_param(node):
+            users = [u for u in node.users if u.op == "call_function" and u.name in self.strategies]
+            if len(users) != 1:
+                break
+            node = users[0]
+        return node
+
     def option(self, name: str, k: int) -> Option:
         role, cost, outs, ins, param, base = self._node(name)
         strat = self.strategies[name][k]
         key = (base, strat)
         hit = self._cache.get(key)
         if hit is None:
-            hit = self._cache[key] = self._price(role, cost, strat, outs, ins, param)
+            hit = self._cache[key] = self._price(role, cost, strat, outs, ins, param, base[-1])
         total_s, forward_s = in_node_comm_s(self.nodes[name], strat, self.mesh)
         if total_s:  # depends on the node's dim arguments, so not cached by shapes
             hit = replace(hit, comm_s=hit.comm_s + total_s, recompute_s=hit.recompute_s + forward_s)
@@ -423,7 +462,8 @@ class _Pricer:
             base = (role, cost.op, cost.fwd_flops, cost.bwd_flops, cost.output_bytes, cost.saved_outputs,
                     cost.extra_saved_bytes, cost.temp_bytes, cost.requires_grad, cost.value_bytes, cost.grad_input_bytes,
                     cost.self_saved_bytes, cost.dtype, outs, ins,
-                    param and (param.param_bytes, param.grad_bytes, param.optimizer_bytes))
+                    param and (param.param_bytes, param.grad_bytes, param.optimizer_bytes, param.host_optimizer_bytes),
+                    self.views_param(node))
             info = self._nodes[name] = (role, cost, outs, ins, param, base)
         return info
 
@@ -472,7 +512,7 @@ class _Pricer:
             return ()
         return (_ints(val.shape), val.element_size(), dim)
 
-    def _price(self, role, cost, strat: Strategy, outs, ins, param) -> Option:
+    def _price(self, role, cost, strat: Strategy, outs, ins, param, views_param: bool) -> Option:
         mesh = self.mesh
         if role in ("param", "buffer", "placeholder", "get_attr"):
             if not strat.output_specs:  # a Python number the model takes (`temperature=2.0`): nothing to place
@@ -487,7 +527,8 @@ class _Pricer:
                     zero = replace(found[1], update_saving_s=update_s - optimizer_step_s(param, shard * found[1].factor, mesh))
                 return Option(str(spec), compute_s=update_s, update_s=update_s, param_bytes=param.param_bytes / shard,
                               grad_bytes=param.grad_bytes / shard, optimizer_bytes=param.optimizer_bytes / shard, zero=zero,
-                              host=tier_cost(param, shard, mesh) if param.optimizer_bytes else None)
+                              host=tier_cost(param, shard, mesh) if param.optimizer_bytes else None,
+                              forced_host=forced_tier(param, shard, mesh))
             if role == "buffer":
                 return Option(str(spec), param_bytes=sum(cost.output_bytes) / shard)
             saved = sum(b for b, s in zip(cost.output_bytes, cost.saved_outputs) if s) / shard
@@ -503,7 +544,7 @@ class _Pricer:
         saved = sum(b / shards[min(i, len(shards) - 1)] for i, (b, s) in enumerate(zip(cost.output_bytes, cost.saved_outputs)) if s)
         saved += cost.extra_saved_bytes / shards[0]
         grads = 0.0
-        if cost.requires_grad:  # the gradient arriving, and those made for inputs that are not parameters (theirs are grads)
+        if cost.requires_grad and not views_param:  # the gradient arriving, and those made for inputs that are not parameters (theirs are grads)
             grads = max((b / shards[min(i, len(shards) - 1)] for i, b in enumerate(cost.value_bytes)), default=0.0)
             grads += sum(b / spec.shard_factor(mesh.shape)
                          for b, spec, param in zip(cost.grad_input_bytes, strat.input_specs, bucketed) if b and not param)
@@ -544,6 +585,7 @@ def _sum(options: list[Option], label: str) -> Option:
         zero = ZeroOption(zeros[0].factor, sum(z.comm_s for z in zeros), max(z.gathered_bytes for z in zeros),
                           sum(z.update_saving_s for z in zeros), max(z.grad_bytes for z in zeros))
     hosts = [o.host for o in options if o.host is not None]
+    forced = [o.forced_host for o in options if o.forced_host is not None]
     return Option(
         label,
         compute_s=sum(o.compute_s for o in options), update_s=sum(o.update_s for o in options), comm_s=sum(o.comm_s for o in options),
@@ -553,6 +595,7 @@ def _sum(options: list[Option], label: str) -> Option:
         param_bytes=sum(o.param_bytes for o in options),
         grad_bytes=sum(o.grad_bytes for o in options), optimizer_bytes=sum(o.optimizer_bytes for o in options), zero=zero,
         sync_groups=frozenset().union(*(o.sync_groups for o in options)), host=summed(hosts) if hosts else None,
+        forced_host=summed(forced) if forced else None,
     )
 
 
@@ -648,11 +691,16 @@ def build_problem(
         return src, tuple(dst)
 
     arcs: dict[tuple[int, int, _Arc], int] = {}  # (src class, dst class, arc) -> how many (copies of tied layers)
+    grad_steps: dict[int, int] = {}  # dst class -> the class whose step makes its inputs' gradients (`Edge.grad_step`)
+    later = _later_uses(traced, pricer)
     free = count_hidden_in_forward(traced)
     for node in traced.graph.nodes:
         if node.op != "call_function" or node.name not in strategies:
             continue
         v = grouping.cluster_of[node.name]
+        maker = grouping.class_of[grouping.cluster_of[pricer.grad_maker(node).name]]
+        if maker != grouping.class_of[v]:
+            grad_steps[grouping.class_of[v]] = maker
         for a, (p, k) in enumerate(pricer.inputs(node)):
             u = grouping.cluster_of[p.name]
             if u == v or (node.name, a) in free:
@@ -665,7 +713,7 @@ def build_problem(
             src = tuple(strategies[p.name][grouping_choice(clusters[u], p.name, i)].output_specs[k] for i in range(len(clusters[u].choices)))
             dst = tuple(strategies[node.name][grouping_choice(clusters[v], node.name, j)].input_specs[a] for j in range(len(clusters[v].choices)))
             arc = _Arc(src, dst, _ints(val.shape), val.element_size(), differentiable(val), kept, persistent, zero_terms(p, node, a, u, v),
-                       lift_terms(p, val, node, a, u, v), learned)
+                       lift_terms(p, val, node, a, u, v), learned, learned and (node.name, pricer.param_root(p)) in later)
             key = (grouping.class_of[u], grouping.class_of[v], arc)
             arcs[key] = arcs.get(key, 0) + 1
     pair_arcs: dict[tuple[int, int], list[tuple[_Arc, int]]] = {}
@@ -703,6 +751,13 @@ def build_problem(
             return sum(math.prod(arc.shape) * arc.itemsize / arc.dst[j].shard_factor(mesh.shape)
                        for arc, _ in items if arc.learned and arc.src[i] != arc.dst[j])
 
+        def accumulated(i: int) -> float:
+            """For a parameter another use made the gradient of first (a tied embedding's lookup, whose step follows
+            the LM head's): this use's gradient at the parameter's spec and autograd's sum of the two, beside that one
+            (measured: GPT-2 with a vocabulary-sized tied embedding holds three whole gradients after the lookup's step)."""
+            return sum(2 * math.prod(arc.shape) * arc.itemsize / arc.src[i].shard_factor(mesh.shape)
+                       for arc, _ in items if arc.accumulated)
+
         def zero_saving(i: int, j: int) -> float:
             """The bucketed all-reduce the consumer pays for the parameter's gradient over its ZeRO axes, which
             the ZeRO reduce-scatter takes over: only when the consumer is split on all of them."""
@@ -736,12 +791,14 @@ def build_problem(
         held = tuple(tuple(replaced(i, j) for j in first_dst) for i in first_src)
         buffer = tuple(tuple(buffers(i, j) for j in first_dst) for i in first_src)
         grad = tuple(tuple(grads(i, j) for j in first_dst) for i in first_src)
+        summed = tuple(tuple(accumulated(i) for _ in first_dst) for i in first_src)
         edges.append(Edge(a_cls, b_cls, tuple(src_ids), tuple(dst_ids), cost, forward,
                           kept if any(b for row in kept for b in row) else None,
                           zero if any(t for row in zero for t in row) else None,
                           held if any(b for row in held for b in row) else None,
                           buffer if any(b for row in buffer for b in row) else None,
-                          grad if any(b for row in grad for b in row) else None))
+                          grad if any(b for row in grad for b in row) else None, grad_steps.get(b_cls),
+                          summed if any(b for row in summed for b in row) else None))
     nodes = []
     for cls, members in enumerate(grouping.classes):
         leader = pricer.nodes[clusters[members[0]].leader]
@@ -767,6 +824,22 @@ def build_problem(
                       shared, step_scratch, mesh.optimizer_foreach, host_budget_bytes)
     wire = {p.node: _summed_per_computed(p) for p in profile.params.values() if _summed_per_computed(p) != 1.0}
     return BuiltProblem(problem, grouping, strategies, dict(pricer.storage), len(grouping.cluster_of), wire)
+
+
+def _later_uses(traced: TracedGraph, pricer: _Pricer) -> set[tuple[str, str]]:
+    """(node, parameter) for each use of a parameter read by several ops (directly or through its views) but the
+    last in graph order: backward runs that last use's step first, which makes the gradient the others' steps add
+    theirs to (autograd sums them before the parameter's gradient is set)."""
+    uses: dict[str, list[str]] = {}  # parameter -> the ops making its gradient, in graph order
+    for node in traced.graph.nodes:
+        if node.op != "call_function" or node.name not in pricer.strategies or pricer.views_param(node):
+            continue
+        for p, _ in pricer.inputs(node):
+            if p.name in pricer.params or pricer.views_param(p):
+                names = uses.setdefault(pricer.param_root(p), [])
+                if node.name not in names:
+                    names.append(node.name)
+    return {(name, param) for param, names in uses.items() for name in names[:-1]}
 
 
 def _lift_correction(arc: _Arc, i: int, j: int, mesh: Mesh) -> float:

@@ -91,14 +91,18 @@ def _restrictions(traced: TracedGraph, profile: GraphProfile | ConcreteProfile, 
 def search_mesh(traced: TracedGraph, profile: GraphProfile | ConcreteProfile, mesh: Mesh, budget_bytes: float,
                 time_limit_s: float = 30.0, backend: Literal["highs", "cbc"] = "highs",
                 sizes: Mapping[str, int] | None = None, progress: Progress = _quiet,
-                host_budget_bytes: float | None = None, cutoff_s: float | None = None) -> MeshSearch:
+                host_budget_bytes: float | None = None, cutoff_s: float | None = None,
+                margin: float | None = None) -> MeshSearch:
     """The fastest plan on `mesh` within `budget_bytes` found in `time_limit_s` (see the module docstring);
     InfeasibleError when none fits (SearchTimeoutError when that is not proven). `progress` is told each step.
     `host_budget_bytes`: each parameter's tier decided too, the host tier holding this much per rank at most
     (`solver.offload`; None: every parameter's optimizer state on the device). `cutoff_s`: a searched plan of this
     step or slower is of no use to the caller; unless a textbook plan that fits beats it, the search first proves
     whether any plan can (`anytime.Outpaced`), and stops there with the fastest textbook plan that fits when none
-    can (`MeshSearch.bound_s`; Outpaced when no textbook plan fits either).
+    can (`MeshSearch.bound_s`; Outpaced when no textbook plan fits either). `margin`: the plan is chosen among this
+    mesh's alone, by `robust.simplest_within` with this margin (`solve`): a searched plan not faster than the
+    fastest textbook plan that fits by more than it would not be chosen, so the search stops once it proves none is
+    (`anytime.solve_problem`'s `settled_s`).
 
     1. The problem, tied (`build_for`), and the textbook plans on it (`textbook.textbooks`).
     2. The anytime search (`anytime.solve_problem`) from the textbook plans and the leanest plan by construction;
@@ -141,10 +145,12 @@ def search_mesh(traced: TracedGraph, profile: GraphProfile | ConcreteProfile, me
     fitting = sorted((b for b in books.values() if fits(problem, b)), key=lambda b: b.time.total_s)
     if cutoff_s is not None and fitting and fitting[0].time.total_s < cutoff_s:
         cutoff_s = None  # a plan here beats it: the search goes on as without one
+    settled_s = fitting[0].time.total_s / (1 + margin) if margin is not None and fitting else None
     progress(f"mesh {shape}: searching (up to {max(left_s(_TIED_SHARE), 0):.0f} s)")
     try:
         sol = solve_problem(problem, left_s(_TIED_SHARE), backend, restrictions, SEARCH_GAP,
-                            starts=[b.assignment for b in books.values()] + lean, improve=descended, cutoff_s=cutoff_s)
+                            starts=[b.assignment for b in books.values()] + lean, improve=descended, cutoff_s=cutoff_s,
+                            settled_s=settled_s)
     except Outpaced as beaten:
         log.info("solver: %s: %s", mesh, beaten)
         if not fitting:
@@ -177,7 +183,7 @@ def solve(
     (`Plan.baselines`). `progress` is told each step (`report.console.phase`). `host_budget_bytes`: the host
     tier offered, this many bytes per rank (`search_mesh`)."""
     found = search_mesh(traced, profile, mesh, budget_of(mesh, memory_budget_bytes), time_limit_s, backend, sizes,
-                        progress, host_budget_bytes)
+                        progress, host_budget_bytes, margin=margin)
     return _chosen(traced, [found], baselines, margin)
 
 

@@ -7,9 +7,10 @@ on 64 devices GPT-2 medium's step held 19% more than its plan predicted (`benchm
 Here a small GPT-2 whose tied embedding dominates (vocabulary 8192, width 128, 16 tokens a rank) runs rank 0's
 step of three recomputed plans under torch's fake process group (`benchmarks/simulate_memory.simulate_step`,
 equal to the measured peak to 2% in `test_memory.py`), and the plan's prediction must cover the simulated peak,
-with at most 50% above it. Priced node by node (`fixed_plan`), a parameter's transpose is a node of its own whose
-step counts the parameter's gradient arriving, beside the consumer's step that counts it too: 44% above here
-(the solver prices the transpose in the parameter's cluster: GPT-2 medium's 64-device plans are 4-5% above).
+with at most 15% above it (11% here: the gradients' shards and every saved activation are counted through the
+step, which the simulation sets to None between steps and backward frees as it goes). Priced node by node
+(`fixed_plan`), a parameter's transpose is a node of its own, which carries no gradient of its own: the
+parameter's whole gradient is priced at the matmul's step, as the grouped problem prices it.
 """
 from __future__ import annotations
 
@@ -26,7 +27,7 @@ from examples.gpt2 import GPT, GPTConfig
 from tests.codegen.harness import trace_model
 from tests.codegen.plans import cpu_mesh, greedy_plan
 
-MARGIN = 0.5  # the prediction's most above the simulated peak (see the module docstring)
+MARGIN = 0.15  # the prediction's most above the simulated peak (see the module docstring)
 
 
 def _model():

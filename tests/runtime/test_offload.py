@@ -119,8 +119,7 @@ def test_predicted_device_and_host_bytes_are_measured():
     fqns = list(traced.param_fqns.values())
     host = set(fqns[::2])
     choices = {d.node: d.strategy for d in greedy_plan(traced, mesh, {n: "S(0)" for n in traced.input_names}).nodes}
-    plan = with_offload(fixed_plan(traced, offloaded_profile(prof, host), mesh, choices, zero_params=frozenset(fqns[1::4])),
-                        prof, host)
+    plan = with_offload(fixed_plan(traced, offloaded_profile(prof, host), mesh, choices, zero_params=frozenset(fqns[1::4])), host)
     assert set(plan.offloaded()) == host and plan.memory.host_bytes > 0
     for measured in run_ranks(_measure, 2, plan, timeout_s=120):
         predicted_device = plan.memory.params_bytes + plan.memory.optimizer_bytes
@@ -287,8 +286,8 @@ def test_bf16_host_tier_keeps_only_the_copies_on_the_device():
     fqns = list(traced.param_fqns.values())
     host = set(fqns[::2])
     choices = {d.node: d.strategy for d in greedy_plan(traced, mesh, {n: "S(0)" for n in traced.input_names}).nodes}
-    before = fixed_plan(traced, offloaded_profile(prof, host), mesh, choices)
-    plan = with_offload(before, prof, host)
+    before = fixed_plan(traced, prof, mesh, choices)  # every parameter on the device
+    plan = with_offload(fixed_plan(traced, offloaded_profile(prof, host), mesh, choices), host)
     copies = {fqn: p.copy_bytes for fqn, p in prof.params.items() if fqn in host and p.copy_bytes}
     in_flight = plan.memory.grads_bytes - (before.memory.grads_bytes - plan.memory.host_grads_bytes)
     # (every lean gradient at once, a tiny model's all fitting one bucket: the copies' bf16 and their float32 sums)

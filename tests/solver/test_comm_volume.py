@@ -1,6 +1,8 @@
 """Communication volume per collective kind, against hand counts on a tiny MLP (2 devices)."""
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 import torch.nn as nn
@@ -97,3 +99,13 @@ def test_megatron_mlp_all_reduces_the_activation_once_forward_once_backward(trac
     activation = F32 * B * D
     # forward: fc2's partial output is all-reduced before pow; backward: fc1's input gradient (Megatron's f)
     assert dict(comm_bytes_by_kind(traced, plan)) == {"all_reduce": 2 * activation}
+
+
+def test_a_mesh_of_one_rank_moves_nothing(traced):
+    # the ZeRO and Megatron plans' specs on an axis of one rank: every reshard and gather is a relabelling
+    one = Mesh((MeshAxis("d", 1, 1e-5, 1e10),), flops_per_s=1e12, mem_bandwidth_bytes_per_s=1e11, memory_bytes=1e9, hardware="test")
+    x = next(n.name for n in traced.graph.nodes if n.op == "placeholder" and n.name not in traced.param_fqns)
+    for plan in (plan_of(traced, {x: "S(0)"}, zero={"fc1.weight": "S(0)", "fc2.weight": "S(1)"}),
+                 plan_of(traced, {"fc1.weight": "S(0)", "fc1.bias": "S(0)", "fc2.weight": "S(1)"})):
+        assert comm_bytes_by_kind(traced, plan)  # on two ranks they move bytes
+        assert comm_bytes_by_kind(traced, dataclasses.replace(plan, mesh=one)) == ()

@@ -12,7 +12,7 @@ import random
 import pulp
 import pytest
 
-from autopar.errors import PARALLELIZE_KNOBS, AutoparError, InfeasibleError, SearchTimeoutError
+from autopar.errors import PARALLELIZE_KNOBS, InfeasibleError, SearchTimeoutError
 from autopar.solver.backends import _reset_scheduler, make_solver
 from autopar.solver import ilp
 from autopar.solver import anytime
@@ -167,12 +167,12 @@ def _finding_nothing(monkeypatch, finds):
     real_run = anytime.run
     runs = []
 
-    def run(model, backend, time_limit_s, presolve=False, mip_rel_gap=ilp.DEFAULT_GAP, warm_start=False):
+    def run(model, backend, time_limit_s, presolve=False, mip_rel_gap=ilp.DEFAULT_GAP, warm_start=False, settled_s=None):
         bound = "memory" in model.prob.constraints
         runs.append((model.prob.name, bound, warm_start))
         if not finds(model, bound, warm_start):
             return ilp.Outcome("none", "highs", time_limit_s, None)
-        return real_run(model, backend, time_limit_s, presolve, mip_rel_gap, warm_start)
+        return real_run(model, backend, time_limit_s, presolve, mip_rel_gap, warm_start, settled_s)
 
     monkeypatch.setattr(anytime, "run", run)
     return runs
@@ -272,7 +272,7 @@ def random_problem(rng: random.Random, gib: float = GIB, second: float = 1.0, la
     """3-5 nodes of 1-3 options, sizes in units of `gib` bytes and times in units of `second`. Layered: nodes
     after the first fall into two layers (regions), so a recomputed layer's rebuild is priced (gradients at each
     backward step, reshards run again and the inputs they save, a consumer keeping its producer's output, the whole
-    gradients a consumer makes of a parameter resharded into it or stored ZeRO)."""
+    gradients a consumer makes of a parameter resharded into it or stored ZeRO, a tied parameter's later use)."""
     nodes = []
     count = rng.randint(3, 5)
     for v in range(count):
@@ -296,6 +296,8 @@ def random_problem(rng: random.Random, gib: float = GIB, second: float = 1.0, la
             table = lambda scale: tuple(tuple(rng.choice([0.0, rng.uniform(0, scale) * gib]) for _ in nodes[v].options)
                                         for _ in nodes[u].options)
             edge = dataclasses.replace(edge, saved_bytes=table(1), buffer_bytes=table(2), grad_bytes=table(1))
+            if rng.random() < 0.5:  # a later use of a tied parameter; its gradient made at another node's step
+                edge = dataclasses.replace(edge, accumulated_bytes=table(1), grad_step=rng.randrange(len(nodes)))
         edges.append(edge)
     keeps = tuple((e.src, e.dst) for e in edges if e.src > 0 and rng.random() < 0.5) if layered else ()
     return Problem(tuple(nodes), tuple(edges), rng.uniform(2, 12) * gib, recompute_with=keeps)
@@ -327,15 +329,19 @@ def test_random_problems_match_brute_force(sizes):
     assert checked >= 15 and infeasible >= 1  # both outcomes exercised
 
 
-def test_the_relaxation_bounds_every_plan_that_fits_and_a_cutoff_at_or_below_it_stops_the_search():
+def _relaxed_cases(count: int):
+    """Random layered problems with a plan that fits: (problem, brute-force optimum, the LP relaxation)."""
     rng = random.Random(0)
-    checked = 0
-    for _ in range(12):
+    for _ in range(count):
         p = random_problem(rng, layered=True)
         ref = brute_force(p)
-        if ref is None:
-            continue
-        relaxed = ilp.relax(_Model(p, Restrictions(), "time"), "highs", 10.0)
+        if ref is not None:
+            yield p, ref, ilp.relax(_Model(p, Restrictions(), "time"), "highs", 10.0)
+
+
+def test_the_relaxation_bounds_every_plan_that_fits_and_a_cutoff_at_or_below_it_stops_the_search():
+    checked = 0
+    for p, ref, relaxed in _relaxed_cases(12):
         assert relaxed.bound_s <= ref[0] * (1 + 1e-9)
         with pytest.raises(anytime.Outpaced):
             solve_problem(p, cutoff_s=relaxed.bound_s)
@@ -343,6 +349,21 @@ def test_the_relaxation_bounds_every_plan_that_fits_and_a_cutoff_at_or_below_it_
         assert solve_problem(p, cutoff_s=ref[0] * 1.01).time.total_s == pytest.approx(ref[0], rel=1e-6, abs=1e-9)
         checked += 1
     assert checked >= 6
+
+
+def test_a_settled_step_proven_out_ends_the_search_at_a_plan_that_fits_and_a_faster_optimum_is_still_found():
+    checked = 0
+    for p, ref, relaxed in _relaxed_cases(5):
+        # a settled step the optimum does not beat, proven by the relaxation or within the MIP: the answer fits and
+        # reports "optimal", whichever plan the search had in hand when it stopped
+        for settled_s in (relaxed.bound_s, (relaxed.bound_s + ref[0]) / 2):
+            settled = solve_problem(p, settled_s=settled_s)
+            assert settled.memory.total_bytes <= p.budget_bytes * (1 + 1e-6)
+            assert settled.time.total_s >= ref[0] * (1 - 1e-9) and settled.report.status == "optimal"
+        # a settled step the optimum beats: the search goes on to it
+        assert solve_problem(p, settled_s=ref[0] * 1.01).time.total_s == pytest.approx(ref[0], rel=1e-6, abs=1e-9)
+        checked += 1
+    assert checked >= 3
 
 
 @pytest.mark.parametrize("sizes", [{}, TINY, dict(layered=True)], ids=["gib", "tiny", "layered"])

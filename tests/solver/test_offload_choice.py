@@ -84,7 +84,7 @@ def test_explain_prices_the_other_tier_as_the_forced_tier_does(case):
     rest = host - {fqn}
     choices = {d.node: d.strategy for d in plan.nodes if d.op != "output"}
     recompute = frozenset(d.node for d in plan.nodes if d.recompute)
-    alone = with_offload(fixed_plan(traced, offloaded_profile(prof, rest), mesh, choices, recompute), prof, rest)
+    alone = with_offload(fixed_plan(traced, offloaded_profile(prof, rest), mesh, choices, recompute), rest)
     assert other["step_s"] == pytest.approx(alone.time.total_s, rel=1e-9)
     assert other["peak_bytes"] == pytest.approx(alone.memory.total_bytes, rel=1e-9)
     assert other["host_bytes"] == pytest.approx(alone.memory.host_bytes, rel=1e-9)

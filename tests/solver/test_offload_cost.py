@@ -52,8 +52,7 @@ def test_offload_makes_a_budget_feasible_and_counts_the_host(case):
     budget = solve(traced, offloaded_profile(prof, names), mesh, time_limit_s=5).memory.total_bytes
     with pytest.raises(AutoparError, match="no plan fits"):  # the optimizer state does not fit
         solve(traced, prof, mesh, memory_budget_bytes=budget, time_limit_s=5)
-    plan = with_offload(solve(traced, offloaded_profile(prof, names), mesh, memory_budget_bytes=budget, time_limit_s=5),
-                        prof, names)
+    plan = with_offload(solve(traced, offloaded_profile(prof, names), mesh, memory_budget_bytes=budget, time_limit_s=5), names)
     assert plan.memory.optimizer_bytes == 0 and plan.memory.total_bytes <= budget
     assert plan.memory.host_bytes == state  # one device: every master, gradient and moment on the host
     assert set(plan.offloaded()) == names
