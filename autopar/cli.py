@@ -42,9 +42,9 @@ def _memory(text: str) -> float:
     return value
 
 
-def _seconds(text: str) -> float:
+def _seconds(text: str, flag: str = "--time-limit") -> float:
     try:
-        return positive("--time-limit", float(text), "seconds, e.g. 30")
+        return positive(flag, float(text), "seconds, e.g. 30")
     except ValueError as err:  # float()'s own or positive's
         raise argparse.ArgumentTypeError(f"cannot take {text!r} as a time limit: {err}") from None
 
@@ -123,6 +123,10 @@ def build_parser() -> argparse.ArgumentParser:
                    "any plan without them; a number asks for that many pp ranks")
     p.add_argument("--gpus-per-node", type=_positive, default=8, help="with --pp: devices a node holds (the fast link "
                    "inside a node, the slower between nodes with --hardware h100-ib)")
+    p.add_argument("--pp-time-limit", type=lambda text: _seconds(text, "--pp-time-limit"),
+                   help="with --pp: CPU seconds the pipeline search may take in all (--time-limit bounds each of its "
+                        "solves); stopped there, it answers with the best pipeline solved so far, or the plan without "
+                        "stages (default: no limit)")
     p.add_argument("--save", help="write the plan to this JSON file")
     p.add_argument("--load", help="reuse this plan file (checked against the model) instead of solving")
     p.add_argument("--html", help="write a self-contained HTML report here")

@@ -2,6 +2,7 @@
 
     python benchmarks/pipeline.py                       # GPT-3-175B and LLaMA-2-70B shapes on 64, 512, 1024 GPUs
     python benchmarks/pipeline.py --only gpt3-175b --devices 64
+    python benchmarks/pipeline.py --only gpt3-175b --devices 1024 --search-time-limit 1800   # each pp degree's search bounded
 
 The hardware is `h100-ib`: nodes of 8 H100s on NVLink (450 GB/s), InfiniBand NDR between nodes
 (50 GB/s per GPU). Each row prices, with the same cost model:
@@ -12,7 +13,9 @@ The hardware is `h100-ib`: nodes of 8 H100s on NVLink (450 GB/s), InfiniBand NDR
 Both are predictions (no GPU runs here). One `SearchCache` a model holds its traces (on the meta
 device, one per micro-batch size), profiles and plans (one per structure and stage mesh) across pp
 degrees and device counts; a row's CPU seconds are what it added to the cache.
-Prints a table and one JSON line with the torch version and git SHA.
+Prints each row as a JSON line when it is done, what a row finds on the way (the plan without stages, each pp
+degree's best) to stderr as it is found, then a table and one JSON line with the torch version and git SHA.
+`--search-time-limit` bounds each pp degree's search in CPU seconds (it then keeps the best plan solved so far).
 
     python benchmarks/pipeline.py --megatron    # the cost model against Megatron-LM's Table 1 (pipeline_megatron.py)
     python benchmarks/pipeline.py --gloo        # pp=2 x dp=2 measured on 4 gloo ranks (pipeline_gloo.py)
@@ -22,6 +25,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import sys
 import time
 
 import pipeline_gloo
@@ -51,9 +55,12 @@ DEVICES = (64, 512, 1024)
 PP = {64: (4, 8), 512: (8, 16), 1024: (8, 16)}
 
 
-def run(name: str, devices: tuple[int, ...], time_limit_s: float) -> list[dict]:
+def run(name: str, devices: tuple[int, ...], time_limit_s: float, search_time_limit_s: float | None,
+        pp_degrees: tuple[int, ...] | None = None) -> list[dict]:
     """One model's rows: one trace per micro-batch size and one profile and plan per structure and stage mesh,
-    reused for every pp degree and device count (`SearchCache`)."""
+    reused for every pp degree and device count (`SearchCache`). Each row is printed (a JSON line) when it is done,
+    and what it finds on the way (the plan without stages, each pp degree's best) to stderr as it is found, so a
+    run cut short keeps what it found."""
     example, size, seq, batch = MODELS[name]
     model, sample = load_example(example).build(batch, seq, size=size, device="meta")
     began = time.process_time()
@@ -62,7 +69,7 @@ def run(name: str, devices: tuple[int, ...], time_limit_s: float) -> list[dict]:
     whole_profile = profile(whole)
     rows = []
     for n in devices:
-        row: dict = {"model": name, "devices": n, "batch": batch, "seq": seq}
+        row: dict = {"model": name, "devices": n, "batch": batch, "seq": seq, "pp_tried": {}}
         shape = (n // GPUS_PER_NODE, GPUS_PER_NODE)
         try:
             flat = solve(whole, whole_profile, make_mesh(n, shape, HARDWARE), time_limit_s=time_limit_s)
@@ -70,14 +77,22 @@ def run(name: str, devices: tuple[int, ...], time_limit_s: float) -> list[dict]:
                        flat_mem_gib=flat.memory.total_bytes / 2**30)
         except AutoparError as err:
             row.update(flat_s=None, flat_error=str(err).splitlines()[0])
+        _progress(row, "no pp", f"{_s(row['flat_s'])} s on {shape}" if row["flat_s"] else row["flat_error"], began)
         best = None
-        for pp in PP.get(n, (4, 8)):
+        for pp in pp_degrees or PP.get(n, (4, 8)):
+            pp_began = time.process_time()
             try:
                 plan = solve_pipeline(cache, batch, n, HARDWARE, time_limit_s=time_limit_s, gpus_per_node=GPUS_PER_NODE,
-                                      candidates=2, pp=pp)
+                                      candidates=2, pp=pp, search_time_limit_s=search_time_limit_s)
             except AutoparError as err:
-                logging.info("%s on %d, pp=%d: %s", name, n, pp, err)
+                row["pp_tried"][pp] = {"error": str(err).splitlines()[0], "cpu_s": time.process_time() - pp_began}
+                _progress(row, f"pp={pp}", row["pp_tried"][pp]["error"], pp_began)
                 continue
+            stopped = [note for note in plan.notes if note.startswith("the pipeline search stopped")]
+            row["pp_tried"][pp] = {"step_s": plan.time.step_s, "layout": describe(plan), "stopped": stopped[0] if stopped else None,
+                                   "cpu_s": time.process_time() - pp_began}
+            _progress(row, f"pp={pp}", f"{plan.time.step_s:.3f} s: {describe(plan)}" + (f" ({stopped[0]})" if stopped else ""),
+                      pp_began)
             if best is None or plan.time.step_s < best.time.step_s:
                 best = plan
         if best is not None:
@@ -88,6 +103,11 @@ def run(name: str, devices: tuple[int, ...], time_limit_s: float) -> list[dict]:
         rows.append(row)
         print(json.dumps(row), flush=True)
     return rows
+
+
+def _progress(row: dict, what: str, found: str, began_cpu_s: float) -> None:
+    print(f"{row['model']} on {row['devices']}, {what}: {found} [{time.process_time() - began_cpu_s:.0f} CPU s]",
+          file=sys.stderr, flush=True)
 
 
 def _s(x: float | None) -> str:
@@ -109,7 +129,10 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--only", action="append", help="run only these models (with --megatron: Table 1 rows, '145.6B')")
     parser.add_argument("--devices", type=int, action="append", help="run only these device counts")
-    parser.add_argument("--time-limit", type=float, default=20.0, help="seconds per ILP solve")
+    parser.add_argument("--time-limit", type=float, default=20.0, help="CPU seconds per ILP solve")
+    parser.add_argument("--search-time-limit", type=float, help="CPU seconds each pipeline search (one pp degree of one "
+                        "row) may take; where it runs out the search keeps the best plan solved so far (default: no limit)")
+    parser.add_argument("--pp", type=int, action="append", help="try only these pp degrees (default: PP's for the device count)")
     parser.add_argument("--megatron", action="store_true", help="predict Megatron-LM's Table 1 configurations instead")
     parser.add_argument("--gloo", action="store_true", help="measure pp=2 x dp=2 on 4 gloo ranks instead")
     args = parser.parse_args()
@@ -125,7 +148,8 @@ def main() -> None:
         return
     rows = []
     for name in args.only or list(MODELS):
-        rows += run(name, tuple(args.devices or DEVICES), args.time_limit)
+        rows += run(name, tuple(args.devices or DEVICES), args.time_limit, args.search_time_limit,
+                    tuple(args.pp or ()))
     print_table(rows)
     print(provenance_line("pipeline", hardware=HARDWARE, gpus_per_node=GPUS_PER_NODE))
 

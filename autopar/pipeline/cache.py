@@ -18,13 +18,15 @@ passed to several searches keeps:
 from __future__ import annotations
 
 import hashlib
+from contextlib import contextmanager
 from dataclasses import dataclass, replace
-from typing import Callable, Mapping, Sequence
+from typing import Callable, Iterator, Mapping, Sequence
 
 import torch
 
 from autopar.errors import InfeasibleError
 from autopar.pipeline.cost import StageCost, stage_cost
+from autopar.pipeline.deadline import NO_LIMIT, Deadline
 from autopar.pipeline.cut import Layers, StageGraph, cut, find_layers
 from autopar.profiler import profile
 from autopar.profiler.types import GraphProfile
@@ -91,6 +93,7 @@ class StageSolver:
         self._plans: dict[tuple, Plan | InfeasibleError] = {}
         self.solves = 0
         self.profiles = 0
+        self.deadline = NO_LIMIT  # checked before each new profile and solve (`SearchCache.limited`)
 
     def key(self, traced: TracedGraph) -> str:
         found = self._keys.get(id(traced))
@@ -101,12 +104,14 @@ class StageSolver:
     def __call__(self, traced: TracedGraph, mesh: Mesh, budget_bytes: float) -> Plan:
         structure = (self.key(traced), self.optimizer)
         if structure not in self._structures:
+            self.deadline.check()
             self.profiles += 1
             self._structures[structure] = _Structure(traced, profile(traced, optimizer=self.optimizer, masters=self.masters,
                                                                      reduce_dtype=self.reduce_dtype))
         source = self._structures[structure]
         key = (structure, mesh, round(budget_bytes / 2**20), self.time_limit_s)
         if key not in self._plans:
+            self.deadline.check()
             self.solves += 1
             try:
                 self._plans[key] = solve(source.source, source.profile, mesh, memory_budget_bytes=budget_bytes,
@@ -153,13 +158,25 @@ class SearchCache:
         self._layers: dict[int, Layers] = {}
         self._units: dict[int, tuple[StageGraph, ...]] = {}
         self._unit_costs: dict[tuple, list[StageCost] | InfeasibleError] = {}
+        self.deadline = NO_LIMIT
 
     @property
     def traces(self) -> int:
         return len(self._traces)
 
+    @contextmanager
+    def limited(self, deadline: Deadline) -> Iterator[None]:
+        """Within the block, a new trace, profile or solve past `deadline` raises `SearchTimeUp`; what is cached
+        is still answered."""
+        self.deadline = self.solver.deadline = deadline
+        try:
+            yield
+        finally:
+            self.deadline = self.solver.deadline = NO_LIMIT
+
     def traced(self, microbatches: int) -> TracedGraph:
         if microbatches not in self._traces:
+            self.deadline.check()
             self._traces[microbatches] = self.trace_at(microbatches)
         return self._traces[microbatches]
 

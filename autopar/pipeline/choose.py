@@ -43,14 +43,17 @@ def choose(
     optimizer: str = "adamw",
     time_limit_s: float = 30.0,
     gpus_per_node: int = 8,
+    search_time_limit_s: float | None = None,
 ) -> Plan | PipelinePlan:
     """The faster of `flat` (the single-mesh plan; None when none fits) and the best pipeline plan of the model
     `trace_at(m)` traces at micro-batches of global_batch / m rows (or a `SearchCache` built on it: a model traced under
-    a mixed-precision policy is priced with its masters). Each carries a note with the other's step."""
+    a mixed-precision policy is priced with its masters). Each carries a note with the other's step. `time_limit_s` bounds
+    each ILP solve, `search_time_limit_s` the pipeline search in CPU seconds (`solve_pipeline`)."""
     check_pp(pp)
     try:
         piped = solve_pipeline(trace_at, global_batch, num_devices, hardware, memory_budget_bytes, optimizer, time_limit_s,
-                               gpus_per_node=gpus_per_node, pp=None if pp == "auto" else pp)
+                               gpus_per_node=gpus_per_node, pp=None if pp == "auto" else pp,
+                               search_time_limit_s=search_time_limit_s)
     except PipelineSearchError as err:
         if flat is None or pp != "auto":
             raise

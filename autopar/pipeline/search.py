@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import logging
 import math
-import time
 from dataclasses import dataclass, replace
 from typing import Callable, Sequence
 
@@ -35,6 +34,7 @@ from autopar.errors import AutoparError, InfeasibleError
 from autopar.pipeline.cache import SearchCache, unit_bounds
 from autopar.pipeline.cost import StageCost, in_flight, price, stage_cost
 from autopar.pipeline.cut import CutError, StageGraph, cut
+from autopar.pipeline.deadline import Deadline, SearchTimeUp
 from autopar.pipeline.loss import LossError, split_loss
 from autopar.pipeline.plan import SCHEDULES, PipelinePlan, StagePlan, schedule_problem, with_pp
 from autopar.solver.mesh import PRESETS, Mesh, MeshAxis, default_axis_names
@@ -184,49 +184,71 @@ def solve_pipeline(
     candidates: int = 3,
     topology: Topology | None = None,
     pp: int | None = None,
+    search_time_limit_s: float | None = None,
 ) -> PipelinePlan:
     """The fastest pipeline plan found for the model `trace_at(m)` traces at micro-batches of global_batch / m rows
     (`pp`: only pipelines of that many pp ranks; default: every degree that divides num_devices). `trace_at` may be
-    a `SearchCache` built on it, to reuse traces, profiles and plans across searches.
+    a `SearchCache` built on it, to reuse traces, profiles and plans across searches. `time_limit_s` bounds each
+    ILP solve; `search_time_limit_s`, the whole search in CPU seconds (`deadline.Deadline`): where it runs out, the
+    answer is the best plan solved so far, with a note that says so.
 
-    Raises `PipelineSearchError` with the reason when the model cannot be cut or no configuration fits."""
+    Raises `PipelineSearchError` with the reason when the model cannot be cut or no configuration fits (or none was
+    solved within `search_time_limit_s`)."""
     if pp is not None and (pp < 2 or num_devices % pp):
         raise PipelineSearchError(f"pp={pp} does not split {num_devices} devices into stages: give a divisor of "
                                   f"{num_devices} of at least 2, or 'auto'")
+    if search_time_limit_s is not None and not search_time_limit_s > 0:
+        raise ValueError(f"search_time_limit_s={search_time_limit_s!r}: give the CPU seconds the search may take, e.g. "
+                         "600.0, or None for no limit")
     cache = _cache(trace_at, optimizer, time_limit_s)
     topo = topology or Topology.of(hardware, gpus_per_node)
     budget = topo.base.memory_bytes if memory_budget_bytes is None else float(memory_budget_bytes)
-    first, num_units = _cuttable(cache)
+    deadline = Deadline(search_time_limit_s)
+    with cache.limited(deadline):
+        try:
+            first, num_units = _cuttable(cache)
+        except SearchTimeUp as up:
+            raise PipelineSearchError(f"the pipeline search stopped: {up}, while tracing the model") from None
     if pp is not None and pp > num_units:
         raise PipelineSearchError(f"{first.model_name} has {num_units} parts between its cut points, too few for pp={pp}: "
                                   f"give pp <= {num_units}, or 'auto'")
-    began = time.perf_counter()
+    todo = [c for c in configs(num_devices, global_batch, num_units, gpus_per_node, pp)
+            if not (cache.layers(1).batch_statistics and c.microbatches > 1)]
     estimates: list[Estimate] = []
-    for config in configs(num_devices, global_batch, num_units, gpus_per_node, pp):
-        if cache.layers(1).batch_statistics and config.microbatches > 1:
-            continue
-        estimates += _estimates(config, cache, topo, budget, schedules)
-    estimates.sort(key=lambda e: e.step_s)
-    log.info("pipeline: %d configurations estimated in %.1f s (%d solves)", len(estimates), time.perf_counter() - began,
-             cache.solver.solves)
     best: PipelinePlan | None = None
-    tried, fitted = set(), 0
-    for e in estimates:  # the best `candidates` that fit (an estimate's memory is rough: some do not)
-        key = (e.config, e.schedule)
-        if fitted >= candidates or len(tried) >= 4 * candidates or key in tried:
-            continue
-        tried.add(key)
+    estimated = tried = fitted = 0
+    stopped = None
+    with cache.limited(deadline):
         try:
-            plan = _exact(e, cache, topo, budget)
-        except (InfeasibleError, ValueError) as err:
-            log.info("pipeline: %s %s does not fit: %s", e.config, e.schedule, err)
-            continue
-        fitted += 1
-        if best is None or plan.time.step_s < best.time.step_s:
-            best = plan
+            for config in todo:
+                estimates += _estimates(config, cache, topo, budget, schedules)
+                estimated += 1
+            estimates.sort(key=lambda e: e.step_s)
+            log.info("pipeline: %d configurations estimated in %.1f CPU s (%d solves)", len(estimates),
+                     deadline.spent_s(), cache.solver.solves)
+            keys = list(dict.fromkeys((e.config, e.schedule) for e in estimates))  # each configuration once, fastest first
+            found = {(e.config, e.schedule): e for e in reversed(estimates)}
+            for key in keys[:4 * candidates]:  # the best `candidates` that fit (an estimate's memory is rough: some do not)
+                if fitted >= candidates:
+                    break
+                tried += 1
+                try:
+                    plan = _exact(found[key], cache, topo, budget)
+                except (InfeasibleError, ValueError) as err:
+                    log.info("pipeline: %s %s does not fit: %s", *key, err)
+                    continue
+                fitted += 1
+                if best is None or plan.time.step_s < best.time.step_s:
+                    best = plan
+        except SearchTimeUp as up:
+            stopped = (f"the pipeline search stopped: {up}, with {estimated} of {len(todo)} configurations estimated and "
+                       f"{fitted} solved of {tried} tried")
+            log.info("pipeline: %s", stopped)
     if best is None:
-        raise PipelineSearchError(f"no pipeline of {num_devices} devices fits {budget / 2**30:.1f} GiB per device for "
-                                  f"{first.model_name}: raise the budget or use more devices")
+        raise PipelineSearchError(stopped or f"no pipeline of {num_devices} devices fits {budget / 2**30:.1f} GiB per "
+                                             f"device for {first.model_name}: raise the budget or use more devices")
+    if stopped:
+        best = replace(best, notes=(*best.notes, f"{stopped}: the best plan solved so far"))
     return best
 
 

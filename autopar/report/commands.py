@@ -211,7 +211,7 @@ def _plan_pipeline(args: Any, source: PlanSource, traced, prof, hardware: str) -
                          policy)
     with phase("searching pipeline stages"):
         chosen = choose(flat, cache, global_batch(traced), args.gpus, args.pp, _hardware_arg(args), args.memory,
-                        source.optimizer, args.time_limit, args.gpus_per_node)
+                        source.optimizer, args.time_limit, args.gpus_per_node, args.pp_time_limit)
     if not isinstance(chosen, PipelinePlan):
         if args.save:
             from autopar.solver.plan_io import save_plan

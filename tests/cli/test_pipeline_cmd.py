@@ -30,6 +30,16 @@ def test_plan_with_pp_saves_and_shows_the_stages(tmp_path, capsys):
     assert "layers.0" in out and "layers.2" in out and "bubble" in out
 
 
+def test_a_pipeline_search_out_of_time_keeps_the_plan_without_stages_and_says_so(capsys):
+    argv = ["plan", MLP, "--size", "tiny", "--batch-size", "8", "--gpus", "2", "--hardware", "cpu", "--pp", "auto",
+            "--time-limit", "5", "--pp-time-limit", "1e-9", "--json"]
+    assert main(argv) == 0
+    summary = json.loads(capsys.readouterr().out)
+    assert summary.get("kind") != "pipeline"
+    assert any(n.startswith("no pipeline stages: the pipeline search stopped: its time limit of 1e-09 CPU s ran out")
+               for n in summary["notes"]), summary["notes"]
+
+
 def test_pp_of_one_is_refused_with_the_fix(capsys):
     assert main(["plan", MLP, "--gpus", "2", "--pp", "1"]) == 2
     assert "1 pp ranks is no pipeline: give at least 2, or 'auto'" in capsys.readouterr().err

@@ -81,6 +81,29 @@ def test_a_configuration_priced_alone_costs_what_the_search_chose_and_a_second_s
         price_config(cache, config, best.schedule, hardware, time_limit_s=5, starts=[0])
 
 
+def test_a_search_out_of_time_answers_with_the_best_plan_solved_so_far():
+    hardware = _link(5e-5, 1e4)
+    batch = global_batch(trace_at(1))
+    cache = SearchCache(trace_at, time_limit_s=5)
+    zero_bubble = ("zero_bubble",)  # (its configurations differ in their stage graphs, not only in their schedule)
+    first = solve_pipeline(cache, batch, 2, hardware, time_limit_s=5, candidates=1, schedules=zero_bubble)
+    # the first candidate's solves are cached, the second's are new: the limit stops the search before them
+    solves = cache.solver.solves
+    cut = solve_pipeline(cache, batch, 2, hardware, time_limit_s=5, candidates=3, schedules=zero_bubble,
+                         search_time_limit_s=1e-9)
+    assert cache.solver.solves == solves
+    assert (cut.time, cut.stages, cut.schedule, cut.microbatches) == (first.time, first.stages, first.schedule,
+                                                                       first.microbatches)
+    assert "time limit of 1e-09 CPU s ran out" in cut.notes[-1] and cut.notes[-1].endswith("the best plan solved so far")
+    # nothing solved (a fresh cache traces first): `choose` keeps the plan without stages and says the limit stopped it
+    whole = trace_at(1)
+    flat = solve(whole, profile(whole), hardware.with_shape((2,)), time_limit_s=5)
+    kept = choose(flat, SearchCache(trace_at, time_limit_s=5), batch, 2, "auto", hardware, time_limit_s=5,
+                  search_time_limit_s=1e-9)
+    assert isinstance(kept, Plan) and kept.nodes == flat.nodes
+    assert kept.notes[-1].startswith("no pipeline stages:") and "time limit of 1e-09 CPU s ran out" in kept.notes[-1]
+
+
 def _train(rank: int, world: int) -> dict[str, float]:
     model, sample, ref = zoo_model(MODEL)
     pm = parallelize(model, sample, (world,), hardware="cpu", pp=2, time_limit_s=5)
