@@ -10,7 +10,7 @@
    plan it builds by construction, `search.py`), and step 1's sharding with recompute and ZeRO fitted to the
    budget (`fit_memory`: each node held to its option, a model of a few hundred binaries). Beside them the LP
    relaxation with the memory row: its bound, and its sharding rounded (each node at the option it weighs most)
-   and fitted alike (`_rounded`). When the fastest of these plans is within `mip_rel_gap` of that bound, it is the
+   and fitted alike (`fit_memory`). When the fastest of these plans is within `mip_rel_gap` of that bound, it is the
    answer, proven: where the relaxation is tight (Qwen2- and Mixtral-tiny on 2x2 at 60% of their ample need)
    this skips step 3, whose presolve alone took seconds. Else the caller may improve the starts (`improve`).
 3. The MIP with the memory row, from the fastest fitting start (a MIP start, `_Model.start_from`; the rounded LP
@@ -42,7 +42,7 @@ from autopar.errors import AutoparError
 from autopar.gc_pause import gc_paused
 from autopar.solver.clock import cpu_s
 from autopar.solver.backends import Backend
-from autopar.solver.ilp import DEFAULT_GAP, Outcome, Relaxed, Restrictions, Solution, _Model, relax, run
+from autopar.solver.ilp import DEFAULT_GAP, Outcome, Restrictions, Solution, _Model, relax, run
 from autopar.solver.evaluate import evaluate
 from autopar.solver.needs import infeasible_error, least_need_bytes, timeout_error
 from autopar.solver.plan import SolverReport
@@ -162,7 +162,8 @@ def solve_problem(
         relaxed = relaxed or relax(model, backend, clock.left_s() / 2)
         tried = {c.assignment.choice for c in candidates if fits(problem, c)} | \
             ({fastest.assignment.choice} if fastest is not None else set())  # fitted already (`fit_memory` above)
-        rounded = _rounded(problem, relaxed, restrictions, backend, clock.left_s() / 4) \
+        # the relaxation rounded: each node at the option it weighs most, recompute and ZeRO fitted to the budget
+        rounded = fit_memory(problem, relaxed.choice, restrictions, backend, clock.left_s() / 4) \
             if relaxed is not None and relaxed.choice not in tried else None
         if relaxed is not None:
             bound = max(relaxed.objective, bound if bound is not None else relaxed.objective)
@@ -229,15 +230,6 @@ def solve_problem(
     report = SolverReport(out.backend, status, cpu_s() - began, len(model.variables), len(model.prob.constraints),
                           _step_gap(best.time.total_s, bound))
     return _logged(replace(best, report=report))
-
-
-def _rounded(problem: Problem, relaxed: Relaxed, restrictions: Restrictions, backend: Backend,
-             time_limit_s: float) -> Solution | None:
-    """The LP relaxation rounded: each node at the option it weighs most, recompute and ZeRO fitted to the budget
-    (`fit_memory`); None when that does not fit. Where the relaxation is tight (Qwen2-tiny on 2x2 at 60% of its
-    ample need: its bound within 1% of the optimum) this plan and that bound end the search without the MIP with
-    the memory row, whose presolve alone took seconds."""
-    return fit_memory(problem, relaxed.choice, restrictions, backend, time_limit_s)
 
 
 def _logged(sol: Solution) -> Solution:
